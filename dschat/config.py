@@ -1,0 +1,208 @@
+"""Every command-line option, defined once as typed dataclass fields and shared by all steps.
+
+A step builds its parser from the groups it needs; later steps reuse a group under a prefix
+(``--actor_zero_stage`` is :class:`DeepSpeedArgs` with prefix ``actor_``). Validation raises
+:class:`UserError` naming the exact flag, and nothing is silently corrected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dschat.utils.errors import UserError
+
+T = TypeVar("T")
+
+DTYPES = ("auto", "fp32", "fp16", "bf16")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
+DEFAULT_MODEL = "builtin:tiny-llama"
+
+
+def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = None, nargs: str | None = None):
+    """A dataclass field that is also a command-line option."""
+    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelArgs:
+    model_name_or_path: str = opt(
+        DEFAULT_MODEL, "Hugging Face model name, local directory, or builtin:NAME (built in code, no download)"
+    )
+    dtype: str = opt("auto", "training dtype; auto = bf16 where the hardware supports it, else fp32", choices=DTYPES)
+    dropout: float | None = opt(None, "override every dropout probability in the model config", type=float)
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    trust_remote_code: bool = opt(False, "allow model code from the model repository to run (off: safe default)")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--{prefix}dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataArgs:
+    data_path: list[str] = opt(
+        ["builtin"],
+        "data sources, blended: builtin[:TASK], local .json/.jsonl files or directories, or registered hub names",
+        nargs="+",
+    )
+    data_split: str = opt("2,4,4", "relative shares of every source for steps 1, 2 and 3 (disjoint)")
+    sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*")
+    max_seq_len: int = opt(512, "longest prompt + response in tokens; longer samples are dropped and counted")
+    data_output_path: str = opt(
+        os.path.join(os.path.expanduser("~"), ".cache", "dschat", "data"), "cache directory for tokenized data"
+    )
+    train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
+    max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
+
+    def validate(self, prefix: str = "") -> None:
+        parse_data_split(self.data_split, flag=f"--{prefix}data_split")
+        if self.max_seq_len < 8:
+            raise UserError(f"--{prefix}max_seq_len must be at least 8, got {self.max_seq_len}")
+        if self.max_eval_samples < 0:
+            raise UserError(f"--{prefix}max_eval_samples must be >= 0, got {self.max_eval_samples}")
+
+
+@dataclass
+class LoraArgs:
+    lora_dim: int = opt(0, "LoRA rank; 0 disables LoRA")
+    lora_alpha: float = opt(0.0, "LoRA scaling alpha (0 = same as --lora_dim, i.e. scale 1)")
+    lora_dropout: float = opt(0.0, "dropout on the LoRA path")
+    lora_module_name: str = opt("layers.", "LoRA is applied to every Linear whose module name contains this")
+    only_optimize_lora: bool = opt(False, "freeze the base weights and train only the LoRA matrices")
+    lora_learning_rate: float | None = opt(None, "learning rate of the LoRA matrices (default: --learning_rate)", type=float)
+
+    def validate(self, prefix: str = "") -> None:
+        if self.lora_dim < 0:
+            raise UserError(f"--{prefix}lora_dim must be >= 0, got {self.lora_dim}")
+        if self.only_optimize_lora and self.lora_dim == 0:
+            raise UserError(f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)")
+        if self.lora_learning_rate is not None and self.lora_dim == 0:
+            raise UserError(f"--{prefix}lora_learning_rate needs --{prefix}lora_dim > 0")
+
+
+@dataclass
+class OptimArgs:
+    per_device_train_batch_size: int = opt(16, "micro-batch size per device for training")
+    per_device_eval_batch_size: int = opt(16, "batch size per device for evaluation")
+    learning_rate: float = opt(1e-3, "peak learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.95, "AdamW beta2")
+    num_train_epochs: int = opt(1, "passes over the training data")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    lr_scheduler_type: str = opt("cosine", "learning-rate schedule", choices=SCHEDULERS)
+    num_warmup_steps: int = opt(0, "linear warm-up steps")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
+                     "gradient_accumulation_steps"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise UserError(f"--{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "num_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise UserError(f"--{prefix}learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass
+class DeepSpeedArgs:
+    zero_stage: int = opt(0, "ZeRO stage: 0, 1, 2 or 3")
+    offload: bool = opt(False, "offload optimizer states (and, with ZeRO-3, parameters) to CPU memory")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise UserError(f"--{prefix}zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.offload and self.zero_stage == 0:
+            raise UserError(f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (ZeRO-0 cannot offload)")
+
+
+@dataclass
+class RunArgs:
+    output_dir: str = opt("output/step1", "where the model, metrics, logs and checkpoints go")
+    seed: int = opt(1234, "random seed (data order, initialisation, dropout)")
+    eval_interval: int = opt(100, "evaluate every N optimizer steps (0 = only at start and end)")
+    log_interval: int = opt(10, "write a train line to metrics.jsonl every N optimizer steps")
+    save_steps: int = opt(200, "save a resumable checkpoint every N optimizer steps (0 = never)")
+    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep")
+    resume: bool = opt(False, "continue from the latest checkpoint in OUTPUT_DIR/checkpoints")
+    overwrite: bool = opt(False, "replace a finished run in OUTPUT_DIR")
+    enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
+    tensorboard_path: str | None = opt(None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str)
+    enable_wandb: bool = opt(False, "log to Weights & Biases (WANDB_MODE=offline works without network)")
+    wandb_project: str = opt("dschat", "W&B project name")
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("eval_interval", "save_steps", "log_interval"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--{prefix}keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite contradict each other: pick one")
+
+
+def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
+    """``"2,4,4"`` -> ``[0.2, 0.4, 0.4]``; exactly three non-negative numbers with a positive sum."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected three comma-separated numbers such as 2,4,4") from None
+    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise UserError(f"{flag} {text!r}: expected three non-negative numbers with a positive sum, such as 2,4,4")
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line instead of usage + message."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_group(parser: argparse.ArgumentParser, cls: type, prefix: str = "", title: str | None = None) -> None:
+    """Add every field of dataclass ``cls`` as ``--{prefix}{name}``."""
+    group = parser.add_argument_group(title or cls.__name__)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        flag = f"--{prefix}{f.name}"
+        if isinstance(default, bool):
+            group.add_argument(flag, action="store_true", default=default, help=meta["help"])
+            continue
+        kind = meta.get("type") or (type(default) if default is not None else str)
+        kwargs: dict[str, Any] = {"default": default, "help": meta["help"] + f" (default: {default})"}
+        if isinstance(default, list) or meta.get("nargs"):
+            kwargs["nargs"] = meta.get("nargs") or "+"
+            kind = meta.get("type") or str
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        group.add_argument(flag, type=kind, **kwargs)
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:
+    values = {f.name: getattr(ns, f"{prefix}{f.name}") for f in dataclasses.fields(cls)}
+    obj = cls(**values)
+    if hasattr(obj, "validate"):
+        obj.validate(prefix)
+    return obj
+
+
+def to_dict(*groups: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for g in groups:
+        out.update(dataclasses.asdict(g))
+    return out

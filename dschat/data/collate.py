@@ -1,0 +1,54 @@
+"""Tokenization of one sample and batch collation: pure functions, exact tensors, no deepspeed.
+
+Samples are padded per batch (to the longest sample in the batch, optionally rounded up to a
+multiple), never to ``max_seq_len``: padding tokens cost compute and teach nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def sft_example(prompt_ids: list[int], response_ids: list[int], eos_id: int | None, train_on_prompt: bool) -> dict:
+    """``input_ids = prompt + response + [eos]``; ``labels`` = -100 on the prompt unless ``train_on_prompt``.
+
+    The EOS is part of the target: the model must learn to stop.
+    """
+    response = list(response_ids) + ([eos_id] if eos_id is not None else [])
+    input_ids = list(prompt_ids) + response
+    if train_on_prompt:
+        labels = list(input_ids)
+    else:
+        labels = [IGNORE_INDEX] * len(prompt_ids) + response
+    return {"input_ids": input_ids, "labels": labels}
+
+
+@dataclass
+class SFTCollator:
+    """Right-pad a list of ``{"input_ids", "labels"}`` to the longest in the batch.
+
+    Returns ``input_ids (B, T)`` padded with ``pad_id``, ``attention_mask (B, T)`` 1 on real tokens,
+    ``labels (B, T)`` with ``IGNORE_INDEX`` on padding (and on the prompt, as tokenized).
+    """
+
+    pad_id: int
+    pad_to_multiple_of: int = 1
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(f["input_ids"]) for f in features)
+        m = self.pad_to_multiple_of
+        width = ((longest + m - 1) // m) * m
+        b = len(features)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((b, width), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            input_ids[i, :n] = torch.tensor(f["input_ids"], dtype=torch.long)
+            labels[i, :n] = torch.tensor(f["labels"], dtype=torch.long)
+            attention_mask[i, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,167 @@
+"""Sources -> step share -> tokenized examples, cached on disk (once per node in multi-process runs)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dschat.config import DataArgs, parse_data_split
+from dschat.data.collate import sft_example
+from dschat.data.schema import Sample
+from dschat.data.sources import fingerprint, load_source
+from dschat.data.split import phase_share
+from dschat.utils import dist
+from dschat.utils.errors import UserError
+
+LOG = logging.getLogger("dschat")
+CACHE_VERSION = 1
+
+
+@dataclass
+class PreparedData:
+    train: list[dict]
+    eval: list[dict]
+    stats: dict[str, Any] = field(default_factory=dict)
+    cache_hit: bool = False
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16] + f"|{len(tokenizer)}|{tokenizer.bos_token}|{tokenizer.eos_token}"
+
+
+def chat_renderer(tokenizer):
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def gather_samples(args: DataArgs, phase: int, seed: int, tokenizer=None) -> tuple[list[Sample], list[Sample]]:
+    """Training samples of step ``phase`` from every source (blended) and the shared eval samples."""
+    fractions = parse_data_split(args.data_split)
+    render = chat_renderer(tokenizer) if tokenizer is not None else None
+    train: list[Sample] = []
+    evals: list[Sample] = []
+    for spec in args.data_path:
+        src = load_source(spec, seed=seed, render_chat=render)
+        share = phase_share(src.train, fractions, phase, seed)
+        if not share:
+            raise UserError(
+                f"--data_split {args.data_split}: step {phase} gets no samples of {spec} ({len(src.train)} training samples)"
+            )
+        train.extend(share)
+        evals.extend(src.eval)
+    if phase == 1:
+        for spec in args.sft_only_data_path:
+            src = load_source(spec, seed=seed, render_chat=render)
+            train.extend(src.train)
+            evals.extend(src.eval)
+    if args.max_eval_samples and len(evals) > args.max_eval_samples:
+        evals = random.Random(f"evalcap:{seed}").sample(evals, args.max_eval_samples)
+    return train, evals
+
+
+def tokenize_sft(samples: list[Sample], tokenizer, max_seq_len: int, train_on_prompt: bool) -> tuple[list[dict], dict]:
+    """Tokenize prompt and response separately (the boundary is exact) and drop over-long samples."""
+    prompts = tokenizer([s.prompt for s in samples], add_special_tokens=True)["input_ids"]
+    responses = tokenizer([s.chosen for s in samples], add_special_tokens=False)["input_ids"]
+    out, too_long, empty = [], 0, 0
+    for p, r in zip(prompts, responses):
+        if not r:
+            empty += 1
+            continue
+        ex = sft_example(p, r, tokenizer.eos_token_id, train_on_prompt)
+        if len(ex["input_ids"]) > max_seq_len:
+            too_long += 1
+            continue
+        out.append(ex)
+    return out, {"samples": len(samples), "kept": len(out), "dropped_too_long": too_long, "dropped_empty_response": empty}
+
+
+def _cache_key(args: DataArgs, phase: int, seed: int, tokenizer, kind: str) -> str:
+    key = {
+        "v": CACHE_VERSION,
+        "kind": kind,
+        "phase": phase,
+        "seed": seed,
+        "sources": [fingerprint(s) for s in args.data_path],
+        "sft_only": [fingerprint(s) for s in args.sft_only_data_path] if phase == 1 else [],
+        "split": args.data_split,
+        "max_seq_len": args.max_seq_len,
+        "train_on_prompt": args.train_on_prompt,
+        "max_eval": args.max_eval_samples,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _build_sft(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData:
+    train_s, eval_s = gather_samples(args, phase, seed, tokenizer)
+    train, tstats = tokenize_sft(train_s, tokenizer, args.max_seq_len, args.train_on_prompt)
+    evals, estats = tokenize_sft(eval_s, tokenizer, args.max_seq_len, args.train_on_prompt)
+    if not train:
+        raise UserError(
+            f"no training samples left for step {phase}: {tstats['dropped_too_long']} of {tstats['samples']} are longer "
+            f"than --max_seq_len {args.max_seq_len} and {tstats['dropped_empty_response']} have an empty response"
+        )
+    if not evals:
+        raise UserError(f"no evaluation samples: the sources give none that fit --max_seq_len {args.max_seq_len}")
+    return PreparedData(train, evals, {"train": tstats, "eval": estats})
+
+
+def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) -> PreparedData:
+    """Tokenized SFT train/eval examples for ``phase``; cached under ``args.data_output_path``.
+
+    With several processes, local rank 0 of each node builds and writes the cache while the others
+    wait, then everyone reads it; a failure on the builder is re-raised on every rank (no hang).
+    """
+    path = Path(args.data_output_path) / f"sft_{_cache_key(args, phase, seed, tokenizer, 'sft')}.pt"
+    builder = dist.local_rank() == 0
+    data: PreparedData | None = None
+    error: UserError | None = None
+    if builder:
+        try:
+            data = _read_cache(path) if path.exists() else None
+            if data is None:
+                data = _build_sft(args, phase, seed, tokenizer)
+                _write_cache(path, data)
+        except UserError as exc:
+            error = exc
+    # Every rank takes part in this reduction: it is the barrier that makes the others wait for the cache.
+    failed = dist.all_reduce_sum([1.0 if error else 0.0])[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise UserError("data preparation failed on another rank (see its message)")
+    if data is None:
+        data = _read_cache(path)
+    if data is None:
+        raise UserError(f"{path}: tokenized data cache unreadable after it was written (is the directory writable?)")
+    return data
+
+
+def _write_cache(path: Path, data: PreparedData) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        torch.save({"train": data.train, "eval": data.eval, "stats": data.stats}, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        LOG.warning("could not write the tokenized data cache %s (%s); continuing without it", path, exc)
+
+
+def _read_cache(path: Path) -> PreparedData | None:
+    try:
+        blob = torch.load(path, weights_only=True)
+    except Exception:  # a torn or foreign file: rebuild rather than fail
+        return None
+    return PreparedData(blob["train"], blob["eval"], blob["stats"], cache_hit=True)

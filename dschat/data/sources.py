@@ -1,0 +1,232 @@
+"""Data sources and the explicit registry that maps each to :class:`Sample`.
+
+A source spec (``--data_path``) is one of:
+
+* ``builtin`` or ``builtin:TASK[,TASK]``: generated verifiable tasks (see :mod:`dschat.tasks`);
+* a local ``.json`` / ``.jsonl`` file, or a directory of them (``train*`` and ``test*``/``eval*``
+  files become the train and eval splits), with fields ``prompt`` + ``chosen`` [+ ``rejected``],
+  ``prompt`` + ``response``, or ``messages`` (rendered with the tokenizer's chat template);
+* a Hugging Face dataset name registered in :data:`HUB_ADAPTERS`, loaded with
+  ``datasets.load_dataset``. ``DSCHAT_HUB_MIRROR=/dir`` resolves ``org/name`` to ``/dir/org/name``
+  (an offline mirror of the hub files) and still goes through ``load_dataset``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dschat import tasks
+from dschat.data.schema import Sample
+from dschat.utils.errors import UserError
+
+BUILTIN_TRAIN_PER_TASK = 20000
+BUILTIN_EVAL_PER_TASK = 200
+BUILTIN_SEED = 2024  # fixed: the held-out prompt set must not move with --seed
+EVAL_FRACTION = 0.05  # for sources without their own eval split
+
+
+@dataclass
+class SourceData:
+    name: str
+    train: list[Sample]
+    eval: list[Sample]
+
+
+ChatRenderer = Callable[[list[dict[str, str]]], str]
+
+
+# ---------------------------------------------------------------- hub adapters: row -> Sample | None
+def _split_last_assistant(text: str) -> tuple[str, str]:
+    marker = "\n\nAssistant:"
+    i = text.rfind(marker)
+    if i < 0:
+        raise ValueError("no '\\n\\nAssistant:' turn")
+    return text[: i + len(marker)], text[i + len(marker) :]
+
+
+def _anthropic_hh(row: dict[str, Any]) -> Sample | None:
+    prompt, chosen = _split_last_assistant(row["chosen"])
+    prompt_r, rejected = _split_last_assistant(row["rejected"])
+    if prompt != prompt_r:
+        return None
+    return Sample(prompt, chosen, rejected)
+
+
+def _prompt_chosen_rejected(row: dict[str, Any]) -> Sample | None:
+    return Sample(row["prompt"], row["chosen"], row["rejected"])
+
+
+def _gptj_pairwise(row: dict[str, Any]) -> Sample | None:
+    return Sample(f"\n\nHuman: {row['prompt']}\n\nAssistant:", " " + row["chosen"], " " + row["rejected"])
+
+
+def _rlhf_reward_datasets(row: dict[str, Any]) -> Sample | None:
+    return Sample(row["prompt"] + "Assistant:", row["chosen"].split("Assistant:")[-1], row["rejected"].split("Assistant:")[-1])
+
+
+HUB_ADAPTERS: dict[str, Callable[[dict[str, Any]], Sample | None]] = {
+    "Dahoas/rm-static": _prompt_chosen_rejected,
+    "Dahoas/full-hh-rlhf": _prompt_chosen_rejected,
+    "Dahoas/synthetic-instruct-gptj-pairwise": _gptj_pairwise,
+    "yitingxie/rlhf-reward-datasets": _rlhf_reward_datasets,
+    "Anthropic/hh-rlhf": _anthropic_hh,
+}
+
+
+# ---------------------------------------------------------------- local files
+def _row_to_sample(row: Any, where: str, render_chat: ChatRenderer | None) -> Sample:
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "messages" in row and "prompt" not in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
+            raise UserError(f"{where}: field 'messages' must be a list of turns ending with an assistant turn")
+        if render_chat is None:
+            raise UserError(f"{where}: 'messages' rows need a tokenizer with a chat template")
+        return Sample(render_chat(msgs[:-1]), str(msgs[-1].get("content", "")), None, where)
+    if "prompt" not in row:
+        raise UserError(f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)")
+    if "chosen" in row:
+        response = row["chosen"]
+    elif "response" in row:
+        response = row["response"]
+    else:
+        raise UserError(f"{where}: missing field 'chosen' or 'response' (need prompt + chosen [+ rejected] or prompt + response)")
+    for key, val in (("prompt", row["prompt"]), ("chosen/response", response), ("rejected", row.get("rejected", ""))):
+        if not isinstance(val, str):
+            raise UserError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
+    return Sample(row["prompt"], response, row.get("rejected"), where)
+
+
+def read_json_file(path: Path, render_chat: ChatRenderer | None = None) -> list[Sample]:
+    """Read a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: data file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from None
+    samples: list[Sample] = []
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from None
+        for i, row in enumerate(rows):
+            samples.append(_row_to_sample(row, f"{path} item {i}", render_chat))
+        return samples
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
+        samples.append(_row_to_sample(row, f"{path}:{lineno}", render_chat))
+    return samples
+
+
+def _carve_eval(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sample]]:
+    """Deterministically hold out ``EVAL_FRACTION`` (at least one sample) for evaluation."""
+    if len(samples) < 2:
+        return samples, []
+    idx = list(range(len(samples)))
+    random.Random(f"eval:{seed}").shuffle(idx)
+    n_eval = max(1, round(len(samples) * EVAL_FRACTION))
+    held = set(idx[:n_eval])
+    return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
+
+
+def _load_local(path: Path, seed: int, render_chat: ChatRenderer | None) -> SourceData:
+    if path.is_file():
+        train, evals = _carve_eval(read_json_file(path, render_chat), seed)
+        return SourceData(str(path), train, evals)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
+    if not files:
+        raise UserError(f"{path}: directory holds no .json or .jsonl files")
+    eval_files = [p for p in files if p.stem.startswith(("test", "eval", "valid"))]
+    train_files = [p for p in files if p not in eval_files]
+    train = [s for p in train_files for s in read_json_file(p, render_chat)]
+    if eval_files:
+        return SourceData(str(path), train, [s for p in eval_files for s in read_json_file(p, render_chat)])
+    train, evals = _carve_eval(train, seed)
+    return SourceData(str(path), train, evals)
+
+
+def _load_hub(name: str) -> SourceData:
+    import datasets
+
+    adapter = HUB_ADAPTERS[name]
+    mirror = os.environ.get("DSCHAT_HUB_MIRROR")
+    target = os.path.join(mirror, name) if mirror else name
+    try:
+        ds = datasets.load_dataset(target)
+    except Exception as exc:  # network, missing repo, bad files: one line, the cause named
+        raise UserError(f"--data_path {name}: could not load from the Hugging Face Hub ({type(exc).__name__}: {exc})") from None
+    splits = {}
+    for split in ("train", "test"):
+        rows = ds[split] if split in ds else []
+        out = []
+        for i, row in enumerate(rows):
+            try:
+                s = adapter(row)
+            except (KeyError, ValueError) as exc:
+                raise UserError(f"{name} {split} row {i}: does not fit the registered adapter ({exc})") from None
+            if s is not None:
+                out.append(Sample(s.prompt, s.chosen, s.rejected, name))
+        splits[split] = out
+    return SourceData(name, splits["train"], splits["test"])
+
+
+def _load_builtin(spec: str) -> SourceData:
+    names = spec.split(":", 1)[1].split(",") if ":" in spec else None
+    try:
+        train_ex = tasks.generate(names, BUILTIN_TRAIN_PER_TASK, BUILTIN_SEED)
+    except KeyError as exc:
+        raise UserError(f"--data_path {spec}: {exc.args[0]}") from None
+    eval_ex = tasks.generate(names, BUILTIN_EVAL_PER_TASK, BUILTIN_SEED + 1, exclude={e.prompt for e in train_ex})
+    to_samples = lambda exs: [Sample(e.prompt, e.chosen, e.rejected, f"builtin:{e.task}") for e in exs]  # noqa: E731
+    return SourceData(spec, to_samples(train_ex), to_samples(eval_ex))
+
+
+def source_kind(spec: str) -> str:
+    """``builtin`` | ``local`` | ``hub``; raises :class:`UserError` for a spec that is none of them."""
+    if spec == "builtin" or spec.startswith("builtin:"):
+        return "builtin"
+    if os.path.exists(spec):
+        return "local"
+    if spec in HUB_ADAPTERS:
+        return "hub"
+    if spec.endswith((".json", ".jsonl")) or spec.startswith((".", "/", "~")):
+        raise UserError(f"{spec}: data file not found")
+    raise UserError(
+        f"--data_path {spec}: not a local file or directory, 'builtin[:TASK]', or a registered dataset "
+        f"({', '.join(HUB_ADAPTERS)})"
+    )
+
+
+def load_source(spec: str, *, seed: int, render_chat: ChatRenderer | None = None) -> SourceData:
+    kind = source_kind(spec)
+    if kind == "builtin":
+        return _load_builtin(spec)
+    if kind == "local":
+        return _load_local(Path(spec), seed, render_chat)
+    return _load_hub(spec)
+
+
+def fingerprint(spec: str) -> str:
+    """What identifies a source's content for the tokenization cache (file sizes and mtimes for local data)."""
+    kind = source_kind(spec)
+    if kind == "local":
+        p = Path(spec)
+        files = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
+        return spec + "|" + ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    if kind == "builtin":
+        return f"{spec}|{BUILTIN_TRAIN_PER_TASK}|{BUILTIN_EVAL_PER_TASK}|{BUILTIN_SEED}"
+    return spec + "|" + os.environ.get("DSCHAT_HUB_MIRROR", "")

@@ -1,0 +1,147 @@
+"""Resumable DeepSpeed checkpoints written atomically, and export to Hugging Face format.
+
+Layout of ``root`` (``OUTPUT_DIR/checkpoints``)::
+
+    step200/        a complete DeepSpeed checkpoint (every rank's shards)
+    step400/
+    latest          "step400", replaced atomically after step400/ is complete
+
+A save goes to ``.tmp-stepN/`` first; only when every rank has finished does rank 0 rename it and
+then update ``latest``. A run killed mid-save therefore leaves ``latest`` naming the previous,
+complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dschat.utils import dist
+from dschat.utils.io import atomic_write_text, replace_dir
+
+LOG = logging.getLogger("dschat")
+TAG_RE = re.compile(r"^step(\d+)$")
+
+
+def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str, Any], keep: int = 2) -> Path:
+    root = Path(root)
+    tag, tmp_tag = f"step{step}", f".tmp-step{step}"
+    if dist.is_main():
+        shutil.rmtree(root / tmp_tag, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
+    dist.barrier()
+    if dist.is_main():
+        replace_dir(root / tmp_tag, root / tag)
+        atomic_write_text(root / "latest", tag + "\n")
+        steps = sorted(int(m[1]) for p in root.iterdir() if (m := TAG_RE.match(p.name)) and p.is_dir())
+        for old in steps[:-keep]:
+            shutil.rmtree(root / f"step{old}", ignore_errors=True)
+    dist.barrier()
+    return root / tag
+
+
+def latest_tag(root: str | Path) -> str | None:
+    """The tag named by ``root/latest`` if that checkpoint directory is complete, else None."""
+    root = Path(root)
+    try:
+        tag = (root / "latest").read_text().strip()
+    except OSError:
+        return None
+    return tag if TAG_RE.match(tag) and (root / tag).is_dir() else None
+
+
+def load_checkpoint(engine, root: str | Path, tag: str) -> dict[str, Any]:
+    path, client_state = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")
+    return client_state or {}
+
+
+def _is_zero3_param(p: torch.nn.Parameter) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full (unpartitioned) state dict on rank 0 as CPU tensors; None on other ranks.
+
+    ZeRO-3 parameters are gathered one at a time, so peak extra memory is one parameter, not the model.
+    """
+    import deepspeed
+
+    out: dict[str, torch.Tensor] = {}
+    main = dist.is_main()
+    for name, p in module.named_parameters():
+        if _is_zero3_param(p):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if main:
+                    out[name] = p.data.detach().to("cpu", copy=True)
+        elif main:
+            out[name] = p.detach().to("cpu", copy=True)
+    persistent = set(module.state_dict().keys())
+    for name, b in module.named_buffers():
+        if main and name in persistent:
+            out[name] = b.detach().to("cpu", copy=True)
+    return out if main else None
+
+
+def unwrap_peft(module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """(base transformers model, peft LoraConfig or None)."""
+    peft_config = getattr(module, "peft_config", None)
+    if peft_config:
+        return module.get_base_model(), peft_config["default"]
+    return module, None
+
+
+def export_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | Path, *, extra_files: dict[str, str] | None = None) -> None:
+    """Write ``module`` (LoRA merged in) as a Hugging Face model directory loadable by ``from_pretrained``.
+
+    Files are written into a temporary directory beside ``out_dir`` and then moved in one by one with
+    ``os.replace``; the weights are moved before ``config.json`` so a reader never pairs a new config
+    with missing weights. Collective: call on every rank (ZeRO-3 gathers).
+    """
+    state = gather_full_state_dict(module)
+    if dist.is_main():
+        base, lora_cfg = unwrap_peft(module)
+        config = copy.deepcopy(base.config)
+        config.use_cache = True
+        skeleton = type(base)(config)
+        if lora_cfg is not None:
+            from peft import get_peft_model
+
+            skeleton = get_peft_model(skeleton, copy.deepcopy(lora_cfg))
+        missing, unexpected = skeleton.load_state_dict(state, strict=False)
+        tied = getattr(config, "tie_word_embeddings", False)
+        missing = [k for k in missing if not (tied and "lm_head" in k)]
+        if missing or unexpected:
+            raise RuntimeError(f"export: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        if lora_cfg is not None:
+            skeleton = skeleton.merge_and_unload()
+        dtype = next(iter(state.values())).dtype if state else torch.float32
+        skeleton.to(dtype)
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
+        try:
+            skeleton.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+            files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
+            for f in files:
+                os.replace(f, out_dir / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()

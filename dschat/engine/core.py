@@ -1,0 +1,125 @@
+"""Distributed setup and ``deepspeed.initialize`` with the optimizer and schedule DeepSpeed-Chat uses.
+
+One code path for CPU and GPU: gloo + DeepSpeed's CPU accelerator without CUDA, NCCL with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dschat.utils import dist
+from dschat.utils.errors import UserError
+
+LOG = logging.getLogger("dschat")
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); safe to call twice."""
+    import datetime
+
+    import deepspeed
+
+    dist.ensure_single_process_env()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(dist.local_rank())
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        # DeepSpeed's CPU accelerator reads this to size its thread pools; keep torch's own choice.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def bf16_supported() -> bool:
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:  # AVX512-BF16 / AMX CPUs run bf16 matmuls several times faster than fp32
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:
+        return False
+
+
+def resolve_dtype(dtype: str, flag: str = "--dtype") -> str:
+    """``auto`` -> ``bf16`` where supported else ``fp32``; an explicit unsupported choice is an error."""
+    if dtype == "auto":
+        return "bf16" if bf16_supported() else "fp32"
+    if dtype == "bf16" and not bf16_supported():
+        raise UserError(f"{flag} bf16: this {'GPU' if torch.cuda.is_available() else 'CPU'} does not support bf16")
+    if dtype == "fp16" and not torch.cuda.is_available():
+        raise UserError(f"{flag} fp16: fp16 training needs a GPU (use bf16 or fp32 on CPU)")
+    return dtype
+
+
+@contextlib.contextmanager
+def zero3_loading(ds_config: dict[str, Any]) -> Iterator[None]:
+    """Make ``from_pretrained`` build ZeRO-3 partitioned parameters (only when stage == 3).
+
+    transformers keeps a weak reference to the live ``HfDeepSpeedConfig``; while it exists,
+    ``from_pretrained`` loads inside ``deepspeed.zero.Init`` and each rank keeps only its shard.
+    It is removed on exit so that later ``from_config`` calls (e.g. the skeleton used when exporting
+    a merged LoRA model) build ordinary, unpartitioned modules.
+    """
+    if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep = HfDeepSpeedConfig(ds_config)
+    try:
+        yield
+    finally:
+        del keep
+        unset_hf_deepspeed_config()
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, lora_lr: float | None, lr: float) -> list[dict]:
+    """AdamW groups: no decay on biases and norm weights; LoRA matrices at their own learning rate."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = name.endswith(".bias") or "norm" in name.lower()
+        is_lora = "lora_" in name
+        groups.setdefault((no_decay, is_lora), []).append(p)
+    out = []
+    for (no_decay, is_lora), params in sorted(groups.items()):
+        out.append(
+            {
+                "params": params,
+                "weight_decay": 0.0 if no_decay else weight_decay,
+                "lr": lora_lr if (is_lora and lora_lr is not None) else lr,
+            }
+        )
+    return out
+
+
+def make_optimizer(groups: list[dict], *, lr: float, betas: tuple[float, float], offload: bool):
+    """DeepSpeedCPUAdam when optimizer states live in CPU memory (ZeRO-Offload needs it), else torch
+    AdamW (fused kernels on GPU)."""
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
+    fused = torch.cuda.is_available()
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True)
+
+
+def make_scheduler(optimizer, kind: str, warmup: int, total: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(kind, optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1))
+
+
+def initialize_engine(model: torch.nn.Module, *, optimizer=None, lr_scheduler=None, ds_config: dict[str, Any]):
+    """``deepspeed.initialize`` and nothing else: every training run goes through it."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config)
+    return engine

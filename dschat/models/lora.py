@@ -1,0 +1,59 @@
+"""LoRA through peft: injection by module-name substring (DeepSpeed-Chat's ``--lora_module_name``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dschat.utils.errors import UserError
+
+
+def lora_target_modules(model: nn.Module, module_name: str) -> list[str]:
+    """Full names of the ``nn.Linear`` modules whose name contains ``module_name``."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and module_name in name]
+
+
+def inject_lora(
+    model: nn.Module,
+    *,
+    dim: int,
+    alpha: float = 0.0,
+    dropout: float = 0.0,
+    module_name: str = "layers.",
+    only_optimize_lora: bool = False,
+    flag_prefix: str = "",
+):
+    """Wrap ``model`` in a peft ``PeftModel`` with rank-``dim`` LoRA on the matching Linear layers.
+
+    peft freezes the base weights; unless ``only_optimize_lora`` they are unfrozen again so that LoRA
+    is an added capacity (DeepSpeed-Chat's semantics) rather than the only trainable part.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_target_modules(model, module_name)
+    if not targets:
+        raise UserError(f"--{flag_prefix}lora_module_name {module_name!r} matches no Linear layer of the model")
+    cfg = LoraConfig(
+        r=dim,
+        lora_alpha=alpha or dim,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, cfg)
+    if not only_optimize_lora:
+        for p in peft_model.parameters():
+            p.requires_grad_(True)
+    return peft_model
+
+
+def is_lora_param(name: str) -> bool:
+    return "lora_" in name
+
+
+def merged_copy(peft_model_cls_builder, state_dict: dict[str, torch.Tensor]):
+    """Load ``state_dict`` into a fresh peft model built by ``peft_model_cls_builder()`` and merge LoRA."""
+    fresh = peft_model_cls_builder()
+    fresh.load_state_dict(state_dict, strict=True)
+    return fresh.merge_and_unload()

@@ -1,0 +1,183 @@
+"""Built-in verifiable tasks: the embedded default data set.
+
+Each task generates questions deterministically from a seed, knows the right answer, produces
+plausible wrong answers (the ``rejected`` side of a preference pair) and verifies a model's reply, so
+every step can measure true accuracy and not only a learned reward.
+
+Prompts use the Human/Assistant dialogue form of the HH-RLHF data::
+
+    "\\n\\nHuman: What is 347 + 85?\\n\\nAssistant:"   ->   " 432"
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import dataclass
+from typing import Protocol
+
+HUMAN = "\n\nHuman: "
+ASSISTANT = "\n\nAssistant:"
+
+
+class Task(Protocol):
+    name: str
+    pattern: re.Pattern[str]
+
+    def question(self, rng: random.Random) -> str: ...
+    def answer(self, match: re.Match[str]) -> str: ...
+    def wrong_answers(self, match: re.Match[str], rng: random.Random) -> list[str]: ...
+
+
+class Addition:
+    """Add two numbers of 1-3 digits; wrong answers are off by a digit place or forget a carry."""
+
+    name = "add"
+    pattern = re.compile(r"^What is (\d+) \+ (\d+)\?$")
+
+    def question(self, rng: random.Random) -> str:
+        a = rng.randrange(10 ** rng.randint(1, 3))
+        b = rng.randrange(10 ** rng.randint(1, 3))
+        return f"What is {a} + {b}?"
+
+    def answer(self, match: re.Match[str]) -> str:
+        return str(int(match[1]) + int(match[2]))
+
+    def wrong_answers(self, match: re.Match[str], rng: random.Random) -> list[str]:
+        a, b = int(match[1]), int(match[2])
+        right = a + b
+        no_carry = int("".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:03d}", f"{b:03d}")))
+        near = [right + d for d in (1, -1, 10, -10, 100) if right + d >= 0]
+        out = [str(v) for v in [no_carry, *near] if v != right]
+        rng.shuffle(out)
+        return out
+
+
+WORDS = (
+    "apple banana cherry grape lemon mango melon olive peach pear plum kiwi "
+    "cat dog fox owl bee ant cow pig hen yak elk bat"
+).split()
+
+
+class SortWords:
+    """Sort 3-4 words alphabetically; wrong answers swap a neighbouring pair or keep the input order."""
+
+    name = "sort"
+    pattern = re.compile(r"^Sort these words alphabetically: ([a-z ]+)$")
+
+    def question(self, rng: random.Random) -> str:
+        return "Sort these words alphabetically: " + " ".join(rng.sample(WORDS, rng.randint(3, 4)))
+
+    def answer(self, match: re.Match[str]) -> str:
+        return " ".join(sorted(match[1].split()))
+
+    def wrong_answers(self, match: re.Match[str], rng: random.Random) -> list[str]:
+        words = sorted(match[1].split())
+        out = []
+        for i in range(len(words) - 1):
+            w = list(words)
+            w[i], w[i + 1] = w[i + 1], w[i]
+            out.append(" ".join(w))
+        out.append(match[1])
+        right = " ".join(words)
+        out = [o for o in dict.fromkeys(out) if o != right]
+        rng.shuffle(out)
+        return out
+
+
+class ReverseLetters:
+    """Reverse a string of 3-6 letters; wrong answers are the input itself or a near-miss reversal."""
+
+    name = "reverse"
+    pattern = re.compile(r"^Reverse the letters of: ([a-z]+)$")
+
+    def question(self, rng: random.Random) -> str:
+        return "Reverse the letters of: " + "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(3, 6)))
+
+    def answer(self, match: re.Match[str]) -> str:
+        return match[1][::-1]
+
+    def wrong_answers(self, match: re.Match[str], rng: random.Random) -> list[str]:
+        s, right = match[1], match[1][::-1]
+        out = [s]
+        for i in range(len(right) - 1):
+            w = list(right)
+            w[i], w[i + 1] = w[i + 1], w[i]
+            out.append("".join(w))
+        out.append(right[:-1])
+        out = [o for o in dict.fromkeys(out) if o != right]
+        rng.shuffle(out)
+        return out
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortWords(), ReverseLetters())}
+
+
+@dataclass(frozen=True)
+class TaskExample:
+    task: str
+    prompt: str  # "\n\nHuman: <question>\n\nAssistant:"
+    chosen: str  # " <right answer>"
+    rejected: str  # " <plausible wrong answer>"
+
+
+def make_prompt(question: str) -> str:
+    return f"{HUMAN}{question}{ASSISTANT}"
+
+
+def last_question(prompt: str) -> str:
+    """The last human turn of a Human/Assistant dialogue prompt."""
+    body = prompt.rsplit("Human:", 1)[-1]
+    return body.split(ASSISTANT, 1)[0].strip()
+
+
+def resolve_tasks(names: list[str] | None) -> list[Task]:
+    if not names:
+        return list(TASKS.values())
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise KeyError(f"unknown built-in task {unknown[0]!r}; known: {', '.join(TASKS)}")
+    return [TASKS[n] for n in names]
+
+
+def generate(names: list[str] | None, n_per_task: int, seed: int, exclude: set[str] | None = None) -> list[TaskExample]:
+    """``n_per_task`` distinct examples per task, deterministic in ``seed``, none whose prompt is in ``exclude``."""
+    out: list[TaskExample] = []
+    for task in resolve_tasks(names):
+        rng = random.Random(f"{task.name}:{seed}")
+        seen = set(exclude or ())
+        attempts = 0
+        made = 0
+        while made < n_per_task and attempts < 50 * n_per_task:
+            attempts += 1
+            q = task.question(rng)
+            prompt = make_prompt(q)
+            if prompt in seen:
+                continue
+            seen.add(prompt)
+            m = task.pattern.match(q)
+            wrong = task.wrong_answers(m, rng)
+            out.append(TaskExample(task.name, prompt, " " + task.answer(m), " " + wrong[0]))
+            made += 1
+    return out
+
+
+def clean_response(response: str) -> str:
+    """The answer part of a generated reply: up to the model inventing the next turn or a newline."""
+    return response.split("\n")[0].strip() if response.strip() else ""
+
+
+def verify(prompt: str, response: str) -> bool | None:
+    """True/False if a built-in task recognises the prompt, None if no task does."""
+    q = last_question(prompt)
+    for task in TASKS.values():
+        m = task.pattern.match(q)
+        if m:
+            return clean_response(response) == task.answer(m)
+    return None
+
+
+def task_of(prompt: str) -> str | None:
+    q = last_question(prompt)
+    return next((t.name for t in TASKS.values() if t.pattern.match(q)), None)

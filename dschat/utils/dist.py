@@ -1,0 +1,67 @@
+"""Rank and world helpers over torch.distributed (no deepspeed import, usable before init)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as torch_dist
+
+
+def is_initialized() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def rank() -> int:
+    return torch_dist.get_rank() if is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    return torch_dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_initialized():
+        torch_dist.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few Python floats over all ranks (returns them unchanged on one process)."""
+    if not is_initialized() or world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=default_device())
+    torch_dist.all_reduce(t)
+    return t.tolist()
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Fill in the rendezvous variables for a plain ``python main.py`` run (no launcher set them)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -1,0 +1,32 @@
+"""Errors meant for the person running the program, and the wrapper that shows them as one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+
+class UserError(Exception):
+    """Bad input that the user can fix (a flag, a file, a field). Shown as one line, exit code 2."""
+
+
+EXIT_USER_ERROR = 2
+
+
+def run_cli(main: Callable[[], int | None]) -> None:
+    """Run ``main`` and turn a :class:`UserError` into ``error: <message>`` on stderr and exit 2.
+
+    Any other exception keeps its traceback (it is a bug, and the traceback is what a bug report needs).
+    Under several ranks only rank 0 prints, so a bad flag does not print the same line N times.
+    """
+    try:
+        code = main()
+    except UserError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    sys.exit(code or 0)

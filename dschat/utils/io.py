@@ -1,0 +1,47 @@
+"""Atomic file and directory writes: a reader sees the old content or the new one, never half of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
+    """Move a fully written ``tmp_dir`` to ``final_dir``, replacing an older ``final_dir``.
+
+    ``os.replace`` cannot swap non-empty directories atomically, so the old one is first renamed aside
+    and deleted only once the new one is in place: at every instant one complete copy exists on disk.
+    """
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    old = final_dir.with_name(f".{final_dir.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final_dir.exists():
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,99 @@
+"""Run logging: ``training.log`` + console, ``metrics.jsonl`` always, TensorBoard and W&B when asked.
+
+Only rank 0 writes; other ranks get a logger that drops everything, so call sites need no rank checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dschat.utils import dist
+
+LOG = logging.getLogger("dschat")
+
+
+def setup_logging(output_dir: str | None, *, log_file: bool = True) -> logging.Logger:
+    """Console logging on rank 0 (warnings only elsewhere) and ``output_dir/training.log`` on rank 0.
+
+    When the orchestrator (``train.py``) already captures the whole process output into
+    ``training.log`` it sets ``DSCHAT_LOG_CAPTURED=1`` and the file handler is skipped.
+    """
+    LOG.handlers.clear()
+    LOG.propagate = False
+    LOG.setLevel(logging.INFO if dist.is_main() else logging.WARNING)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    LOG.addHandler(console)
+    if output_dir and log_file and dist.is_main() and not os.environ.get("DSCHAT_LOG_CAPTURED"):
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(output_dir) / "training.log", encoding="utf-8")
+        fh.setFormatter(fmt)
+        LOG.addHandler(fh)
+    return LOG
+
+
+class MetricsLogger:
+    """One place every metric goes through: jsonl line, TensorBoard scalar, W&B log.
+
+    ``log({"loss": 1.2}, step=10, split="train")`` writes ``{"step": 10, "split": "train", "loss": 1.2}``.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        config: dict[str, Any],
+        enable_tensorboard: bool = False,
+        tensorboard_path: str | None = None,
+        enable_wandb: bool = False,
+        wandb_project: str = "dschat",
+        run_name: str | None = None,
+        append: bool = False,
+    ) -> None:
+        self.active = dist.is_main()
+        self._tb = None
+        self._wandb = None
+        self._file = None
+        if not self.active:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self._file = open(Path(output_dir) / "metrics.jsonl", "a" if append else "w", encoding="utf-8")
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tensorboard_path or str(Path(output_dir) / "tensorboard"))
+        if enable_wandb:
+            import wandb
+
+            # Offline mode works with no network; WANDB_MODE from the environment wins.
+            os.environ.setdefault("WANDB_DIR", str(output_dir))
+            self._wandb = wandb.init(
+                project=wandb_project, name=run_name, config=config, dir=str(output_dir), resume="allow"
+            )
+
+    def log(self, metrics: dict[str, Any], *, step: int, split: str) -> None:
+        if not self.active:
+            return
+        row = {"step": step, "split": split, **metrics}
+        self._file.write(json.dumps(row, default=float) + "\n")
+        self._file.flush()
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(f"{split}/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({f"{split}/{k}": v for k, v in numeric.items()}, step=step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

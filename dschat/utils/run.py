@@ -1,0 +1,81 @@
+"""What every step does around its loop: output directory rules, resolved config, summary, timing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from dschat.utils import dist
+from dschat.utils.errors import UserError
+from dschat.utils.io import atomic_write_json
+
+LOG = logging.getLogger("dschat")
+SUMMARY = "summary.json"
+RESOLVED_CONFIG = "dschat_config.json"
+
+
+def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "--output_dir") -> None:
+    """Refuse to silently replace a finished run or clobber an unfinished one's checkpoints."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {path}: exists and is not a directory")
+    finished = (p / SUMMARY).exists()
+    ckpt = p / "checkpoints" / "latest"
+    if finished and not overwrite:
+        raise UserError(f"{flag} {path}: holds a finished run ({SUMMARY}); pass --overwrite to replace it")
+    if resume and not ckpt.exists():
+        raise UserError(f"--resume: no checkpoint to resume from in {p / 'checkpoints'}")
+    if not resume and not overwrite and ckpt.exists():
+        raise UserError(
+            f"{flag} {path}: holds checkpoints of an unfinished run; pass --resume to continue it or --overwrite to start over"
+        )
+
+
+def clear_previous_run(path: str) -> None:
+    """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics."""
+    if not dist.is_main():
+        return
+    p = Path(path)
+    (p / SUMMARY).unlink(missing_ok=True)
+    shutil.rmtree(p / "checkpoints", ignore_errors=True)
+    (p / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def save_resolved_config(output_dir: str, config: dict[str, Any]) -> None:
+    text = json.dumps(config, indent=2, sort_keys=True, default=str)
+    LOG.info("resolved configuration:\n%s", text)
+    if dist.is_main():
+        atomic_write_json(Path(output_dir) / RESOLVED_CONFIG, config)
+
+
+def write_summary(output_dir: str, summary: dict[str, Any]) -> None:
+    """Written last and atomically: its presence is what marks a run as finished."""
+    if dist.is_main():
+        atomic_write_json(Path(output_dir) / SUMMARY, summary)
+
+
+class Stopwatch:
+    """Accumulates seconds spent in named phases (``with sw("train"): ...``)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def __call__(self, name: str):
+        sw = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                sw.totals[name] = sw.totals.get(name, 0.0) + time.perf_counter() - self.t
+
+        return _Ctx()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self._start
