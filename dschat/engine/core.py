@@ -121,5 +121,14 @@ def initialize_engine(model: torch.nn.Module, *, optimizer=None, lr_scheduler=No
     """``deepspeed.initialize`` and nothing else: every training run goes through it."""
     import deepspeed
 
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        # Parameters created after zero.Init (LoRA matrices, a value head) are still full fp32 tensors,
+        # while ZeRO-3 flattens all partitions into one buffer of the training dtype.
+        target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "", torch.float32
+        )
+        for p in model.parameters():
+            if not hasattr(p, "ds_id") and p.is_floating_point() and p.dtype != target:
+                p.data = p.data.to(target)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config)
     return engine
