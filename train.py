@@ -54,18 +54,30 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = Parser(prog="train.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--step", type=int, nargs="+", choices=sorted(STEPS), help="steps to run (default: all built steps)")
-    p.add_argument("--deployment-type", choices=("single_gpu", "single_node", "multi_node"), default="single_gpu")
+    p = Parser(
+        prog="train.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--step", type=int, nargs="+", choices=sorted(STEPS), help="steps to run (default: all built steps)"
+    )
+    p.add_argument(
+        "--deployment-type", choices=("single_gpu", "single_node", "multi_node"), default="single_gpu"
+    )
     p.add_argument("--actor-model", help="step-1 starting model: HF name, local path or builtin:NAME")
     p.add_argument("--reward-model", help="step-2 starting model (default: same as --actor-model)")
     p.add_argument("--actor-zero-stage", type=int, help="ZeRO stage of step 1 (and the actor in step 3)")
     p.add_argument("--reward-zero-stage", type=int, help="ZeRO stage of step 2 (and the critic in step 3)")
     p.add_argument("--data-path", nargs="+", help="data sources for every step (default: builtin)")
-    p.add_argument("--num-gpus", type=int, help="processes per node (single_node/multi_node); CPU processes without GPUs")
+    p.add_argument(
+        "--num-gpus", type=int, help="processes per node (single_node/multi_node); CPU processes without GPUs"
+    )
     p.add_argument("--hostfile", help="DeepSpeed hostfile (multi_node)")
     p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
-    p.add_argument("--output-dir", default="output", help="root of the outputs: DIR/step1, DIR/step2, DIR/step3")
+    p.add_argument(
+        "--output-dir", default="output", help="root of the outputs: DIR/step1, DIR/step2, DIR/step3"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace finished runs in the output directories")
     p.add_argument("--resume", action="store_true", help="resume each step from its latest checkpoint")
     return p.parse_args(argv), extra
@@ -83,7 +95,9 @@ def launcher(args: argparse.Namespace) -> list[str]:
     """The command prefix that starts one step's processes."""
     if args.deployment_type == "single_gpu":
         if args.num_gpus not in (None, 1):
-            raise UserError("--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)")
+            raise UserError(
+                "--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)"
+            )
         if args.hostfile:
             raise UserError("--hostfile needs --deployment-type multi_node")
         return [sys.executable]
@@ -152,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = sorted(set(args.step)) if args.step else [n for n, s in STEPS.items() if s.built]
     for n in steps:
         if not STEPS[n].built:
-            raise UserError(f"--step {n}: step {n} ({STEPS[n].name}) is not built yet in this version of dschat")
-    for flag, value in (("--actor-zero-stage", args.actor_zero_stage), ("--reward-zero-stage", args.reward_zero_stage)):
+            raise UserError(
+                f"--step {n}: step {n} ({STEPS[n].name}) is not built yet in this version of dschat"
+            )
+    for flag, value in (
+        ("--actor-zero-stage", args.actor_zero_stage),
+        ("--reward-zero-stage", args.reward_zero_stage),
+    ):
         if value is not None and value not in (0, 1, 2, 3):
             raise UserError(f"{flag} must be 0, 1, 2 or 3, got {value}")
     prefix = launcher(args)
@@ -167,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"==> step {n} ({step.name}): {shlex.join(cmd)}", flush=True)
         code = run_step(step, cmd, out_dir / "training.log", append=args.resume)
         if code != 0:
-            print(f"error: step {n} ({step.name}) failed with exit code {code}; log: {out_dir / 'training.log'}", file=sys.stderr)
+            print(
+                f"error: step {n} ({step.name}) failed with exit code {code}; log: {out_dir / 'training.log'}",
+                file=sys.stderr,
+            )
             return code if 0 < code < 128 else 1
         print(f"==> step {n} done: {out_dir}", flush=True)
     return 0

@@ -34,12 +34,17 @@ def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = No
 @dataclass
 class ModelArgs:
     model_name_or_path: str = opt(
-        DEFAULT_MODEL, "Hugging Face model name, local directory, or builtin:NAME (built in code, no download)"
+        DEFAULT_MODEL,
+        "Hugging Face model name, local directory, or builtin:NAME (built in code, no download)",
     )
-    dtype: str = opt("auto", "training dtype; auto = bf16 where the hardware supports it, else fp32", choices=DTYPES)
+    dtype: str = opt(
+        "auto", "training dtype; auto = bf16 where the hardware supports it, else fp32", choices=DTYPES
+    )
     dropout: float | None = opt(None, "override every dropout probability in the model config", type=float)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
-    trust_remote_code: bool = opt(False, "allow model code from the model repository to run (off: safe default)")
+    trust_remote_code: bool = opt(
+        False, "allow model code from the model repository to run (off: safe default)"
+    )
 
     def validate(self, prefix: str = "") -> None:
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -57,7 +62,10 @@ class DataArgs:
     sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*")
     max_seq_len: int = opt(512, "longest prompt + response in tokens; longer samples are dropped and counted")
     data_output_path: str = opt(
-        os.path.join(os.path.expanduser("~"), ".cache", "dschat", "data"), "cache directory for tokenized data"
+        os.path.join(
+            os.environ.get("DSCHAT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dschat")), "data"
+        ),
+        "cache directory for tokenized data",
     )
     train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
     max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
@@ -77,13 +85,17 @@ class LoraArgs:
     lora_dropout: float = opt(0.0, "dropout on the LoRA path")
     lora_module_name: str = opt("layers.", "LoRA is applied to every Linear whose module name contains this")
     only_optimize_lora: bool = opt(False, "freeze the base weights and train only the LoRA matrices")
-    lora_learning_rate: float | None = opt(None, "learning rate of the LoRA matrices (default: --learning_rate)", type=float)
+    lora_learning_rate: float | None = opt(
+        None, "learning rate of the LoRA matrices (default: --learning_rate)", type=float
+    )
 
     def validate(self, prefix: str = "") -> None:
         if self.lora_dim < 0:
             raise UserError(f"--{prefix}lora_dim must be >= 0, got {self.lora_dim}")
         if self.only_optimize_lora and self.lora_dim == 0:
-            raise UserError(f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)")
+            raise UserError(
+                f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)"
+            )
         if self.lora_learning_rate is not None and self.lora_dim == 0:
             raise UserError(f"--{prefix}lora_learning_rate needs --{prefix}lora_dim > 0")
 
@@ -132,18 +144,23 @@ class RunArgs:
     output_dir: str = opt("output/step1", "where the model, metrics, logs and checkpoints go")
     seed: int = opt(1234, "random seed (data order, initialisation, dropout)")
     eval_interval: int = opt(100, "evaluate every N optimizer steps (0 = only at start and end)")
+    eval_generation_samples: int = opt(
+        300, "built-in task prompts answered greedily at start and end to measure true accuracy (0 = off)"
+    )
     log_interval: int = opt(10, "write a train line to metrics.jsonl every N optimizer steps")
     save_steps: int = opt(200, "save a resumable checkpoint every N optimizer steps (0 = never)")
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep")
     resume: bool = opt(False, "continue from the latest checkpoint in OUTPUT_DIR/checkpoints")
     overwrite: bool = opt(False, "replace a finished run in OUTPUT_DIR")
     enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
-    tensorboard_path: str | None = opt(None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str)
+    tensorboard_path: str | None = opt(
+        None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str
+    )
     enable_wandb: bool = opt(False, "log to Weights & Biases (WANDB_MODE=offline works without network)")
     wandb_project: str = opt("dschat", "W&B project name")
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("eval_interval", "save_steps", "log_interval"):
+        for name in ("eval_interval", "save_steps", "log_interval", "eval_generation_samples"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints < 1:
@@ -159,7 +176,9 @@ def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
     except ValueError:
         raise UserError(f"{flag} {text!r}: expected three comma-separated numbers such as 2,4,4") from None
     if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise UserError(f"{flag} {text!r}: expected three non-negative numbers with a positive sum, such as 2,4,4")
+        raise UserError(
+            f"{flag} {text!r}: expected three non-negative numbers with a positive sum, such as 2,4,4"
+        )
     total = sum(parts)
     return [p / total for p in parts]
 

@@ -50,7 +50,9 @@ def evaluate_perplexity(engine, batches: list[tuple[dict, torch.Tensor]]) -> dic
     device = engine.device
     nll_sum, tokens = 0.0, 0.0
     for batch, weight in batches:
-        logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        logits = engine(
+            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
+        ).logits
         nll, n = token_nll(logits, batch["labels"].to(device))
         w = weight.to(nll.device)
         nll_sum += float((nll * w).sum())

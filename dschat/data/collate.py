@@ -13,7 +13,9 @@ import torch
 IGNORE_INDEX = -100
 
 
-def sft_example(prompt_ids: list[int], response_ids: list[int], eos_id: int | None, train_on_prompt: bool) -> dict:
+def sft_example(
+    prompt_ids: list[int], response_ids: list[int], eos_id: int | None, train_on_prompt: bool
+) -> dict:
     """``input_ids = prompt + response + [eos]``; ``labels`` = -100 on the prompt unless ``train_on_prompt``.
 
     The EOS is part of the target: the model must learn to stop.

@@ -22,7 +22,7 @@ from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -30,13 +30,17 @@ class PreparedData:
     train: list[dict]
     eval: list[dict]
     stats: dict[str, Any] = field(default_factory=dict)
+    eval_prompts: list[str] = field(default_factory=list)  # for generation-based metrics (true accuracy)
     cache_hit: bool = False
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(body.encode()).hexdigest()[:16] + f"|{len(tokenizer)}|{tokenizer.bos_token}|{tokenizer.eos_token}"
+    return (
+        hashlib.sha256(body.encode()).hexdigest()[:16]
+        + f"|{len(tokenizer)}|{tokenizer.bos_token}|{tokenizer.eos_token}"
+    )
 
 
 def chat_renderer(tokenizer):
@@ -45,7 +49,9 @@ def chat_renderer(tokenizer):
     return lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
-def gather_samples(args: DataArgs, phase: int, seed: int, tokenizer=None) -> tuple[list[Sample], list[Sample]]:
+def gather_samples(
+    args: DataArgs, phase: int, seed: int, tokenizer=None
+) -> tuple[list[Sample], list[Sample]]:
     """Training samples of step ``phase`` from every source (blended) and the shared eval samples."""
     fractions = parse_data_split(args.data_split)
     render = chat_renderer(tokenizer) if tokenizer is not None else None
@@ -70,7 +76,9 @@ def gather_samples(args: DataArgs, phase: int, seed: int, tokenizer=None) -> tup
     return train, evals
 
 
-def tokenize_sft(samples: list[Sample], tokenizer, max_seq_len: int, train_on_prompt: bool) -> tuple[list[dict], dict]:
+def tokenize_sft(
+    samples: list[Sample], tokenizer, max_seq_len: int, train_on_prompt: bool
+) -> tuple[list[dict], dict]:
     """Tokenize prompt and response separately (the boundary is exact) and drop over-long samples."""
     prompts = tokenizer([s.prompt for s in samples], add_special_tokens=True)["input_ids"]
     responses = tokenizer([s.chosen for s in samples], add_special_tokens=False)["input_ids"]
@@ -84,7 +92,12 @@ def tokenize_sft(samples: list[Sample], tokenizer, max_seq_len: int, train_on_pr
             too_long += 1
             continue
         out.append(ex)
-    return out, {"samples": len(samples), "kept": len(out), "dropped_too_long": too_long, "dropped_empty_response": empty}
+    return out, {
+        "samples": len(samples),
+        "kept": len(out),
+        "dropped_too_long": too_long,
+        "dropped_empty_response": empty,
+    }
 
 
 def _cache_key(args: DataArgs, phase: int, seed: int, tokenizer, kind: str) -> str:
@@ -114,8 +127,10 @@ def _build_sft(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData
             f"than --max_seq_len {args.max_seq_len} and {tstats['dropped_empty_response']} have an empty response"
         )
     if not evals:
-        raise UserError(f"no evaluation samples: the sources give none that fit --max_seq_len {args.max_seq_len}")
-    return PreparedData(train, evals, {"train": tstats, "eval": estats})
+        raise UserError(
+            f"no evaluation samples: the sources give none that fit --max_seq_len {args.max_seq_len}"
+        )
+    return PreparedData(train, evals, {"train": tstats, "eval": estats}, [s.prompt for s in eval_s])
 
 
 def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) -> PreparedData:
@@ -145,7 +160,9 @@ def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) ->
     if data is None:
         data = _read_cache(path)
     if data is None:
-        raise UserError(f"{path}: tokenized data cache unreadable after it was written (is the directory writable?)")
+        raise UserError(
+            f"{path}: tokenized data cache unreadable after it was written (is the directory writable?)"
+        )
     return data
 
 
@@ -153,7 +170,10 @@ def _write_cache(path: Path, data: PreparedData) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save({"train": data.train, "eval": data.eval, "stats": data.stats}, tmp)
+        torch.save(
+            {"train": data.train, "eval": data.eval, "stats": data.stats, "eval_prompts": data.eval_prompts},
+            tmp,
+        )
         os.replace(tmp, path)
     except OSError as exc:
         LOG.warning("could not write the tokenized data cache %s (%s); continuing without it", path, exc)
@@ -164,4 +184,4 @@ def _read_cache(path: Path) -> PreparedData | None:
         blob = torch.load(path, weights_only=True)
     except Exception:  # a torn or foreign file: rebuild rather than fail
         return None
-    return PreparedData(blob["train"], blob["eval"], blob["stats"], cache_hit=True)
+    return PreparedData(blob["train"], blob["eval"], blob["stats"], blob["eval_prompts"], cache_hit=True)

@@ -67,7 +67,11 @@ def _gptj_pairwise(row: dict[str, Any]) -> Sample | None:
 
 
 def _rlhf_reward_datasets(row: dict[str, Any]) -> Sample | None:
-    return Sample(row["prompt"] + "Assistant:", row["chosen"].split("Assistant:")[-1], row["rejected"].split("Assistant:")[-1])
+    return Sample(
+        row["prompt"] + "Assistant:",
+        row["chosen"].split("Assistant:")[-1],
+        row["rejected"].split("Assistant:")[-1],
+    )
 
 
 HUB_ADAPTERS: dict[str, Callable[[dict[str, Any]], Sample | None]] = {
@@ -85,20 +89,35 @@ def _row_to_sample(row: Any, where: str, render_chat: ChatRenderer | None) -> Sa
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "messages" in row and "prompt" not in row:
         msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
-            raise UserError(f"{where}: field 'messages' must be a list of turns ending with an assistant turn")
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not isinstance(msgs[-1], dict)
+            or msgs[-1].get("role") != "assistant"
+        ):
+            raise UserError(
+                f"{where}: field 'messages' must be a list of turns ending with an assistant turn"
+            )
         if render_chat is None:
             raise UserError(f"{where}: 'messages' rows need a tokenizer with a chat template")
         return Sample(render_chat(msgs[:-1]), str(msgs[-1].get("content", "")), None, where)
     if "prompt" not in row:
-        raise UserError(f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)")
+        raise UserError(
+            f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)"
+        )
     if "chosen" in row:
         response = row["chosen"]
     elif "response" in row:
         response = row["response"]
     else:
-        raise UserError(f"{where}: missing field 'chosen' or 'response' (need prompt + chosen [+ rejected] or prompt + response)")
-    for key, val in (("prompt", row["prompt"]), ("chosen/response", response), ("rejected", row.get("rejected", ""))):
+        raise UserError(
+            f"{where}: missing field 'chosen' or 'response' (need prompt + chosen [+ rejected] or prompt + response)"
+        )
+    for key, val in (
+        ("prompt", row["prompt"]),
+        ("chosen/response", response),
+        ("rejected", row.get("rejected", "")),
+    ):
         if not isinstance(val, str):
             raise UserError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
     return Sample(row["prompt"], response, row.get("rejected"), where)
@@ -168,16 +187,20 @@ def _load_hub(name: str) -> SourceData:
     try:
         ds = datasets.load_dataset(target)
     except Exception as exc:  # network, missing repo, bad files: one line, the cause named
-        raise UserError(f"--data_path {name}: could not load from the Hugging Face Hub ({type(exc).__name__}: {exc})") from None
+        raise UserError(
+            f"--data_path {name}: could not load from the Hugging Face Hub ({type(exc).__name__}: {exc})"
+        ) from None
     splits = {}
     for split in ("train", "test"):
-        rows = ds[split] if split in ds else []
+        rows = ds.get(split, [])
         out = []
         for i, row in enumerate(rows):
             try:
                 s = adapter(row)
             except (KeyError, ValueError) as exc:
-                raise UserError(f"{name} {split} row {i}: does not fit the registered adapter ({exc})") from None
+                raise UserError(
+                    f"{name} {split} row {i}: does not fit the registered adapter ({exc})"
+                ) from None
             if s is not None:
                 out.append(Sample(s.prompt, s.chosen, s.rejected, name))
         splits[split] = out
@@ -190,7 +213,9 @@ def _load_builtin(spec: str) -> SourceData:
         train_ex = tasks.generate(names, BUILTIN_TRAIN_PER_TASK, BUILTIN_SEED)
     except KeyError as exc:
         raise UserError(f"--data_path {spec}: {exc.args[0]}") from None
-    eval_ex = tasks.generate(names, BUILTIN_EVAL_PER_TASK, BUILTIN_SEED + 1, exclude={e.prompt for e in train_ex})
+    eval_ex = tasks.generate(
+        names, BUILTIN_EVAL_PER_TASK, BUILTIN_SEED + 1, exclude={e.prompt for e in train_ex}
+    )
     to_samples = lambda exs: [Sample(e.prompt, e.chosen, e.rejected, f"builtin:{e.task}") for e in exs]  # noqa: E731
     return SourceData(spec, to_samples(train_ex), to_samples(eval_ex))
 

@@ -104,7 +104,9 @@ def unwrap_peft(module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     return module, None
 
 
-def export_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | Path, *, extra_files: dict[str, str] | None = None) -> None:
+def export_hf_model(
+    module: torch.nn.Module, tokenizer, out_dir: str | Path, *, extra_files: dict[str, str] | None = None
+) -> None:
     """Write ``module`` (LoRA merged in) as a Hugging Face model directory loadable by ``from_pretrained``.
 
     Files are written into a temporary directory beside ``out_dir`` and then moved in one by one with
@@ -125,7 +127,9 @@ def export_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | Path, *, 
         tied = getattr(config, "tie_word_embeddings", False)
         missing = [k for k in missing if not (tied and "lm_head" in k)]
         if missing or unexpected:
-            raise RuntimeError(f"export: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise RuntimeError(
+                f"export: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         if lora_cfg is not None:
             skeleton = skeleton.merge_and_unload()
         dtype = next(iter(state.values())).dtype if state else torch.float32

@@ -51,7 +51,9 @@ def resolve_dtype(dtype: str, flag: str = "--dtype") -> str:
     if dtype == "auto":
         return "bf16" if bf16_supported() else "fp32"
     if dtype == "bf16" and not bf16_supported():
-        raise UserError(f"{flag} bf16: this {'GPU' if torch.cuda.is_available() else 'CPU'} does not support bf16")
+        raise UserError(
+            f"{flag} bf16: this {'GPU' if torch.cuda.is_available() else 'CPU'} does not support bf16"
+        )
     if dtype == "fp16" and not torch.cuda.is_available():
         raise UserError(f"{flag} fp16: fp16 training needs a GPU (use bf16 or fp32 on CPU)")
     return dtype
@@ -117,7 +119,9 @@ def make_scheduler(optimizer, kind: str, warmup: int, total: int):
     return get_scheduler(kind, optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1))
 
 
-def initialize_engine(model: torch.nn.Module, *, optimizer=None, lr_scheduler=None, ds_config: dict[str, Any]):
+def initialize_engine(
+    model: torch.nn.Module, *, optimizer=None, lr_scheduler=None, ds_config: dict[str, Any]
+):
     """``deepspeed.initialize`` and nothing else: every training run goes through it."""
     import deepspeed
 
@@ -125,10 +129,13 @@ def initialize_engine(model: torch.nn.Module, *, optimizer=None, lr_scheduler=No
         # Parameters created after zero.Init (LoRA matrices, a value head) are still full fp32 tensors,
         # while ZeRO-3 flattens all partitions into one buffer of the training dtype.
         target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-            "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "", torch.float32
+            "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "",
+            torch.float32,
         )
         for p in model.parameters():
             if not hasattr(p, "ds_id") and p.is_floating_point() and p.dtype != target:
                 p.data = p.data.to(target)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config
+    )
     return engine

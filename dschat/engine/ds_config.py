@@ -55,7 +55,9 @@ def train_ds_config(
     }
 
 
-def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int, world_size: int, offload: bool = False) -> dict[str, Any]:
+def eval_ds_config(
+    *, zero_stage: int, dtype: str, micro_batch_size: int, world_size: int, offload: bool = False
+) -> dict[str, Any]:
     """The config of a frozen engine (reference and reward models in step 3): no optimizer states."""
     cfg = train_ds_config(
         zero_stage=zero_stage if zero_stage == 3 else 0,

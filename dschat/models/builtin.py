@@ -16,10 +16,30 @@ BUILTIN_PREFIX = "builtin:"
 # name -> Llama shape. tiny-llama is the default (fast enough to learn the built-in tasks on 2 CPU cores
 # in minutes); micro-llama keeps tests fast; llama-100m is the benchmark's ~100M-parameter config.
 BUILTIN_MODELS: dict[str, dict[str, int]] = {
-    "micro-llama": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4},
-    "tiny-llama": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4},
-    "small-llama": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8},
-    "llama-100m": {"hidden_size": 768, "intermediate_size": 2560, "num_hidden_layers": 12, "num_attention_heads": 12},
+    "micro-llama": {
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    },
+    "tiny-llama": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+    },
+    "small-llama": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+    },
+    "llama-100m": {
+        "hidden_size": 768,
+        "intermediate_size": 2560,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+    },
 }
 MAX_POSITIONS = 1024
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -45,9 +65,15 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=MAX_POSITIONS
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=MAX_POSITIONS,
     )
 
 

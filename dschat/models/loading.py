@@ -41,7 +41,11 @@ def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--mo
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        where = "a local directory without a config.json" if os.path.isdir(path) else "neither a local model directory nor downloadable from the Hugging Face Hub"
+        where = (
+            "a local directory without a config.json"
+            if os.path.isdir(path)
+            else "neither a local model directory nor downloadable from the Hugging Face Hub"
+        )
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{flag} {path}: {where} ({first[:200]})") from None
 
@@ -88,7 +92,9 @@ def load_causal_lm(
             path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None
         )
     except ValueError as exc:
-        raise UserError(f"{flag} {path}: not a causal language model ({str(exc).splitlines()[0][:200]})") from None
+        raise UserError(
+            f"{flag} {path}: not a causal language model ({str(exc).splitlines()[0][:200]})"
+        ) from None
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().weight.shape[0] > 0:
         model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8)))
     if tokenizer is not None:

@@ -32,7 +32,9 @@ def inject_lora(
 
     targets = lora_target_modules(model, module_name)
     if not targets:
-        raise UserError(f"--{flag_prefix}lora_module_name {module_name!r} matches no Linear layer of the model")
+        raise UserError(
+            f"--{flag_prefix}lora_module_name {module_name!r} matches no Linear layer of the model"
+        )
     cfg = LoraConfig(
         r=dim,
         lora_alpha=alpha or dim,

@@ -54,10 +54,32 @@ class Addition:
         return out
 
 
-WORDS = (
-    "apple banana cherry grape lemon mango melon olive peach pear plum kiwi "
-    "cat dog fox owl bee ant cow pig hen yak elk bat"
-).split()
+WORDS = [
+    "apple",
+    "banana",
+    "cherry",
+    "grape",
+    "lemon",
+    "mango",
+    "melon",
+    "olive",
+    "peach",
+    "pear",
+    "plum",
+    "kiwi",
+    "cat",
+    "dog",
+    "fox",
+    "owl",
+    "bee",
+    "ant",
+    "cow",
+    "pig",
+    "hen",
+    "yak",
+    "elk",
+    "bat",
+]
 
 
 class SortWords:
@@ -93,7 +115,9 @@ class ReverseLetters:
     pattern = re.compile(r"^Reverse the letters of: ([a-z]+)$")
 
     def question(self, rng: random.Random) -> str:
-        return "Reverse the letters of: " + "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(3, 6)))
+        return "Reverse the letters of: " + "".join(
+            rng.choices(string.ascii_lowercase[:12], k=rng.randint(3, 6))
+        )
 
     def answer(self, match: re.Match[str]) -> str:
         return match[1][::-1]
@@ -141,7 +165,9 @@ def resolve_tasks(names: list[str] | None) -> list[Task]:
     return [TASKS[n] for n in names]
 
 
-def generate(names: list[str] | None, n_per_task: int, seed: int, exclude: set[str] | None = None) -> list[TaskExample]:
+def generate(
+    names: list[str] | None, n_per_task: int, seed: int, exclude: set[str] | None = None
+) -> list[TaskExample]:
     """``n_per_task`` distinct examples per task, deterministic in ``seed``, none whose prompt is in ``exclude``."""
     out: list[TaskExample] = []
     for task in resolve_tasks(names):

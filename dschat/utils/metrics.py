@@ -63,7 +63,7 @@ class MetricsLogger:
         if not self.active:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self._file = open(Path(output_dir) / "metrics.jsonl", "a" if append else "w", encoding="utf-8")
+        self._file = open(Path(output_dir) / "metrics.jsonl", "a" if append else "w", encoding="utf-8")  # noqa: SIM115
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -83,7 +83,9 @@ class MetricsLogger:
         row = {"step": step, "split": split, **metrics}
         self._file.write(json.dumps(row, default=float) + "\n")
         self._file.flush()
-        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {
+            k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(f"{split}/{k}", v, step)

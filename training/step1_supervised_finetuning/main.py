@@ -14,7 +14,6 @@ Hugging Face format, ``dschat_config.json``, ``metrics.jsonl``, ``summary.json``
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from dschat.data.pipeline import prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import export_hf_model, latest_tag, load_checkpoint, save_checkpoint
+from dschat.generation import task_accuracy
 from dschat.lm import eval_batches, evaluate_perplexity, train_loader
 from dschat.losses import mean_token_nll
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
@@ -36,7 +36,13 @@ from dschat.models.lora import inject_lora
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.metrics import MetricsLogger, setup_logging
-from dschat.utils.run import Stopwatch, check_output_dir, clear_previous_run, save_resolved_config, write_summary
+from dschat.utils.run import (
+    Stopwatch,
+    check_output_dir,
+    clear_previous_run,
+    save_resolved_config,
+    write_summary,
+)
 
 GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.RunArgs)
 
@@ -66,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 2. data
     data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
-    loader = train_loader(data.train, batch_size=optim.per_device_train_batch_size, pad_id=tokenizer.pad_token_id, seed=run.seed)
-    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, pad_id=tokenizer.pad_token_id)
+    loader = train_loader(
+        data.train, batch_size=optim.per_device_train_batch_size, pad_id=tokenizer.pad_token_id, seed=run.seed
+    )
+    evals = eval_batches(
+        data.eval, batch_size=optim.per_device_eval_batch_size, pad_id=tokenizer.pad_token_id
+    )
     batches_per_epoch = loader.sampler.batches_per_epoch()
     if batches_per_epoch < optim.gradient_accumulation_steps:
         raise UserError(
@@ -112,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     with engine_core.zero3_loading(ds_config):
         model = load_causal_lm(
-            model_path, tokenizer=tokenizer, dropout=model_args.dropout, trust_remote_code=model_args.trust_remote_code
+            model_path,
+            tokenizer=tokenizer,
+            dropout=model_args.dropout,
+            trust_remote_code=model_args.trust_remote_code,
         )
     if lora_args.lora_dim:
         model = inject_lora(
@@ -128,13 +141,26 @@ def main(argv: list[str] | None = None) -> int:
         if lora_args.only_optimize_lora:
             model.enable_input_require_grads()
     n_params = count_parameters(model)
-    groups = engine_core.param_groups(model, optim.weight_decay, lora_args.lora_learning_rate, optim.learning_rate)
+    groups = engine_core.param_groups(
+        model, optim.weight_decay, lora_args.lora_learning_rate, optim.learning_rate
+    )
     optimizer = engine_core.make_optimizer(
         groups, lr=optim.learning_rate, betas=(optim.adam_beta1, optim.adam_beta2), offload=ds_args.offload
     )
-    scheduler = engine_core.make_scheduler(optimizer, optim.lr_scheduler_type, optim.num_warmup_steps, total_steps)
-    engine = engine_core.initialize_engine(model, optimizer=optimizer, lr_scheduler=scheduler, ds_config=ds_config)
-    log.info("model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype, ds_args.zero_stage, world)
+    scheduler = engine_core.make_scheduler(
+        optimizer, optim.lr_scheduler_type, optim.num_warmup_steps, total_steps
+    )
+    engine = engine_core.initialize_engine(
+        model, optimizer=optimizer, lr_scheduler=scheduler, ds_config=ds_config
+    )
+    log.info(
+        "model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)",
+        model_path,
+        n_params / 1e6,
+        dtype,
+        ds_args.zero_stage,
+        world,
+    )
 
     # ---------------------------------------------------------------- 4. resume or start
     ckpt_root = Path(run.output_dir) / "checkpoints"
@@ -162,9 +188,31 @@ def main(argv: list[str] | None = None) -> int:
         append=run.resume,
     )
     sw = Stopwatch()
+
+    def true_accuracy() -> dict[str, float] | None:
+        """Greedy answers to built-in task prompts, checked by the task verifier (None for other data)."""
+        if not run.eval_generation_samples:
+            return None
+        with sw("generation_eval"):
+            return task_accuracy(
+                engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
+                device=engine.device, synced_gpus=ds_args.zero_stage == 3,
+            )  # fmt: skip
+
+    acc_start = true_accuracy()
+    if acc_start:
+        metrics.log(acc_start, step=start["step"], split="eval")
+        log.info("true accuracy at step %d: %s", start["step"], fmt_acc(acc_start))
     eval_start = evaluate_perplexity(engine, evals)
-    metrics.log({"loss": eval_start["loss"], "perplexity": eval_start["perplexity"]}, step=start["step"], split="eval")
-    log.info("eval at step %d: loss %.4f, perplexity %.3f", start["step"], eval_start["loss"], eval_start["perplexity"])
+    metrics.log(
+        {"loss": eval_start["loss"], "perplexity": eval_start["perplexity"]}, step=start["step"], split="eval"
+    )
+    log.info(
+        "eval at step %d: loss %.4f, perplexity %.3f",
+        start["step"],
+        eval_start["loss"],
+        eval_start["perplexity"],
+    )
 
     # ---------------------------------------------------------------- 5. training loop
     step, tokens, train_seconds = start["step"], start["tokens"], start["train_seconds"]
@@ -204,11 +252,19 @@ def main(argv: list[str] | None = None) -> int:
                 train_seconds += secs / world
                 tps = tok / max(secs / world, 1e-9)
                 lr = engine.get_lr()[0]
-                row = {"loss": loss_sum / micro, "lr": lr, "tokens_per_sec": tps, "tokens": tokens, "epoch": epoch}
+                row = {
+                    "loss": loss_sum / micro,
+                    "lr": lr,
+                    "tokens_per_sec": tps,
+                    "tokens": tokens,
+                    "epoch": epoch,
+                }
                 metrics.log(row, step=step, split="train")
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                 if not sys.stdout.isatty():
-                    log.info("step %d/%d loss %.4f lr %.2e tokens/s %.0f", step, total_steps, row["loss"], lr, tps)
+                    log.info(
+                        "step %d/%d loss %.4f lr %.2e tokens/s %.0f", step, total_steps, row["loss"], lr, tps
+                    )
                 window = {"loss": 0.0, "micro": 0, "tokens": 0.0, "seconds": 0.0}
             # 5d. evaluate
             if run.eval_interval and step % run.eval_interval == 0 and step < total_steps:
@@ -235,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     eval_end = evaluate_perplexity(engine, evals)
     metrics.log({"loss": eval_end["loss"], "perplexity": eval_end["perplexity"]}, step=step, split="eval")
     log.info("eval at step %d: loss %.4f, perplexity %.3f", step, eval_end["loss"], eval_end["perplexity"])
+    acc_end = true_accuracy()
+    if acc_end:
+        metrics.log(acc_end, step=step, split="eval")
+        log.info("true accuracy at step %d: %s", step, fmt_acc(acc_end))
     with sw("export"):
         export_hf_model(engine.module, tokenizer, run.output_dir)
     summary = {
@@ -255,11 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         "lora_dim": lora_args.lora_dim,
         "resumed_from_step": start["step"] if run.resume else None,
     }
+    if acc_start and acc_end:
+        summary.update(
+            {"true_accuracy_start": acc_start["accuracy"], "true_accuracy_end": acc_end["accuracy"]}
+        )
+        summary.update({f"true_{k}_end": v for k, v in acc_end.items() if "/" in k})
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: eval perplexity %.3f -> %.3f, %.0f tokens/s, model saved to %s",
              eval_start["perplexity"], eval_end["perplexity"], summary["train_tokens_per_sec"], run.output_dir)  # fmt: skip
     return 0
+
+
+def fmt_acc(acc: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
 
 
 def torch_time() -> float:

@@ -1,0 +1,91 @@
+"""Plain Hugging Face generation helpers and true-accuracy measurement on built-in tasks."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from dschat import tasks
+from dschat.utils import dist
+
+
+@torch.no_grad()
+def generate_texts(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 32,
+    device: torch.device | str = "cpu",
+    synced_gpus: bool = False,
+) -> list[str]:
+    """Greedy completions (text after the prompt) for ``prompts``, left-padded batches.
+
+    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done.
+    """
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    was_training = model.training
+    model.eval()
+    out: list[str] = []
+    try:
+        for s in range(0, len(prompts), batch_size):
+            enc = tokenizer(prompts[s : s + batch_size], return_tensors="pt", padding=True).to(device)
+            seq = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                synced_gpus=synced_gpus,
+                use_cache=True,
+            )
+            out.extend(tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = side
+        if was_training:
+            model.train()
+    return out
+
+
+def task_accuracy(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    *,
+    device,
+    synced_gpus: bool = False,
+    max_new_tokens: int = 24,
+) -> dict[str, float] | None:
+    """Verifier accuracy of greedy answers over the prompts a built-in task recognises (None if none does).
+
+    Each rank answers its own slice; counts are summed over ranks. Returns ``accuracy`` and
+    ``accuracy/<task>`` keys.
+    """
+    known = [p for p in prompts if tasks.task_of(p)]
+    if not known:
+        return None
+    world, rank = dist.world_size(), dist.rank()
+    # Equal slice lengths on every rank: ZeRO-3 generation is collective.
+    per = -(-len(known) // world)
+    mine = (known + known[: per * world - len(known)])[rank * per : (rank + 1) * per]
+    weights = [1.0 if rank * per + i < len(known) else 0.0 for i in range(len(mine))]
+    answers = generate_texts(
+        model, tokenizer, mine, device=device, synced_gpus=synced_gpus, max_new_tokens=max_new_tokens
+    )
+    right: dict[str, float] = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
+    for p, a, w in zip(mine, answers, weights):
+        name = tasks.task_of(p)
+        total[name] += w
+        right[name] += w * float(bool(tasks.verify(p, a)))
+    names = sorted(tasks.TASKS)
+    flat = dist.all_reduce_sum([right[n] for n in names] + [total[n] for n in names])
+    r, t = flat[: len(names)], flat[len(names) :]
+    result = {"accuracy": sum(r) / max(sum(t), 1.0)}
+    for n, rn, tn in zip(names, r, t):
+        if tn:
+            result[f"accuracy/{n}"] = rn / tn
+    return result

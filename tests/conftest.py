@@ -1,0 +1,47 @@
+"""Shared test settings: offline, a private cache, and helpers to run the real entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP1 = ROOT / "training" / "step1_supervised_finetuning" / "main.py"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# No test may reach a hub; everything is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dschat_cache(tmp_path_factory):
+    """One cache (built-in models, tokenized data) per test session, outside the user's home."""
+    path = os.environ.get("DSCHAT_TEST_CACHE") or str(tmp_path_factory.mktemp("dschat-cache"))
+    os.environ["DSCHAT_CACHE"] = path
+    return Path(path)
+
+
+def run_cmd(args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a command with the project's interpreter; output captured as text."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd
+    )
+
+
+def shared_data(*parts: str) -> Path:
+    """A file under ../shared/data, or skip the test where the shared data is absent."""
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"shared data {p} not present")
+    return p

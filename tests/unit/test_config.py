@@ -1,0 +1,238 @@
+"""dschat.config: option groups as dataclasses, the parser built from them, and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from dschat import config as C
+from dschat.config import (
+    DataArgs,
+    DeepSpeedArgs,
+    LoraArgs,
+    ModelArgs,
+    OptimArgs,
+    RunArgs,
+    parse_data_split,
+)
+from dschat.utils.errors import UserError
+
+GROUPS = (ModelArgs, DataArgs, LoraArgs, OptimArgs, DeepSpeedArgs, RunArgs)
+
+
+def make_parser(*groups, prefix: str = "") -> C.ArgumentParser:
+    parser = C.ArgumentParser(prog="prog")
+    for g in groups:
+        C.add_group(parser, g, prefix=prefix)
+    return parser
+
+
+# ---------------------------------------------------------------- defaults and parsing
+@pytest.mark.parametrize("cls", GROUPS)
+def test_no_flags_gives_the_dataclass_defaults(cls):
+    ns = make_parser(cls).parse_args([])
+    assert C.from_namespace(cls, ns) == cls()
+
+
+@pytest.mark.parametrize("cls", GROUPS)
+def test_defaults_validate(cls):
+    cls().validate()
+
+
+def test_every_group_together_builds_a_help_text():
+    text = make_parser(*GROUPS).format_help()
+    for cls in GROUPS:
+        for f in dataclasses.fields(cls):
+            assert f"--{f.name}" in text
+
+
+def test_flags_are_parsed_with_their_types():
+    parser = make_parser(ModelArgs, DataArgs, LoraArgs, OptimArgs)
+    ns = parser.parse_args(
+        [
+            "--per_device_train_batch_size", "4",
+            "--learning_rate", "5e-4",
+            "--lr_scheduler_type", "linear",
+            "--dropout", "0.25",
+            "--gradient_checkpointing",
+            "--data_path", "a.jsonl", "b.jsonl",
+            "--sft_only_data_path",
+            "--lora_dim", "8",
+            "--lora_learning_rate", "1e-4",
+            "--dtype", "bf16",
+        ]
+    )  # fmt: skip
+    optim = C.from_namespace(OptimArgs, ns)
+    model = C.from_namespace(ModelArgs, ns)
+    data = C.from_namespace(DataArgs, ns)
+    lora = C.from_namespace(LoraArgs, ns)
+    assert optim.per_device_train_batch_size == 4 and type(optim.per_device_train_batch_size) is int
+    assert optim.learning_rate == 5e-4 and type(optim.learning_rate) is float
+    assert optim.lr_scheduler_type == "linear"
+    assert model.dropout == 0.25
+    assert model.gradient_checkpointing is True
+    assert model.trust_remote_code is False
+    assert model.dtype == "bf16"
+    assert data.data_path == ["a.jsonl", "b.jsonl"]
+    assert data.sft_only_data_path == []
+    assert lora.lora_dim == 8
+    assert lora.lora_learning_rate == 1e-4
+
+
+def test_list_defaults_are_not_shared_between_instances():
+    a, b = DataArgs(), DataArgs()
+    a.data_path.append("x.jsonl")
+    assert b.data_path == ["builtin"]
+    ns = make_parser(DataArgs).parse_args([])
+    ns.data_path.append("y.jsonl")
+    assert make_parser(DataArgs).parse_args([]).data_path == ["builtin"]
+
+
+def test_prefixed_groups_are_independent():
+    parser = C.ArgumentParser(prog="prog")
+    C.add_group(parser, DeepSpeedArgs, prefix="actor_")
+    C.add_group(parser, DeepSpeedArgs, prefix="critic_")
+    ns = parser.parse_args(["--actor_zero_stage", "3", "--critic_zero_stage", "2", "--critic_offload"])
+    assert C.from_namespace(DeepSpeedArgs, ns, "actor_") == DeepSpeedArgs(zero_stage=3, offload=False)
+    assert C.from_namespace(DeepSpeedArgs, ns, "critic_") == DeepSpeedArgs(zero_stage=2, offload=True)
+    assert not hasattr(ns, "zero_stage")
+
+
+def test_prefixed_validation_names_the_prefixed_flags():
+    parser = C.ArgumentParser(prog="prog")
+    C.add_group(parser, DeepSpeedArgs, prefix="actor_")
+    ns = parser.parse_args(["--actor_offload"])
+    with pytest.raises(UserError, match=re.escape("--actor_offload needs --actor_zero_stage 1, 2 or 3")):
+        C.from_namespace(DeepSpeedArgs, ns, "actor_")
+
+
+def test_from_namespace_validates():
+    ns = make_parser(LoraArgs).parse_args(["--only_optimize_lora"])
+    with pytest.raises(UserError, match=re.escape("--only_optimize_lora needs --lora_dim")):
+        C.from_namespace(LoraArgs, ns)
+
+
+def test_to_dict_merges_groups():
+    d = C.to_dict(DeepSpeedArgs(zero_stage=2), LoraArgs(lora_dim=4))
+    assert d["zero_stage"] == 2 and d["offload"] is False and d["lora_dim"] == 4
+    assert set(d) == {f.name for f in dataclasses.fields(DeepSpeedArgs)} | {f.name for f in dataclasses.fields(LoraArgs)}
+
+
+# ---------------------------------------------------------------- argparse errors: one line, exit 2
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["--zero_stage", "two"], "argument --zero_stage: invalid int value: 'two'"),
+        (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+    ],
+)
+def test_bad_flag_is_one_line_and_exit_2(argv, fragment, capsys):
+    parser = make_parser(ModelArgs, DeepSpeedArgs)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("error: ")
+    assert fragment in lines[0]
+    assert lines[0].endswith("(see prog --help)")
+    assert "usage" not in captured.err
+
+
+def test_bad_flag_prints_nothing_on_other_ranks(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exc:
+        make_parser(DeepSpeedArgs).parse_args(["--zero_stage", "x"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- --data_split
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2,4,4", [0.2, 0.4, 0.4]),
+        ("1,1,2", [0.25, 0.25, 0.5]),
+        ("1,0,0", [1.0, 0.0, 0.0]),
+        ("0,0,3", [0.0, 0.0, 1.0]),
+        (" 1, 1 ,2", [0.25, 0.25, 0.5]),
+        ("10,30,60", [0.1, 0.3, 0.6]),
+    ],
+)
+def test_parse_data_split(text, expected):
+    assert parse_data_split(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2,4", "1,2,3,4", "a,b,c", "", "1,-1,1", "0,0,0", "2;4;4", "2,4,"])
+def test_parse_data_split_rejects(text):
+    with pytest.raises(UserError, match=re.escape("--data_split")):
+        parse_data_split(text)
+
+
+def test_parse_data_split_names_the_given_flag():
+    with pytest.raises(UserError, match=re.escape("--actor_data_split '1,2'")):
+        parse_data_split("1,2", flag="--actor_data_split")
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (LoraArgs(only_optimize_lora=True), "--only_optimize_lora needs --lora_dim > 0"),
+        (LoraArgs(lora_dim=-1), "--lora_dim must be >= 0, got -1"),
+        (LoraArgs(lora_learning_rate=1e-4), "--lora_learning_rate needs --lora_dim > 0"),
+        (DeepSpeedArgs(zero_stage=4), "--zero_stage must be 0, 1, 2 or 3, got 4"),
+        (DeepSpeedArgs(zero_stage=-1), "--zero_stage must be 0, 1, 2 or 3, got -1"),
+        (DeepSpeedArgs(zero_stage=0, offload=True), "--offload needs --zero_stage 1, 2 or 3"),
+        (RunArgs(resume=True, overwrite=True), "--resume and --overwrite contradict each other"),
+        (RunArgs(keep_checkpoints=0), "--keep_checkpoints must be >= 1, got 0"),
+        (RunArgs(save_steps=-1), "--save_steps must be >= 0, got -1"),
+        (RunArgs(eval_interval=-5), "--eval_interval must be >= 0, got -5"),
+        (ModelArgs(dropout=1.0), "--dropout must be in [0, 1), got 1.0"),
+        (ModelArgs(dropout=-0.1), "--dropout must be in [0, 1), got -0.1"),
+        (DataArgs(max_seq_len=7), "--max_seq_len must be at least 8, got 7"),
+        (DataArgs(max_eval_samples=-1), "--max_eval_samples must be >= 0, got -1"),
+        (DataArgs(data_split="1,2"), "--data_split '1,2'"),
+        (OptimArgs(per_device_train_batch_size=0), "--per_device_train_batch_size must be >= 1, got 0"),
+        (OptimArgs(per_device_eval_batch_size=0), "--per_device_eval_batch_size must be >= 1, got 0"),
+        (OptimArgs(gradient_accumulation_steps=0), "--gradient_accumulation_steps must be >= 1, got 0"),
+        (OptimArgs(num_train_epochs=0), "--num_train_epochs must be >= 1, got 0"),
+        (OptimArgs(max_steps=-1), "--max_steps must be >= 0, got -1"),
+        (OptimArgs(num_warmup_steps=-1), "--num_warmup_steps must be >= 0, got -1"),
+        (OptimArgs(learning_rate=0.0), "--learning_rate must be > 0, got 0.0"),
+    ],
+)
+def test_validation_names_the_flag(obj, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        obj.validate()
+
+
+def test_validation_uses_the_prefix():
+    with pytest.raises(UserError, match=re.escape("--critic_only_optimize_lora needs --critic_lora_dim > 0")):
+        LoraArgs(only_optimize_lora=True).validate("critic_")
+    with pytest.raises(UserError, match=re.escape("--actor_data_split")):
+        DataArgs(data_split="x").validate("actor_")
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        LoraArgs(lora_dim=8, only_optimize_lora=True, lora_learning_rate=1e-4),
+        DeepSpeedArgs(zero_stage=1, offload=True),
+        DeepSpeedArgs(zero_stage=2, offload=True),
+        DeepSpeedArgs(zero_stage=3, offload=True),
+        ModelArgs(dropout=0.0),
+        ModelArgs(dropout=0.99),
+        DataArgs(max_seq_len=8, max_eval_samples=0, data_split="1,0,0"),
+        OptimArgs(max_steps=0, num_warmup_steps=0),
+        RunArgs(resume=True),
+        RunArgs(overwrite=True, save_steps=0, eval_interval=0),
+    ],
+)
+def test_valid_edge_values_are_accepted(obj):
+    obj.validate()

@@ -1,0 +1,77 @@
+"""dschat.utils.io: atomic writes of files and directories."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dschat.utils.io import atomic_write_json, atomic_write_text, replace_dir
+
+
+def test_atomic_write_text_creates_parents(tmp_path):
+    p = tmp_path / "a" / "b" / "f.txt"
+    atomic_write_text(p, "héllo\nwörld\r\n😀")
+    assert p.read_bytes() == "héllo\nwörld\r\n😀".encode()
+    assert os.listdir(p.parent) == ["f.txt"]
+
+
+def test_atomic_write_text_replaces(tmp_path):
+    p = tmp_path / "f.txt"
+    atomic_write_text(p, "old, longer content")
+    atomic_write_text(str(p), "new")
+    assert p.read_text() == "new"
+    assert os.listdir(tmp_path) == ["f.txt"]
+
+
+def test_atomic_write_text_failure_keeps_old_content(tmp_path):
+    p = tmp_path / "f.txt"
+    atomic_write_text(p, "old")
+    with pytest.raises(TypeError):
+        atomic_write_text(p, 123)  # type: ignore[arg-type]
+    assert p.read_text() == "old"
+    assert os.listdir(tmp_path) == ["f.txt"]
+
+
+def test_atomic_write_json(tmp_path):
+    p = tmp_path / "x.json"
+    atomic_write_json(p, {"b": 1, "a": [1, 2], "p": tmp_path / "q"})
+    assert p.read_text() == f'{{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1,\n  "p": "{tmp_path / "q"}"\n}}\n'
+
+
+def test_replace_dir_into_new_place(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "w.bin").write_text("new")
+    replace_dir(tmp, tmp_path / "final")
+    assert not tmp.exists()
+    assert (tmp_path / "final" / "w.bin").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_replace_dir_replaces_old_content(tmp_path):
+    final = tmp_path / "final"
+    (final / "sub").mkdir(parents=True)
+    (final / "old.bin").write_text("old")
+    (final / "sub" / "x").write_text("old")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "new.bin").write_text("new")
+    replace_dir(str(tmp), str(final))
+    assert sorted(os.listdir(final)) == ["new.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_replace_dir_clears_a_stale_old_copy(tmp_path):
+    stale = tmp_path / ".final.old"
+    stale.mkdir()
+    (stale / "junk").write_text("x")
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "v1").write_text("1")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "v2").write_text("2")
+    replace_dir(tmp, final)
+    assert sorted(os.listdir(final)) == ["v2"]
+    assert sorted(os.listdir(tmp_path)) == ["final"]

@@ -1,0 +1,266 @@
+"""dschat.data.pipeline: tokenization with the builtin tokenizer and the on-disk cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dschat.config import DataArgs
+from dschat.data import pipeline
+from dschat.data.collate import IGNORE_INDEX as M
+from dschat.data.pipeline import gather_samples, prepare_sft_data, tokenize_sft
+from dschat.data.schema import Sample
+from dschat.models.builtin import build_tokenizer
+from dschat.utils.errors import UserError
+
+SPACE = 223
+
+
+def ids(text: str) -> list[int]:
+    """Hand encoding of printable ASCII (id = ord - 30) and spaces (223) under the builtin tokenizer."""
+    return [SPACE if c == " " else ord(c) - 30 for c in text]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """train.jsonl: Q0..Q19 -> ' A0'..' A19'; test.jsonl: E0..E2 -> ' B0'..' B2'."""
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", [{"prompt": f"Q{i}", "response": f" A{i}"} for i in range(20)])
+    write_jsonl(d / "test.jsonl", [{"prompt": f"E{i}", "response": f" B{i}"} for i in range(3)])
+    return d
+
+
+def make_args(data_dir, tmp_path, **kw) -> DataArgs:
+    base = {"data_path": [str(data_dir)], "data_split": "1,0,0", "data_output_path": str(tmp_path / "cache")}
+    return DataArgs(**{**base, **kw})
+
+
+def expected(prompt: str, response: str, train_on_prompt: bool = False) -> dict:
+    p, r = [1, *ids(prompt)], [*ids(response), 2]
+    return {"input_ids": p + r, "labels": (p if train_on_prompt else [M] * len(p)) + r}
+
+
+# ---------------------------------------------------------------- tokenize_sft
+def test_tokenize_sft_by_hand(tokenizer):
+    samples = [Sample("ab", " c"), Sample("a", "bcdefgh"), Sample("xy", "")]
+    out, stats = tokenize_sft(samples, tokenizer, max_seq_len=8, train_on_prompt=False)
+    assert out == [{"input_ids": [1, 67, 68, 223, 69, 2], "labels": [M, M, M, 223, 69, 2]}]
+    assert stats == {"samples": 3, "kept": 1, "dropped_too_long": 1, "dropped_empty_response": 1}
+
+
+def test_tokenize_sft_keeps_exactly_max_seq_len(tokenizer):
+    # [<s> a] + [b c d e f g] + [</s>] = 9 tokens
+    s = Sample("a", "bcdefg")
+    assert tokenize_sft([s], tokenizer, 9, False)[1]["kept"] == 1
+    assert tokenize_sft([s], tokenizer, 8, False)[1] == {
+        "samples": 1, "kept": 0, "dropped_too_long": 1, "dropped_empty_response": 0,
+    }  # fmt: skip
+
+
+def test_tokenize_sft_train_on_prompt(tokenizer):
+    out, _ = tokenize_sft([Sample("Q1", " A1")], tokenizer, 64, True)
+    assert out == [expected("Q1", " A1", train_on_prompt=True)]
+
+
+# ---------------------------------------------------------------- gather_samples
+def test_gather_samples_phases_are_disjoint(data_dir, tmp_path):
+    args = make_args(data_dir, tmp_path, data_split="1,1,0")
+    t1, e1 = gather_samples(args, 1, seed=3)
+    t2, e2 = gather_samples(args, 2, seed=3)
+    assert len(t1) == 10 and len(t2) == 10
+    assert sorted(s.prompt for s in t1 + t2) == sorted(f"Q{i}" for i in range(20))
+    assert [s.prompt for s in e1] == [s.prompt for s in e2] == ["E0", "E1", "E2"]
+    with pytest.raises(UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (20 training")):
+        gather_samples(args, 3, seed=3)
+
+
+def test_gather_samples_sft_only_sources_are_step1_only(data_dir, tmp_path):
+    extra = tmp_path / "extra"
+    write_jsonl(extra / "train.jsonl", [{"prompt": "X", "response": " Y"}])
+    write_jsonl(extra / "eval.jsonl", [{"prompt": "XE", "response": " YE"}])
+    args = make_args(data_dir, tmp_path, data_split="1,1,0", sft_only_data_path=[str(extra)])
+    t1, e1 = gather_samples(args, 1, seed=0)
+    t2, e2 = gather_samples(args, 2, seed=0)
+    assert "X" in {s.prompt for s in t1} and len(t1) == 11
+    assert "X" not in {s.prompt for s in t2} and len(t2) == 10
+    assert [s.prompt for s in e1] == ["E0", "E1", "E2", "XE"]
+    assert [s.prompt for s in e2] == ["E0", "E1", "E2"]
+
+
+def test_gather_samples_caps_eval(data_dir, tmp_path):
+    args = make_args(data_dir, tmp_path, max_eval_samples=2)
+    _, evals = gather_samples(args, 1, seed=0)
+    assert len(evals) == 2 and {s.prompt for s in evals} <= {"E0", "E1", "E2"}
+    assert gather_samples(args, 1, seed=0)[1] == evals
+    assert len(gather_samples(make_args(data_dir, tmp_path, max_eval_samples=0), 1, seed=0)[1]) == 3
+
+
+# ---------------------------------------------------------------- prepare_sft_data and its cache
+def test_prepare_sft_data_exact_examples(data_dir, tmp_path, tokenizer):
+    data = prepare_sft_data(make_args(data_dir, tmp_path), tokenizer, seed=0)
+    assert data.cache_hit is False
+    assert data.train == [expected(f"Q{i}", f" A{i}") for i in range(20)]
+    assert data.eval == [expected(f"E{i}", f" B{i}") for i in range(3)]
+    assert data.stats == {
+        "train": {"samples": 20, "kept": 20, "dropped_too_long": 0, "dropped_empty_response": 0},
+        "eval": {"samples": 3, "kept": 3, "dropped_too_long": 0, "dropped_empty_response": 0},
+    }
+    files = list((tmp_path / "cache").iterdir())
+    assert len(files) == 1 and re.fullmatch(r"sft_[0-9a-f]{24}\.pt", files[0].name)
+
+
+def test_prepare_sft_data_drops_and_counts_long_samples(data_dir, tmp_path, tokenizer):
+    # Q0..Q9 + ' A0'..: 3 + 3 + eos = 7 tokens; Q10..Q19: 9 tokens
+    data = prepare_sft_data(make_args(data_dir, tmp_path, max_seq_len=8), tokenizer, seed=0)
+    assert data.train == [expected(f"Q{i}", f" A{i}") for i in range(10)]
+    assert data.stats["train"] == {"samples": 20, "kept": 10, "dropped_too_long": 10, "dropped_empty_response": 0}
+
+
+def test_second_call_is_a_cache_hit(data_dir, tmp_path, tokenizer, monkeypatch):
+    args = make_args(data_dir, tmp_path)
+    first = prepare_sft_data(args, tokenizer, seed=0)
+
+    def boom(*a, **k):
+        raise AssertionError("tokenize_sft must not run on a cache hit")
+
+    monkeypatch.setattr(pipeline, "tokenize_sft", boom)
+    second = prepare_sft_data(args, tokenizer, seed=0)
+    assert second.cache_hit is True
+    assert (second.train, second.eval, second.stats) == (first.train, first.eval, first.stats)
+    # a fresh tokenizer object with the same content shares the cache
+    assert prepare_sft_data(args, build_tokenizer(), seed=0).cache_hit is True
+
+
+def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
+    args = make_args(data_dir, tmp_path)
+    prepare_sft_data(args, tokenizer, seed=0)
+    other = dataclasses.replace(args, max_seq_len=8)
+    assert pipeline._cache_key(args, 1, 0, tokenizer, "sft") != pipeline._cache_key(other, 1, 0, tokenizer, "sft")
+    data = prepare_sft_data(other, tokenizer, seed=0)
+    assert data.cache_hit is False and len(data.train) == 10
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_seq_len": 100},
+        {"train_on_prompt": True},
+        {"data_split": "2,4,4"},
+        {"max_eval_samples": 5},
+        {"sft_only_data_path": ["builtin"]},
+    ],
+)
+def test_cache_key_covers_data_options(data_dir, tmp_path, tokenizer, change):
+    args = make_args(data_dir, tmp_path)
+    key = pipeline._cache_key(args, 1, 0, tokenizer, "sft")
+    assert pipeline._cache_key(dataclasses.replace(args), 1, 0, tokenizer, "sft") == key
+    assert pipeline._cache_key(dataclasses.replace(args, **change), 1, 0, tokenizer, "sft") != key
+
+
+def test_cache_key_covers_seed_phase_kind_not_output_path(data_dir, tmp_path, tokenizer):
+    args = make_args(data_dir, tmp_path)
+    key = pipeline._cache_key(args, 1, 0, tokenizer, "sft")
+    assert pipeline._cache_key(args, 1, 1, tokenizer, "sft") != key
+    assert pipeline._cache_key(args, 2, 0, tokenizer, "sft") != key
+    assert pipeline._cache_key(args, 1, 0, tokenizer, "rm") != key
+    assert pipeline._cache_key(dataclasses.replace(args, data_output_path="/elsewhere"), 1, 0, tokenizer, "sft") == key
+    # sft-only sources only matter for step 1
+    with_extra = dataclasses.replace(args, sft_only_data_path=["builtin"])
+    assert pipeline._cache_key(with_extra, 2, 0, tokenizer, "sft") == pipeline._cache_key(args, 2, 0, tokenizer, "sft")
+
+
+def test_changed_data_file_misses_the_cache(data_dir, tmp_path, tokenizer):
+    args = make_args(data_dir, tmp_path)
+    prepare_sft_data(args, tokenizer, seed=0)
+    write_jsonl(data_dir / "train.jsonl", [{"prompt": "Z", "response": " z"}])
+    data = prepare_sft_data(args, tokenizer, seed=0)
+    assert data.cache_hit is False
+    assert data.train == [expected("Z", " z")]
+
+
+def test_torn_cache_is_rebuilt(data_dir, tmp_path, tokenizer):
+    args = make_args(data_dir, tmp_path)
+    first = prepare_sft_data(args, tokenizer, seed=0)
+    (cache_file,) = (tmp_path / "cache").iterdir()
+    cache_file.write_bytes(b"not a torch file")
+    again = prepare_sft_data(args, tokenizer, seed=0)
+    assert again.cache_hit is False and again.train == first.train
+    assert prepare_sft_data(args, tokenizer, seed=0).cache_hit is True
+
+
+def test_non_builder_rank_reads_the_cache(data_dir, tmp_path, tokenizer, monkeypatch):
+    args = make_args(data_dir, tmp_path)
+    first = prepare_sft_data(args, tokenizer, seed=0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(pipeline, "_build_sft", lambda *a, **k: pytest.fail("only local rank 0 builds"))
+    data = prepare_sft_data(args, tokenizer, seed=0)
+    assert data.cache_hit is True and data.train == first.train
+
+
+def test_non_builder_rank_without_cache(data_dir, tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(UserError, match="tokenized data cache unreadable"):
+        prepare_sft_data(make_args(data_dir, tmp_path), tokenizer, seed=0)
+
+
+def test_nothing_left_after_filtering(tmp_path, tokenizer):
+    d = tmp_path / "long"
+    write_jsonl(d / "train.jsonl", [{"prompt": f"a long prompt {i}", "response": " r"} for i in range(4)])
+    write_jsonl(d / "test.jsonl", [{"prompt": "Q", "response": " A"}])
+    args = make_args(d, tmp_path, max_seq_len=8)
+    with pytest.raises(UserError, match=re.escape("4 of 4 are longer than --max_seq_len 8 and 0 have an empty response")):
+        prepare_sft_data(args, tokenizer, seed=0)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+
+
+def test_no_eval_sample_fits(tmp_path, tokenizer):
+    d = tmp_path / "d"
+    write_jsonl(d / "train.jsonl", [{"prompt": "Q", "response": " A"}])
+    write_jsonl(d / "test.jsonl", [{"prompt": "a much longer eval prompt", "response": " A"}])
+    with pytest.raises(UserError, match=re.escape("no evaluation samples: the sources give none that fit --max_seq_len 8")):
+        prepare_sft_data(make_args(d, tmp_path, max_seq_len=8), tokenizer, seed=0)
+
+
+# ---------------------------------------------------------------- known library bugs (see the reason strings)
+@pytest.mark.xfail(
+    raises=IndexError,
+    reason="library bug: tokenize_sft([]) calls the tokenizer on an empty batch, which raises IndexError, so a "
+    "source without eval samples crashes instead of raising the UserError 'no evaluation samples'",
+)
+def test_source_without_eval_samples_is_a_user_error(tmp_path, tokenizer):
+    p = tmp_path / "one.jsonl"
+    write_jsonl(p, [{"prompt": "Q", "response": " A"}])  # one sample: nothing is held out for eval
+    args = DataArgs(data_path=[str(p)], data_split="1,0,0", data_output_path=str(tmp_path / "cache"))
+    with pytest.raises(UserError, match="no evaluation samples"):
+        prepare_sft_data(args, tokenizer, seed=0)
+
+
+@pytest.mark.xfail(
+    raises=AssertionError,
+    reason="library bug: tokenizer_fingerprint ignores tokenizer.chat_template, so 'messages' data rendered "
+    "with another template is served stale from the cache",
+)
+def test_chat_template_is_part_of_the_cache_key(tmp_path):
+    d = tmp_path / "chat"
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    write_jsonl(d / "train.jsonl", [row])
+    write_jsonl(d / "test.jsonl", [row])
+    args = DataArgs(data_path=[str(d)], data_split="1,0,0", data_output_path=str(tmp_path / "cache"))
+    tok_a, tok_b = build_tokenizer(), build_tokenizer()
+    tok_a.chat_template = "{% for m in messages %}U:{{ m.content }}{% endfor %}A:"
+    tok_b.chat_template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    a = prepare_sft_data(args, tok_a, seed=0)
+    b = prepare_sft_data(args, tok_b, seed=0)
+    assert tok_a.decode(a.train[0]["input_ids"]) == "<s>U:hiA:yo</s>"
+    assert b.cache_hit is False
+    assert tok_b.decode(b.train[0]["input_ids"]) == "<s><hi>yo</s>"

@@ -1,0 +1,121 @@
+"""dschat.utils.run: output directory rules and the files that mark a run."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dschat.utils import run
+from dschat.utils.errors import UserError
+from dschat.utils.run import check_output_dir, clear_previous_run
+
+
+def finished(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "summary.json").write_text("{}")
+    return path
+
+
+def with_checkpoint(path):
+    (path / "checkpoints" / "latest").mkdir(parents=True)
+    return path
+
+
+@pytest.mark.parametrize(("overwrite", "resume"), [(False, False), (True, False)])
+def test_new_or_empty_directory_is_fine(tmp_path, overwrite, resume):
+    check_output_dir(str(tmp_path / "new"), overwrite=overwrite, resume=resume)
+    assert not (tmp_path / "new").exists()
+    check_output_dir(str(tmp_path), overwrite=overwrite, resume=resume)
+
+
+def test_directory_with_unrelated_files_is_fine(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "checkpoints").mkdir()  # no 'latest': nothing to resume
+    check_output_dir(str(tmp_path), overwrite=False, resume=False)
+
+
+def test_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(UserError, match=re.escape(f"--output_dir {f}: exists and is not a directory")):
+        check_output_dir(str(f), overwrite=True, resume=False)
+
+
+def test_finished_run_needs_overwrite(tmp_path):
+    out = finished(tmp_path / "out")
+    with pytest.raises(UserError, match=re.escape(f"--output_dir {out}: holds a finished run (summary.json); pass --overwrite")):
+        check_output_dir(str(out), overwrite=False, resume=False)
+    with pytest.raises(UserError, match="holds a finished run"):
+        check_output_dir(str(out), overwrite=False, resume=True)
+    check_output_dir(str(out), overwrite=True, resume=False)
+
+
+def test_unfinished_run_needs_resume_or_overwrite(tmp_path):
+    out = with_checkpoint(tmp_path / "out")
+    with pytest.raises(UserError, match=re.escape("pass --resume to continue it or --overwrite to start over")):
+        check_output_dir(str(out), overwrite=False, resume=False)
+    check_output_dir(str(out), overwrite=False, resume=True)
+    check_output_dir(str(out), overwrite=True, resume=False)
+
+
+def test_resume_without_checkpoint(tmp_path):
+    with pytest.raises(UserError, match=re.escape(f"--resume: no checkpoint to resume from in {tmp_path / 'checkpoints'}")):
+        check_output_dir(str(tmp_path), overwrite=False, resume=True)
+    with pytest.raises(UserError, match="--resume: no checkpoint"):
+        check_output_dir(str(tmp_path / "missing"), overwrite=False, resume=True)
+
+
+def test_flag_name_is_used(tmp_path):
+    out = finished(tmp_path / "actor")
+    with pytest.raises(UserError, match=re.escape(f"--actor_output_dir {out}: holds a finished run")):
+        check_output_dir(str(out), overwrite=False, resume=False, flag="--actor_output_dir")
+
+
+def test_finished_with_checkpoints_and_overwrite(tmp_path):
+    out = with_checkpoint(finished(tmp_path / "out"))
+    check_output_dir(str(out), overwrite=True, resume=False)
+
+
+def test_clear_previous_run(tmp_path):
+    out = with_checkpoint(finished(tmp_path / "out"))
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "model.safetensors").write_text("keep")
+    clear_previous_run(str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    check_output_dir(str(out), overwrite=False, resume=False)
+
+
+def test_clear_previous_run_only_on_rank_0(tmp_path, monkeypatch):
+    out = finished(tmp_path / "out")
+    monkeypatch.setenv("RANK", "1")
+    clear_previous_run(str(out))
+    assert (out / "summary.json").exists()
+
+
+def test_summary_and_config_files(tmp_path):
+    run.save_resolved_config(str(tmp_path), {"b": 2, "a": 1})
+    run.write_summary(str(tmp_path), {"loss": 0.5})
+    assert json.loads((tmp_path / "dschat_config.json").read_text()) == {"a": 1, "b": 2}
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"loss": 0.5}
+    with pytest.raises(UserError, match="holds a finished run"):
+        check_output_dir(str(tmp_path), overwrite=False, resume=False)
+
+
+def test_summary_not_written_on_other_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    run.write_summary(str(tmp_path), {"loss": 0.5})
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_stopwatch_accumulates(monkeypatch):
+    clock = iter([0.0, 10.0, 12.5, 20.0, 21.0, 30.0])
+    monkeypatch.setattr(run.time, "perf_counter", lambda: next(clock))
+    sw = run.Stopwatch()  # start at 0.0
+    with sw("train"):  # 10.0 -> 12.5
+        pass
+    with sw("train"):  # 20.0 -> 21.0
+        pass
+    assert sw.totals == {"train": 3.5}
+    assert sw.wall() == 30.0

@@ -1,0 +1,85 @@
+"""dschat.data.sampler: rank partitioning, resume, epochs."""
+
+from __future__ import annotations
+
+import pytest
+
+from dschat.data.sampler import ResumableDistributedSampler
+
+
+def make(n=20, bs=2, rank=0, world=1, seed=0, shuffle=True, epoch=0, start_batch=0):
+    s = ResumableDistributedSampler(n, batch_size=bs, rank=rank, world=world, seed=seed, shuffle=shuffle)
+    s.set_epoch(epoch, start_batch)
+    return s
+
+
+def batches(indices, bs):
+    return [indices[i : i + bs] for i in range(0, len(indices), bs)]
+
+
+def test_unshuffled_order_by_hand():
+    # n=10, 2 ranks x 2 per batch: 2 full global batches of 4, the last 2 indices are dropped
+    assert list(make(n=10, bs=2, rank=0, world=2, shuffle=False)) == [0, 2, 4, 6]
+    assert list(make(n=10, bs=2, rank=1, world=2, shuffle=False)) == [1, 3, 5, 7]
+    assert list(make(n=10, bs=3, rank=0, world=1, shuffle=False)) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize(("n", "bs", "world"), [(20, 2, 2), (23, 2, 2), (50, 3, 4), (7, 1, 3)])
+def test_ranks_partition_each_global_batch(n, bs, world):
+    single = batches(list(make(n=n, bs=bs * world, world=1, seed=5)), bs * world)
+    per_rank = [batches(list(make(n=n, bs=bs, rank=r, world=world, seed=5)), bs) for r in range(world)]
+    assert all(len(b) == len(single) for b in per_rank)
+    for step, global_batch in enumerate(single):
+        parts = [per_rank[r][step] for r in range(world)]
+        assert all(len(p) == bs for p in parts)
+        assert sorted(i for p in parts for i in p) == sorted(global_batch)
+
+
+@pytest.mark.parametrize(("n", "bs", "world"), [(20, 2, 2), (23, 2, 2), (50, 3, 4)])
+def test_equal_lengths_per_rank(n, bs, world):
+    samplers = [make(n=n, bs=bs, rank=r, world=world, seed=1) for r in range(world)]
+    expected = (n // (bs * world)) * bs
+    for s in samplers:
+        assert len(s) == expected
+        assert len(list(s)) == expected
+        assert s.batches_per_epoch() == n // (bs * world)
+    seen = [i for s in samplers for i in s]
+    assert len(seen) == len(set(seen))
+    assert all(0 <= i < n for i in seen)
+
+
+@pytest.mark.parametrize("start_batch", [0, 1, 3, 5])
+def test_resume_gives_the_tail(start_batch):
+    for rank in (0, 1):
+        full = list(make(n=21, bs=2, rank=rank, world=2, seed=9, epoch=2))
+        resumed = make(n=21, bs=2, rank=rank, world=2, seed=9, epoch=2, start_batch=start_batch)
+        assert list(resumed) == full[start_batch * 2 :]
+        assert len(resumed) == len(full) - start_batch * 2
+
+
+def test_epochs_reshuffle_and_repeat():
+    s = make(n=30, bs=3, seed=4)
+    e0 = list(s)
+    assert list(s) == e0
+    s.set_epoch(1)
+    e1 = list(s)
+    assert e1 != e0
+    assert sorted(e1) == sorted(e0) == list(range(30))
+    s.set_epoch(0)
+    assert list(s) == e0
+
+
+def test_set_epoch_resets_start_batch():
+    s = make(n=12, bs=2, seed=0, start_batch=3)
+    assert len(s) == 6
+    s.set_epoch(1)
+    assert len(s) == 12 and len(list(s)) == 12
+
+
+def test_seed_changes_order():
+    assert list(make(n=30, seed=1)) != list(make(n=30, seed=2))
+
+
+def test_fewer_samples_than_a_global_batch():
+    s = make(n=3, bs=2, world=2)
+    assert len(s) == 0 and list(s) == []

@@ -1,0 +1,372 @@
+"""dschat.data.sources: local files, built-in tasks and hub datasets mapped to Sample."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dschat.data import sources
+from dschat.data.schema import Sample
+from dschat.data.sources import HUB_ADAPTERS, fingerprint, load_source, read_json_file, source_kind
+from dschat.utils.errors import UserError
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def qa_rows(n: int, prefix: str = "") -> list[dict]:
+    return [{"prompt": f"{prefix}Q{i}", "response": f" {prefix}A{i}"} for i in range(n)]
+
+
+# ---------------------------------------------------------------- read_json_file
+def test_jsonl_prompt_response(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q1", "response": " A1"}, {"prompt": "Q2", "response": " A2"}])
+    assert read_json_file(p) == [Sample("Q1", " A1", None, f"{p}:1"), Sample("Q2", " A2", None, f"{p}:2")]
+
+
+def test_jsonl_prompt_chosen_rejected(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q", "chosen": " good", "rejected": " bad", "extra": 1}])
+    assert read_json_file(p) == [Sample("Q", " good", " bad", f"{p}:1")]
+
+
+def test_chosen_wins_over_response(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q", "chosen": " c", "response": " r"}])
+    assert read_json_file(p)[0].chosen == " c"
+
+
+def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a", "response": "b"}\n\n   \n{"prompt": "c", "response": "d"}', encoding="utf-8")
+    assert [s.source for s in read_json_file(p)] == [f"{p}:1", f"{p}:4"]
+
+
+def test_json_list_file(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([{"prompt": "Q", "response": " A"}, {"prompt": "Q2", "chosen": " C", "rejected": " R"}], indent=2))
+    assert read_json_file(p) == [Sample("Q", " A", None, f"{p} item 0"), Sample("Q2", " C", " R", f"{p} item 1")]
+
+
+def test_json_file_of_lines(tmp_path):
+    p = write_jsonl(tmp_path / "d.json", [{"prompt": "Q", "response": " A"}])
+    assert read_json_file(p) == [Sample("Q", " A", None, f"{p}:1")]
+
+
+def test_unicode_content(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "¿Qué? 日本", "response": " 😀"}])
+    assert read_json_file(p)[0] == Sample("¿Qué? 日本", " 😀", None, f"{p}:1")
+
+
+def fake_render(msgs):
+    return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<assistant>"
+
+
+def test_messages_rows_use_the_renderer(tmp_path):
+    row = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "R"},
+        ]
+    }
+    p = write_jsonl(tmp_path / "d.jsonl", [row])
+    assert read_json_file(p, render_chat=fake_render) == [Sample("<system>S<user>U<assistant>", "R", None, f"{p}:1")]
+
+
+def test_messages_rows_pass_all_but_the_last_turn():
+    seen = []
+    row = {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+                        {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]}  # fmt: skip
+    s = sources._row_to_sample(row, "w", lambda m: seen.append(m) or "P")
+    assert seen == [row["messages"][:3]]
+    assert s == Sample("P", "a2", None, "w")
+
+
+def test_messages_without_renderer(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": "R"}]}])
+    with pytest.raises(UserError, match=re.escape(f"{p}:1: 'messages' rows need a tokenizer with a chat template")):
+        read_json_file(p)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], "hi", [{"role": "user", "content": "U"}], [{"role": "assistant", "content": "A"}, "x"]],
+)
+def test_messages_must_end_with_assistant(tmp_path, messages):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}])
+    with pytest.raises(UserError, match=re.escape(f"{p}:1: field 'messages' must be a list of turns ending")):
+        read_json_file(p, render_chat=fake_render)
+
+
+def test_malformed_jsonl_line_names_path_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", \n', encoding="utf-8")
+    with pytest.raises(UserError, match=re.escape(f"{p}:2: malformed JSON line")):
+        read_json_file(p)
+
+
+def test_malformed_json_list_names_path_and_line(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text('[\n  {"prompt": "a", "response": "b"},\n  {oops}\n]\n', encoding="utf-8")
+    with pytest.raises(UserError, match=re.escape(f"{p}:3: malformed JSON")):
+        read_json_file(p)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"response": "x"}, "missing field 'prompt'"),
+        ({"prompt": "x"}, "missing field 'chosen' or 'response'"),
+        ({"prompt": "x", "rejected": "y"}, "missing field 'chosen' or 'response'"),
+        ({"prompt": 3, "response": "x"}, "field 'prompt' must be a string, got int"),
+        ({"prompt": "x", "chosen": ["a"]}, "field 'chosen/response' must be a string, got list"),
+        ({"prompt": "x", "chosen": "a", "rejected": 1.5}, "field 'rejected' must be a string, got float"),
+        (["prompt", "x"], "expected a JSON object, got list"),
+        ("text", "expected a JSON object, got str"),
+    ],
+)
+def test_bad_rows_name_the_field_and_line(tmp_path, row, message):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok", "response": "ok"}, row])
+    with pytest.raises(UserError, match=re.escape(f"{p}:2: {message}")):
+        read_json_file(p)
+
+
+def test_bad_row_in_json_list_names_the_item(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([{"prompt": "ok", "response": "ok"}, {"prompt": "x"}]))
+    with pytest.raises(UserError, match=re.escape(f"{p} item 1: missing field 'chosen' or 'response'")):
+        read_json_file(p)
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.jsonl"
+    with pytest.raises(UserError, match=re.escape(f"{p}: data file not found")):
+        read_json_file(p)
+    with pytest.raises(UserError, match=re.escape(f"{p}: data file not found")):
+        load_source(str(p), seed=0)
+
+
+@pytest.mark.parametrize("spec", ["missing.json", "./missing", "~/missing_dschat_dir"])
+def test_missing_path_like_spec(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=re.escape(f"{spec}: data file not found")):
+        source_kind(spec)
+
+
+def test_unknown_spec_lists_the_registry(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as exc:
+        load_source("someone/some-dataset", seed=0)
+    msg = str(exc.value)
+    assert msg.startswith("--data_path someone/some-dataset: not a local file or directory")
+    for name in HUB_ADAPTERS:
+        assert name in msg
+
+
+def test_source_kind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "d.jsonl", qa_rows(1))
+    assert source_kind("builtin") == "builtin"
+    assert source_kind("builtin:add,sort") == "builtin"
+    assert source_kind("d.jsonl") == "local"
+    assert source_kind(str(tmp_path)) == "local"
+    assert source_kind("Dahoas/rm-static") == "hub"
+    assert source_kind("Anthropic/hh-rlhf") == "hub"
+
+
+# ---------------------------------------------------------------- local sources: eval carve-out, directories
+def test_local_file_holds_out_five_percent(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", qa_rows(40))
+    src = load_source(str(p), seed=3)
+    assert src.name == str(p)
+    assert len(src.train) == 38 and len(src.eval) == 2
+    assert sorted(s.prompt for s in src.train + src.eval) == sorted(f"Q{i}" for i in range(40))
+    assert not {s.prompt for s in src.train} & {s.prompt for s in src.eval}
+    assert load_source(str(p), seed=3) == src
+    # the train side keeps file order
+    order = [int(s.prompt[1:]) for s in src.train]
+    assert order == sorted(order)
+
+
+def test_local_file_eval_share_rounds_and_is_at_least_one(tmp_path):
+    assert [len(load_source(str(write_jsonl(tmp_path / f"{n}.jsonl", qa_rows(n))), seed=0).eval) for n in (2, 3, 30, 50, 70)] == [
+        1, 1, 2, 2, 4,  # max(1, round(n * 0.05)): round(1.5) = 2, round(2.5) = 2, round(3.5) = 4
+    ]  # fmt: skip
+
+
+def test_local_file_with_one_sample_has_no_eval(tmp_path):
+    src = load_source(str(write_jsonl(tmp_path / "d.jsonl", qa_rows(1))), seed=0)
+    assert len(src.train) == 1 and src.eval == []
+
+
+def test_directory_with_train_and_test_files(tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", qa_rows(3, "t"))
+    write_jsonl(d / "train_more.json", qa_rows(2, "m"))
+    write_jsonl(d / "test.jsonl", qa_rows(2, "e"))
+    write_jsonl(d / "valid.json", qa_rows(1, "v"))
+    (d / "README.md").write_text("not data")
+    write_jsonl(d / "sub" / "train.jsonl", qa_rows(5, "ignored"))
+    src = load_source(str(d), seed=0)
+    assert [s.prompt for s in src.train] == ["tQ0", "tQ1", "tQ2", "mQ0", "mQ1"]
+    assert [s.prompt for s in src.eval] == ["eQ0", "eQ1", "vQ0"]
+
+
+def test_directory_without_eval_files_is_carved(tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "a.jsonl", qa_rows(20, "a"))
+    write_jsonl(d / "b.jsonl", qa_rows(20, "b"))
+    src = load_source(str(d), seed=0)
+    assert len(src.train) == 38 and len(src.eval) == 2
+
+
+def test_directory_without_data_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path}: directory holds no .json or .jsonl files")):
+        load_source(str(tmp_path), seed=0)
+
+
+# ---------------------------------------------------------------- builtin
+def test_builtin_source(monkeypatch):
+    monkeypatch.setattr(sources, "BUILTIN_TRAIN_PER_TASK", 30)
+    monkeypatch.setattr(sources, "BUILTIN_EVAL_PER_TASK", 5)
+    src = load_source("builtin:add,reverse", seed=999)
+    assert src.name == "builtin:add,reverse"
+    assert len(src.train) == 60 and len(src.eval) == 10
+    assert [s.source for s in src.train] == ["builtin:add"] * 30 + ["builtin:reverse"] * 30
+    assert not {s.prompt for s in src.train} & {s.prompt for s in src.eval}
+    assert all(s.rejected is not None and s.rejected != s.chosen for s in src.train + src.eval)
+    # --seed does not move the built-in data
+    assert load_source("builtin:add,reverse", seed=1) == src
+
+
+def test_builtin_unknown_task():
+    with pytest.raises(UserError, match=re.escape("--data_path builtin:mul: unknown built-in task 'mul'")):
+        load_source("builtin:mul", seed=0)
+
+
+# ---------------------------------------------------------------- hub adapters on rows
+def test_anthropic_hh_splits_at_the_last_assistant_turn():
+    prompt = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye\n\nAssistant:"
+    row = {"chosen": prompt + " Goodbye", "rejected": prompt + " Go away"}
+    assert HUB_ADAPTERS["Anthropic/hh-rlhf"](row) == Sample(prompt, " Goodbye", " Go away")
+
+
+def test_anthropic_hh_different_prompts_are_dropped():
+    row = {"chosen": "\n\nHuman: A\n\nAssistant: x", "rejected": "\n\nHuman: B\n\nAssistant: y"}
+    assert HUB_ADAPTERS["Anthropic/hh-rlhf"](row) is None
+
+
+def test_anthropic_hh_without_assistant_turn():
+    with pytest.raises(ValueError, match="Assistant"):
+        HUB_ADAPTERS["Anthropic/hh-rlhf"]({"chosen": "\n\nHuman: A", "rejected": "\n\nHuman: A"})
+
+
+def test_other_adapters():
+    row = {"prompt": "\n\nHuman: Q\n\nAssistant:", "chosen": " C", "rejected": " R", "response": " C"}
+    assert HUB_ADAPTERS["Dahoas/rm-static"](row) == Sample(row["prompt"], " C", " R")
+    assert HUB_ADAPTERS["Dahoas/full-hh-rlhf"](row) == Sample(row["prompt"], " C", " R")
+    assert HUB_ADAPTERS["Dahoas/synthetic-instruct-gptj-pairwise"]({"prompt": "Q", "chosen": "C", "rejected": "R"}) == Sample(
+        "\n\nHuman: Q\n\nAssistant:", " C", " R"
+    )
+    rlhf = {"prompt": "Human: Q ", "chosen": "Human: Q Assistant: C", "rejected": "Human: Q Assistant: R"}
+    assert HUB_ADAPTERS["yitingxie/rlhf-reward-datasets"](rlhf) == Sample("Human: Q Assistant:", " C", " R")
+
+
+# ---------------------------------------------------------------- hub path through datasets.load_dataset, offline
+@pytest.fixture
+def hub_mirror(tmp_path, monkeypatch):
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    monkeypatch.setenv("DSCHAT_HUB_MIRROR", str(mirror))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.chdir(tmp_path)
+    return mirror
+
+
+def test_hub_dataset_from_mirror(hub_mirror):
+    rows = [
+        {"prompt": "\n\nHuman: Q1\n\nAssistant:", "response": " C1", "chosen": " C1", "rejected": " R1"},
+        {"prompt": "\n\nHuman: Q2\n\nAssistant:", "response": " C2", "chosen": " C2", "rejected": " R2"},
+    ]
+    write_jsonl(hub_mirror / "Dahoas" / "rm-static" / "train.jsonl", rows)
+    write_jsonl(hub_mirror / "Dahoas" / "rm-static" / "test.jsonl", [{**rows[0], "prompt": "\n\nHuman: Q3\n\nAssistant:"}])
+    src = load_source("Dahoas/rm-static", seed=0)
+    assert src.name == "Dahoas/rm-static"
+    assert src.train == [
+        Sample("\n\nHuman: Q1\n\nAssistant:", " C1", " R1", "Dahoas/rm-static"),
+        Sample("\n\nHuman: Q2\n\nAssistant:", " C2", " R2", "Dahoas/rm-static"),
+    ]
+    assert src.eval == [Sample("\n\nHuman: Q3\n\nAssistant:", " C1", " R1", "Dahoas/rm-static")]
+
+
+def test_hub_anthropic_from_mirror(hub_mirror):
+    p = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye\n\nAssistant:"
+    rows = [
+        {"chosen": p + " Goodbye", "rejected": p + " Go away"},
+        {"chosen": "\n\nHuman: A\n\nAssistant: x", "rejected": "\n\nHuman: B\n\nAssistant: y"},  # dropped
+    ]
+    write_jsonl(hub_mirror / "Anthropic" / "hh-rlhf" / "train.jsonl", rows)
+    write_jsonl(hub_mirror / "Anthropic" / "hh-rlhf" / "test.jsonl", rows[::-1])
+    src = load_source("Anthropic/hh-rlhf", seed=0)
+    assert src.train == [Sample(p, " Goodbye", " Go away", "Anthropic/hh-rlhf")]
+    assert src.eval == src.train
+
+
+@pytest.mark.xfail(
+    raises=AssertionError,
+    reason="library bug: _load_hub does not hold out EVAL_FRACTION for a dataset without a test split "
+    "(e.g. Dahoas/synthetic-instruct-gptj-pairwise), so such a source has no eval samples",
+)
+def test_hub_dataset_without_test_split_gets_an_eval_share(hub_mirror):
+    rows = [{"prompt": f"Q{i}", "chosen": f"C{i}", "rejected": f"R{i}"} for i in range(20)]
+    write_jsonl(hub_mirror / "Dahoas" / "synthetic-instruct-gptj-pairwise" / "train.jsonl", rows)
+    src = load_source("Dahoas/synthetic-instruct-gptj-pairwise", seed=0)
+    assert len(src.train) + len(src.eval) == 20
+    assert len(src.eval) == 1
+
+
+def test_hub_row_that_does_not_fit_the_adapter(hub_mirror):
+    write_jsonl(
+        hub_mirror / "Anthropic" / "hh-rlhf" / "train.jsonl",
+        [{"chosen": "\n\nHuman: A\n\nAssistant: x", "rejected": "\n\nHuman: A\n\nAssistant: y"},
+         {"chosen": "\n\nHuman: no reply", "rejected": "\n\nHuman: no reply"}],
+    )  # fmt: skip
+    with pytest.raises(UserError, match=re.escape("Anthropic/hh-rlhf train row 1: does not fit the registered adapter")):
+        load_source("Anthropic/hh-rlhf", seed=0)
+
+
+def test_hub_dataset_missing_from_mirror(hub_mirror):
+    with pytest.raises(UserError, match=re.escape("--data_path Dahoas/full-hh-rlhf: could not load from the Hugging Face Hub")):
+        load_source("Dahoas/full-hh-rlhf", seed=0)
+
+
+# ---------------------------------------------------------------- fingerprint
+def test_fingerprint_of_local_file_follows_content(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", qa_rows(2))
+    before = fingerprint(str(p))
+    assert fingerprint(str(p)) == before
+    write_jsonl(p, qa_rows(3))
+    assert fingerprint(str(p)) != before
+
+
+def test_fingerprint_of_directory_sees_new_files(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", qa_rows(2))
+    before = fingerprint(str(tmp_path))
+    write_jsonl(tmp_path / "test.jsonl", qa_rows(1))
+    assert fingerprint(str(tmp_path)) != before
+
+
+def test_fingerprint_of_builtin_and_hub(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert fingerprint("builtin") != fingerprint("builtin:add")
+    plain = fingerprint("Dahoas/rm-static")
+    monkeypatch.setenv("DSCHAT_HUB_MIRROR", "/some/mirror")
+    assert fingerprint("Dahoas/rm-static") != plain

@@ -1,0 +1,155 @@
+"""dschat.tasks: generated verifiable tasks, their wrong answers and the verifier."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dschat import tasks
+from dschat.tasks import TASKS, clean_response, generate, last_question, make_prompt, task_of, verify
+
+
+def test_prompt_format():
+    assert make_prompt("What is 1 + 2?") == "\n\nHuman: What is 1 + 2?\n\nAssistant:"
+
+
+def test_generate_is_deterministic_for_a_seed():
+    assert generate(None, 20, seed=7) == generate(None, 20, seed=7)
+
+
+def test_generate_depends_on_the_seed():
+    a = {e.prompt for e in generate(None, 20, seed=7)}
+    b = {e.prompt for e in generate(None, 20, seed=8)}
+    assert a != b
+
+
+def test_generate_counts_and_order():
+    out = generate(None, 5, seed=0)
+    assert [e.task for e in out] == ["add"] * 5 + ["sort"] * 5 + ["reverse"] * 5
+    assert [e.task for e in generate(["reverse", "add"], 3, seed=0)] == ["reverse"] * 3 + ["add"] * 3
+
+
+def test_generate_one_task_does_not_depend_on_the_others():
+    alone = generate(["sort"], 10, seed=3)
+    together = [e for e in generate(None, 10, seed=3) if e.task == "sort"]
+    assert alone == together
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_generated_prompts_are_distinct(name):
+    prompts = [e.prompt for e in generate([name], 300, seed=1)]
+    assert len(prompts) == 300
+    assert len(set(prompts)) == 300
+
+
+def test_exclude_is_respected():
+    first = generate(None, 50, seed=1)
+    excluded = {e.prompt for e in first[:25]} | {e.prompt for e in first[60:90]}
+    again = generate(None, 50, seed=1, exclude=excluded)
+    assert len(again) == 150
+    assert not excluded & {e.prompt for e in again}
+    assert [e.task for e in again] == ["add"] * 50 + ["sort"] * 50 + ["reverse"] * 50
+
+
+def test_exclude_held_out_from_other_seed():
+    train = generate(None, 100, seed=2024)
+    held = generate(None, 20, seed=2025, exclude={e.prompt for e in train})
+    assert not {e.prompt for e in train} & {e.prompt for e in held}
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_examples_verify(name):
+    for ex in generate([name], 200, seed=5):
+        assert ex.task == name
+        assert ex.prompt.startswith("\n\nHuman: ") and ex.prompt.endswith("\n\nAssistant:")
+        assert ex.chosen.startswith(" ") and ex.rejected.startswith(" ")
+        assert ex.rejected != ex.chosen
+        assert verify(ex.prompt, ex.chosen) is True
+        assert verify(ex.prompt, ex.rejected) is False
+        assert task_of(ex.prompt) == name
+
+
+@pytest.mark.parametrize(
+    ("question", "right", "wrong"),
+    [
+        ("What is 347 + 85?", " 432", " 422"),
+        ("What is 0 + 0?", " 0", " 1"),
+        ("Sort these words alphabetically: pear apple fox", " apple fox pear", " apple pear fox"),
+        ("Reverse the letters of: abcd", " dcba", " abcd"),
+    ],
+)
+def test_verify_hand_examples(question, right, wrong):
+    prompt = make_prompt(question)
+    assert verify(prompt, right) is True
+    assert verify(prompt, wrong) is False
+    assert verify(prompt, right + "\n\nHuman: and now?") is True
+    assert verify(prompt, "") is False
+
+
+def test_verify_unknown_prompt_is_none():
+    assert verify(make_prompt("Tell me a joke."), " no") is None
+    assert verify("", "x") is None
+    assert task_of(make_prompt("What is 3 - 1?")) is None
+
+
+def test_verify_uses_the_last_human_turn():
+    prompt = make_prompt("What is 1 + 1?") + " 2" + make_prompt("What is 2 + 3?")
+    assert last_question(prompt) == "What is 2 + 3?"
+    assert verify(prompt, " 5") is True
+    assert verify(prompt, " 2") is False
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        (" 432", "432"),
+        (" 432\n\nHuman: next", "432"),
+        ("abc \ndef", "abc"),
+        ("  apple fox  ", "apple fox"),
+        ("", ""),
+        ("   ", ""),
+        ("\n\n", ""),
+        ("\n432", ""),
+    ],
+)
+def test_clean_response(response, expected):
+    assert clean_response(response) == expected
+
+
+def test_resolve_tasks():
+    assert [t.name for t in tasks.resolve_tasks(None)] == ["add", "sort", "reverse"]
+    assert [t.name for t in tasks.resolve_tasks([])] == ["add", "sort", "reverse"]
+    with pytest.raises(KeyError, match="unknown built-in task 'mul'; known: add, sort, reverse"):
+        tasks.resolve_tasks(["add", "mul"])
+
+
+# ---------------------------------------------------------------- wrong answers, by hand
+def _wrong(name: str, question: str) -> set[str]:
+    task = TASKS[name]
+    return set(task.wrong_answers(task.pattern.match(question), random.Random(0)))
+
+
+def test_addition_wrong_answers():
+    # 47 + 85 = 132; digit-wise without carry: 0+0, 4+8, 7+5 -> 0, 2, 2 -> 22
+    assert _wrong("add", "What is 47 + 85?") == {"22", "133", "131", "142", "122", "232"}
+    # 5 + 5 = 10; no carry -> 0 (also 10 - 10)
+    assert _wrong("add", "What is 5 + 5?") == {"0", "9", "11", "20", "110"}
+    # 12 + 3 = 15 has no carry: the no-carry answer is the right one and is left out
+    assert _wrong("add", "What is 12 + 3?") == {"16", "14", "25", "5", "115"}
+
+
+def test_sort_wrong_answers():
+    assert _wrong("sort", "Sort these words alphabetically: pear apple fox") == {
+        "fox apple pear",
+        "apple pear fox",
+        "pear apple fox",
+    }
+    # already sorted input: the input itself is the right answer and is left out
+    assert _wrong("sort", "Sort these words alphabetically: ant bee cat") == {"bee ant cat", "ant cat bee"}
+
+
+def test_reverse_wrong_answers():
+    assert _wrong("reverse", "Reverse the letters of: abc") == {"abc", "bca", "cab", "cb"}
+    # palindrome: the input is the right answer; swapping equal letters too
+    assert _wrong("reverse", "Reverse the letters of: aba") == {"baa", "aab", "ab"}
