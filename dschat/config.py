@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -62,10 +63,7 @@ class DataArgs:
     sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*")
     max_seq_len: int = opt(512, "longest prompt + response in tokens; longer samples are dropped and counted")
     data_output_path: str = opt(
-        os.path.join(
-            os.environ.get("DSCHAT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dschat")), "data"
-        ),
-        "cache directory for tokenized data",
+        "", "cache directory for tokenized data (default: $DSCHAT_CACHE/data, ~/.cache/dschat/data)"
     )
     train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
     max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
@@ -175,7 +173,7 @@ def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
         parts = [float(x) for x in text.split(",")]
     except ValueError:
         raise UserError(f"{flag} {text!r}: expected three comma-separated numbers such as 2,4,4") from None
-    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if len(parts) != 3 or any(not math.isfinite(p) or p < 0 for p in parts) or sum(parts) <= 0:
         raise UserError(
             f"{flag} {text!r}: expected three non-negative numbers with a positive sum, such as 2,4,4"
         )

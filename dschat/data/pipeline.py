@@ -34,9 +34,16 @@ class PreparedData:
     cache_hit: bool = False
 
 
+def data_cache_dir(args: DataArgs) -> Path:
+    if args.data_output_path:
+        return Path(args.data_output_path).expanduser()
+    return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat")) / "data"
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    body += "|" + str(getattr(tokenizer, "chat_template", None) or "")
     return (
         hashlib.sha256(body.encode()).hexdigest()[:16]
         + f"|{len(tokenizer)}|{tokenizer.bos_token}|{tokenizer.eos_token}"
@@ -80,6 +87,8 @@ def tokenize_sft(
     samples: list[Sample], tokenizer, max_seq_len: int, train_on_prompt: bool
 ) -> tuple[list[dict], dict]:
     """Tokenize prompt and response separately (the boundary is exact) and drop over-long samples."""
+    if not samples:
+        return [], {"samples": 0, "kept": 0, "dropped_too_long": 0, "dropped_empty_response": 0}
     prompts = tokenizer([s.prompt for s in samples], add_special_tokens=True)["input_ids"]
     responses = tokenizer([s.chosen for s in samples], add_special_tokens=False)["input_ids"]
     out, too_long, empty = [], 0, 0
@@ -139,7 +148,7 @@ def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) ->
     With several processes, local rank 0 of each node builds and writes the cache while the others
     wait, then everyone reads it; a failure on the builder is re-raised on every rank (no hang).
     """
-    path = Path(args.data_output_path) / f"sft_{_cache_key(args, phase, seed, tokenizer, 'sft')}.pt"
+    path = data_cache_dir(args) / f"sft_{_cache_key(args, phase, seed, tokenizer, 'sft')}.pt"
     builder = dist.local_rank() == 0
     data: PreparedData | None = None
     error: UserError | None = None

@@ -23,6 +23,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self.start_batch = 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        if not 0 <= start_batch <= self.batches_per_epoch():
+            raise ValueError(f"start_batch {start_batch} outside 0..{self.batches_per_epoch()}")
         self.epoch, self.start_batch = epoch, start_batch
 
     def batches_per_epoch(self) -> int:

@@ -113,14 +113,15 @@ def _row_to_sample(row: Any, where: str, render_chat: ChatRenderer | None) -> Sa
         raise UserError(
             f"{where}: missing field 'chosen' or 'response' (need prompt + chosen [+ rejected] or prompt + response)"
         )
+    rejected = row.get("rejected")
     for key, val in (
         ("prompt", row["prompt"]),
         ("chosen/response", response),
-        ("rejected", row.get("rejected", "")),
+        ("rejected", rejected or ""),
     ):
         if not isinstance(val, str):
             raise UserError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
-    return Sample(row["prompt"], response, row.get("rejected"), where)
+    return Sample(row["prompt"], response, rejected, where)
 
 
 def read_json_file(path: Path, render_chat: ChatRenderer | None = None) -> list[Sample]:
@@ -178,7 +179,7 @@ def _load_local(path: Path, seed: int, render_chat: ChatRenderer | None) -> Sour
     return SourceData(str(path), train, evals)
 
 
-def _load_hub(name: str) -> SourceData:
+def _load_hub(name: str, seed: int) -> SourceData:
     import datasets
 
     adapter = HUB_ADAPTERS[name]
@@ -204,6 +205,9 @@ def _load_hub(name: str) -> SourceData:
             if s is not None:
                 out.append(Sample(s.prompt, s.chosen, s.rejected, name))
         splits[split] = out
+    if not splits["test"]:  # train-only hub datasets: hold out a share, as for local files
+        train, evals = _carve_eval(splits["train"], seed)
+        return SourceData(name, train, evals)
     return SourceData(name, splits["train"], splits["test"])
 
 
@@ -224,7 +228,7 @@ def source_kind(spec: str) -> str:
     """``builtin`` | ``local`` | ``hub``; raises :class:`UserError` for a spec that is none of them."""
     if spec == "builtin" or spec.startswith("builtin:"):
         return "builtin"
-    if os.path.exists(spec):
+    if os.path.exists(os.path.expanduser(spec)):
         return "local"
     if spec in HUB_ADAPTERS:
         return "hub"
@@ -241,15 +245,15 @@ def load_source(spec: str, *, seed: int, render_chat: ChatRenderer | None = None
     if kind == "builtin":
         return _load_builtin(spec)
     if kind == "local":
-        return _load_local(Path(spec), seed, render_chat)
-    return _load_hub(spec)
+        return _load_local(Path(spec).expanduser(), seed, render_chat)
+    return _load_hub(spec, seed)
 
 
 def fingerprint(spec: str) -> str:
     """What identifies a source's content for the tokenization cache (file sizes and mtimes for local data)."""
     kind = source_kind(spec)
     if kind == "local":
-        p = Path(spec)
+        p = Path(spec).expanduser()
         files = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
         return spec + "|" + ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     if kind == "builtin":

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) does not put the repo root on sys.path
+if (
+    str(ROOT) not in sys.path
+):  # plain `pytest` (not `python -m pytest`) does not put the repo root on sys.path
     sys.path.insert(0, str(ROOT))
 
 

@@ -57,16 +57,23 @@ def test_collator_pads_right_to_the_longest():
 
 
 def test_collator_pad_id_is_used():
-    batch = SFTCollator(pad_id=7)([{"input_ids": [1], "labels": [1]}, {"input_ids": [1, 2, 3], "labels": [M, 2, 3]}])
+    batch = SFTCollator(pad_id=7)(
+        [{"input_ids": [1], "labels": [1]}, {"input_ids": [1, 2, 3], "labels": [M, 2, 3]}]
+    )
     assert torch.equal(batch["input_ids"], torch.tensor([[1, 7, 7], [1, 2, 3]]))
     assert torch.equal(batch["labels"], torch.tensor([[1, M, M], [M, 2, 3]]))
 
 
 def test_collator_pad_to_multiple_of():
-    feats = [{"input_ids": [1, 2, 3, 4, 5], "labels": [M, M, 3, 4, 5]}, {"input_ids": [1, 2], "labels": [M, 2]}]
+    feats = [
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [M, M, 3, 4, 5]},
+        {"input_ids": [1, 2], "labels": [M, 2]},
+    ]
     batch = SFTCollator(pad_id=0, pad_to_multiple_of=4)(feats)
     assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3, 4, 5, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0, 0]]))
-    assert torch.equal(batch["attention_mask"], torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]))
+    assert torch.equal(
+        batch["attention_mask"], torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]])
+    )
     assert torch.equal(batch["labels"], torch.tensor([[M, M, 3, 4, 5, M, M, M], [M, 2, M, M, M, M, M, M]]))
 
 

@@ -117,7 +117,9 @@ def test_from_namespace_validates():
 def test_to_dict_merges_groups():
     d = C.to_dict(DeepSpeedArgs(zero_stage=2), LoraArgs(lora_dim=4))
     assert d["zero_stage"] == 2 and d["offload"] is False and d["lora_dim"] == 4
-    assert set(d) == {f.name for f in dataclasses.fields(DeepSpeedArgs)} | {f.name for f in dataclasses.fields(LoraArgs)}
+    assert set(d) == {f.name for f in dataclasses.fields(DeepSpeedArgs)} | {
+        f.name for f in dataclasses.fields(LoraArgs)
+    }
 
 
 # ---------------------------------------------------------------- argparse errors: one line, exit 2

@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE = ["dschat.losses", "dschat.data.collate", "dschat.data.split", "dschat.tasks", "dschat.engine.ds_config"]
+PURE = [
+    "dschat.losses",
+    "dschat.data.collate",
+    "dschat.data.split",
+    "dschat.tasks",
+    "dschat.engine.ds_config",
+]
 
 
 def test_pure_modules_do_not_import_deepspeed():
@@ -19,7 +25,12 @@ def test_pure_modules_do_not_import_deepspeed():
         "    assert 'deepspeed' not in sys.modules, name\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"

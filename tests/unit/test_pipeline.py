@@ -79,7 +79,9 @@ def test_gather_samples_phases_are_disjoint(data_dir, tmp_path):
     assert len(t1) == 10 and len(t2) == 10
     assert sorted(s.prompt for s in t1 + t2) == sorted(f"Q{i}" for i in range(20))
     assert [s.prompt for s in e1] == [s.prompt for s in e2] == ["E0", "E1", "E2"]
-    with pytest.raises(UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (20 training")):
+    with pytest.raises(
+        UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (20 training")
+    ):
         gather_samples(args, 3, seed=3)
 
 
@@ -122,7 +124,12 @@ def test_prepare_sft_data_drops_and_counts_long_samples(data_dir, tmp_path, toke
     # Q0..Q9 + ' A0'..: 3 + 3 + eos = 7 tokens; Q10..Q19: 9 tokens
     data = prepare_sft_data(make_args(data_dir, tmp_path, max_seq_len=8), tokenizer, seed=0)
     assert data.train == [expected(f"Q{i}", f" A{i}") for i in range(10)]
-    assert data.stats["train"] == {"samples": 20, "kept": 10, "dropped_too_long": 10, "dropped_empty_response": 0}
+    assert data.stats["train"] == {
+        "samples": 20,
+        "kept": 10,
+        "dropped_too_long": 10,
+        "dropped_empty_response": 0,
+    }
 
 
 def test_second_call_is_a_cache_hit(data_dir, tmp_path, tokenizer, monkeypatch):
@@ -144,7 +151,9 @@ def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
     prepare_sft_data(args, tokenizer, seed=0)
     other = dataclasses.replace(args, max_seq_len=8)
-    assert pipeline._cache_key(args, 1, 0, tokenizer, "sft") != pipeline._cache_key(other, 1, 0, tokenizer, "sft")
+    assert pipeline._cache_key(args, 1, 0, tokenizer, "sft") != pipeline._cache_key(
+        other, 1, 0, tokenizer, "sft"
+    )
     data = prepare_sft_data(other, tokenizer, seed=0)
     assert data.cache_hit is False and len(data.train) == 10
     assert len(list((tmp_path / "cache").iterdir())) == 2
@@ -173,10 +182,15 @@ def test_cache_key_covers_seed_phase_kind_not_output_path(data_dir, tmp_path, to
     assert pipeline._cache_key(args, 1, 1, tokenizer, "sft") != key
     assert pipeline._cache_key(args, 2, 0, tokenizer, "sft") != key
     assert pipeline._cache_key(args, 1, 0, tokenizer, "rm") != key
-    assert pipeline._cache_key(dataclasses.replace(args, data_output_path="/elsewhere"), 1, 0, tokenizer, "sft") == key
+    assert (
+        pipeline._cache_key(dataclasses.replace(args, data_output_path="/elsewhere"), 1, 0, tokenizer, "sft")
+        == key
+    )
     # sft-only sources only matter for step 1
     with_extra = dataclasses.replace(args, sft_only_data_path=["builtin"])
-    assert pipeline._cache_key(with_extra, 2, 0, tokenizer, "sft") == pipeline._cache_key(args, 2, 0, tokenizer, "sft")
+    assert pipeline._cache_key(with_extra, 2, 0, tokenizer, "sft") == pipeline._cache_key(
+        args, 2, 0, tokenizer, "sft"
+    )
 
 
 def test_changed_data_file_misses_the_cache(data_dir, tmp_path, tokenizer):
@@ -218,7 +232,9 @@ def test_nothing_left_after_filtering(tmp_path, tokenizer):
     write_jsonl(d / "train.jsonl", [{"prompt": f"a long prompt {i}", "response": " r"} for i in range(4)])
     write_jsonl(d / "test.jsonl", [{"prompt": "Q", "response": " A"}])
     args = make_args(d, tmp_path, max_seq_len=8)
-    with pytest.raises(UserError, match=re.escape("4 of 4 are longer than --max_seq_len 8 and 0 have an empty response")):
+    with pytest.raises(
+        UserError, match=re.escape("4 of 4 are longer than --max_seq_len 8 and 0 have an empty response")
+    ):
         prepare_sft_data(args, tokenizer, seed=0)
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 
@@ -227,16 +243,13 @@ def test_no_eval_sample_fits(tmp_path, tokenizer):
     d = tmp_path / "d"
     write_jsonl(d / "train.jsonl", [{"prompt": "Q", "response": " A"}])
     write_jsonl(d / "test.jsonl", [{"prompt": "a much longer eval prompt", "response": " A"}])
-    with pytest.raises(UserError, match=re.escape("no evaluation samples: the sources give none that fit --max_seq_len 8")):
+    with pytest.raises(
+        UserError, match=re.escape("no evaluation samples: the sources give none that fit --max_seq_len 8")
+    ):
         prepare_sft_data(make_args(d, tmp_path, max_seq_len=8), tokenizer, seed=0)
 
 
 # ---------------------------------------------------------------- known library bugs (see the reason strings)
-@pytest.mark.xfail(
-    raises=IndexError,
-    reason="library bug: tokenize_sft([]) calls the tokenizer on an empty batch, which raises IndexError, so a "
-    "source without eval samples crashes instead of raising the UserError 'no evaluation samples'",
-)
 def test_source_without_eval_samples_is_a_user_error(tmp_path, tokenizer):
     p = tmp_path / "one.jsonl"
     write_jsonl(p, [{"prompt": "Q", "response": " A"}])  # one sample: nothing is held out for eval
@@ -245,11 +258,6 @@ def test_source_without_eval_samples_is_a_user_error(tmp_path, tokenizer):
         prepare_sft_data(args, tokenizer, seed=0)
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    reason="library bug: tokenizer_fingerprint ignores tokenizer.chat_template, so 'messages' data rendered "
-    "with another template is served stale from the cache",
-)
 def test_chat_template_is_part_of_the_cache_key(tmp_path):
     d = tmp_path / "chat"
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}

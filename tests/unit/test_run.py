@@ -45,7 +45,10 @@ def test_a_file_is_refused(tmp_path):
 
 def test_finished_run_needs_overwrite(tmp_path):
     out = finished(tmp_path / "out")
-    with pytest.raises(UserError, match=re.escape(f"--output_dir {out}: holds a finished run (summary.json); pass --overwrite")):
+    with pytest.raises(
+        UserError,
+        match=re.escape(f"--output_dir {out}: holds a finished run (summary.json); pass --overwrite"),
+    ):
         check_output_dir(str(out), overwrite=False, resume=False)
     with pytest.raises(UserError, match="holds a finished run"):
         check_output_dir(str(out), overwrite=False, resume=True)
@@ -54,14 +57,18 @@ def test_finished_run_needs_overwrite(tmp_path):
 
 def test_unfinished_run_needs_resume_or_overwrite(tmp_path):
     out = with_checkpoint(tmp_path / "out")
-    with pytest.raises(UserError, match=re.escape("pass --resume to continue it or --overwrite to start over")):
+    with pytest.raises(
+        UserError, match=re.escape("pass --resume to continue it or --overwrite to start over")
+    ):
         check_output_dir(str(out), overwrite=False, resume=False)
     check_output_dir(str(out), overwrite=False, resume=True)
     check_output_dir(str(out), overwrite=True, resume=False)
 
 
 def test_resume_without_checkpoint(tmp_path):
-    with pytest.raises(UserError, match=re.escape(f"--resume: no checkpoint to resume from in {tmp_path / 'checkpoints'}")):
+    with pytest.raises(
+        UserError, match=re.escape(f"--resume: no checkpoint to resume from in {tmp_path / 'checkpoints'}")
+    ):
         check_output_dir(str(tmp_path), overwrite=False, resume=True)
     with pytest.raises(UserError, match="--resume: no checkpoint"):
         check_output_dir(str(tmp_path / "missing"), overwrite=False, resume=True)

@@ -26,12 +26,16 @@ def qa_rows(n: int, prefix: str = "") -> list[dict]:
 
 # ---------------------------------------------------------------- read_json_file
 def test_jsonl_prompt_response(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q1", "response": " A1"}, {"prompt": "Q2", "response": " A2"}])
+    p = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "Q1", "response": " A1"}, {"prompt": "Q2", "response": " A2"}]
+    )
     assert read_json_file(p) == [Sample("Q1", " A1", None, f"{p}:1"), Sample("Q2", " A2", None, f"{p}:2")]
 
 
 def test_jsonl_prompt_chosen_rejected(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q", "chosen": " good", "rejected": " bad", "extra": 1}])
+    p = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "Q", "chosen": " good", "rejected": " bad", "extra": 1}]
+    )
     assert read_json_file(p) == [Sample("Q", " good", " bad", f"{p}:1")]
 
 
@@ -42,14 +46,23 @@ def test_chosen_wins_over_response(tmp_path):
 
 def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path):
     p = tmp_path / "d.jsonl"
-    p.write_text('{"prompt": "a", "response": "b"}\n\n   \n{"prompt": "c", "response": "d"}', encoding="utf-8")
+    p.write_text(
+        '{"prompt": "a", "response": "b"}\n\n   \n{"prompt": "c", "response": "d"}', encoding="utf-8"
+    )
     assert [s.source for s in read_json_file(p)] == [f"{p}:1", f"{p}:4"]
 
 
 def test_json_list_file(tmp_path):
     p = tmp_path / "d.json"
-    p.write_text(json.dumps([{"prompt": "Q", "response": " A"}, {"prompt": "Q2", "chosen": " C", "rejected": " R"}], indent=2))
-    assert read_json_file(p) == [Sample("Q", " A", None, f"{p} item 0"), Sample("Q2", " C", " R", f"{p} item 1")]
+    p.write_text(
+        json.dumps(
+            [{"prompt": "Q", "response": " A"}, {"prompt": "Q2", "chosen": " C", "rejected": " R"}], indent=2
+        )
+    )
+    assert read_json_file(p) == [
+        Sample("Q", " A", None, f"{p} item 0"),
+        Sample("Q2", " C", " R", f"{p} item 1"),
+    ]
 
 
 def test_json_file_of_lines(tmp_path):
@@ -75,7 +88,9 @@ def test_messages_rows_use_the_renderer(tmp_path):
         ]
     }
     p = write_jsonl(tmp_path / "d.jsonl", [row])
-    assert read_json_file(p, render_chat=fake_render) == [Sample("<system>S<user>U<assistant>", "R", None, f"{p}:1")]
+    assert read_json_file(p, render_chat=fake_render) == [
+        Sample("<system>S<user>U<assistant>", "R", None, f"{p}:1")
+    ]
 
 
 def test_messages_rows_pass_all_but_the_last_turn():
@@ -88,8 +103,13 @@ def test_messages_rows_pass_all_but_the_last_turn():
 
 
 def test_messages_without_renderer(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": "R"}]}])
-    with pytest.raises(UserError, match=re.escape(f"{p}:1: 'messages' rows need a tokenizer with a chat template")):
+    p = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": "R"}]}],
+    )
+    with pytest.raises(
+        UserError, match=re.escape(f"{p}:1: 'messages' rows need a tokenizer with a chat template")
+    ):
         read_json_file(p)
 
 
@@ -271,9 +291,9 @@ def test_other_adapters():
     row = {"prompt": "\n\nHuman: Q\n\nAssistant:", "chosen": " C", "rejected": " R", "response": " C"}
     assert HUB_ADAPTERS["Dahoas/rm-static"](row) == Sample(row["prompt"], " C", " R")
     assert HUB_ADAPTERS["Dahoas/full-hh-rlhf"](row) == Sample(row["prompt"], " C", " R")
-    assert HUB_ADAPTERS["Dahoas/synthetic-instruct-gptj-pairwise"]({"prompt": "Q", "chosen": "C", "rejected": "R"}) == Sample(
-        "\n\nHuman: Q\n\nAssistant:", " C", " R"
-    )
+    assert HUB_ADAPTERS["Dahoas/synthetic-instruct-gptj-pairwise"](
+        {"prompt": "Q", "chosen": "C", "rejected": "R"}
+    ) == Sample("\n\nHuman: Q\n\nAssistant:", " C", " R")
     rlhf = {"prompt": "Human: Q ", "chosen": "Human: Q Assistant: C", "rejected": "Human: Q Assistant: R"}
     assert HUB_ADAPTERS["yitingxie/rlhf-reward-datasets"](rlhf) == Sample("Human: Q Assistant:", " C", " R")
 
@@ -297,7 +317,10 @@ def test_hub_dataset_from_mirror(hub_mirror):
         {"prompt": "\n\nHuman: Q2\n\nAssistant:", "response": " C2", "chosen": " C2", "rejected": " R2"},
     ]
     write_jsonl(hub_mirror / "Dahoas" / "rm-static" / "train.jsonl", rows)
-    write_jsonl(hub_mirror / "Dahoas" / "rm-static" / "test.jsonl", [{**rows[0], "prompt": "\n\nHuman: Q3\n\nAssistant:"}])
+    write_jsonl(
+        hub_mirror / "Dahoas" / "rm-static" / "test.jsonl",
+        [{**rows[0], "prompt": "\n\nHuman: Q3\n\nAssistant:"}],
+    )
     src = load_source("Dahoas/rm-static", seed=0)
     assert src.name == "Dahoas/rm-static"
     assert src.train == [
@@ -320,11 +343,6 @@ def test_hub_anthropic_from_mirror(hub_mirror):
     assert src.eval == src.train
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    reason="library bug: _load_hub does not hold out EVAL_FRACTION for a dataset without a test split "
-    "(e.g. Dahoas/synthetic-instruct-gptj-pairwise), so such a source has no eval samples",
-)
 def test_hub_dataset_without_test_split_gets_an_eval_share(hub_mirror):
     rows = [{"prompt": f"Q{i}", "chosen": f"C{i}", "rejected": f"R{i}"} for i in range(20)]
     write_jsonl(hub_mirror / "Dahoas" / "synthetic-instruct-gptj-pairwise" / "train.jsonl", rows)
@@ -339,12 +357,17 @@ def test_hub_row_that_does_not_fit_the_adapter(hub_mirror):
         [{"chosen": "\n\nHuman: A\n\nAssistant: x", "rejected": "\n\nHuman: A\n\nAssistant: y"},
          {"chosen": "\n\nHuman: no reply", "rejected": "\n\nHuman: no reply"}],
     )  # fmt: skip
-    with pytest.raises(UserError, match=re.escape("Anthropic/hh-rlhf train row 1: does not fit the registered adapter")):
+    with pytest.raises(
+        UserError, match=re.escape("Anthropic/hh-rlhf train row 1: does not fit the registered adapter")
+    ):
         load_source("Anthropic/hh-rlhf", seed=0)
 
 
 def test_hub_dataset_missing_from_mirror(hub_mirror):
-    with pytest.raises(UserError, match=re.escape("--data_path Dahoas/full-hh-rlhf: could not load from the Hugging Face Hub")):
+    with pytest.raises(
+        UserError,
+        match=re.escape("--data_path Dahoas/full-hh-rlhf: could not load from the Hugging Face Hub"),
+    ):
         load_source("Dahoas/full-hh-rlhf", seed=0)
 
 
