@@ -7,22 +7,21 @@ import math
 import torch
 from torch.utils.data import DataLoader
 
-from dschat.data.collate import SFTCollator
 from dschat.data.sampler import ResumableDistributedSampler
 from dschat.losses import token_nll
 from dschat.utils import dist
 
 
-def train_loader(examples: list[dict], *, batch_size: int, pad_id: int, seed: int) -> DataLoader:
+def train_loader(examples: list, *, batch_size: int, seed: int, collate, accumulation: int = 1) -> DataLoader:
+    """Shuffled, rank-sharded, resumable loader over ``examples`` (any step's tokenized examples)."""
     sampler = ResumableDistributedSampler(
-        len(examples), batch_size=batch_size, rank=dist.rank(), world=dist.world_size(), seed=seed
-    )
-    return DataLoader(
-        examples, batch_size=batch_size, sampler=sampler, collate_fn=SFTCollator(pad_id), drop_last=True
-    )
+        len(examples), batch_size=batch_size, rank=dist.rank(), world=dist.world_size(), seed=seed,
+        accumulation=accumulation,
+    )  # fmt: skip
+    return DataLoader(examples, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True)
 
 
-def eval_batches(examples: list[dict], *, batch_size: int, pad_id: int) -> list[tuple[dict, torch.Tensor]]:
+def eval_batches(examples: list, *, batch_size: int, collate) -> list[tuple[dict, torch.Tensor]]:
     """This rank's eval batches and a 0/1 weight per sample.
 
     Every rank gets the same number of batches (ZeRO-3 forwards are collective): the index list is
@@ -34,7 +33,6 @@ def eval_batches(examples: list[dict], *, batch_size: int, pad_id: int) -> list[
     total = max(chunk, math.ceil(n / chunk) * chunk)
     idx = [(i % n, 1.0 if i < n else 0.0) for i in range(total)]
     mine = idx[r::world]
-    collate = SFTCollator(pad_id)
     out = []
     for s in range(0, len(mine), batch_size):
         part = mine[s : s + batch_size]

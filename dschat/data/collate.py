@@ -54,3 +54,30 @@ class SFTCollator:
             labels[i, :n] = torch.tensor(f["labels"], dtype=torch.long)
             attention_mask[i, :n] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def pair_example(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int]) -> dict:
+    """``prompt + chosen`` and ``prompt + rejected``; no EOS is appended, so the score sits on the last
+    response token and the saved model scores identically under ``AutoModelForSequenceClassification``
+    (which pools at the rightmost non-pad token, and would skip an EOS that equals the pad token)."""
+    return {"chosen": list(prompt_ids) + list(chosen_ids), "rejected": list(prompt_ids) + list(rejected_ids)}
+
+
+@dataclass
+class PairCollator:
+    """Chosen and rejected of B pairs batched together, right-padded.
+
+    Returns ``input_ids (2B, T)`` (rows 0..B-1 chosen, B..2B-1 rejected) and ``attention_mask (2B, T)``.
+    """
+
+    pad_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [f["chosen"] for f in features] + [f["rejected"] for f in features]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            attention_mask[i, : len(r)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}

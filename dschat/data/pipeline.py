@@ -22,7 +22,7 @@ from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass
@@ -139,7 +139,10 @@ def _build_sft(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData
         raise UserError(
             f"no evaluation samples: the sources give none that fit --max_seq_len {args.max_seq_len}"
         )
-    return PreparedData(train, evals, {"train": tstats, "eval": estats}, [s.prompt for s in eval_s])
+    # Prompts for generation-based metrics, shuffled so that any prefix mixes every task.
+    prompts = [s.prompt for s in eval_s]
+    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
 def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) -> PreparedData:

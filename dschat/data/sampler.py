@@ -11,13 +11,24 @@ from torch.utils.data import Sampler
 class ResumableDistributedSampler(Sampler[int]):
     """Shuffle ``n`` indices per epoch by ``(seed, epoch)``, give rank ``r`` every ``world``-th one.
 
-    Each epoch is truncated to a multiple of ``world * batch_size`` so that every rank runs the same
-    number of full micro-batches (the tail would otherwise make ranks disagree on the step count).
+    Each epoch is truncated to a multiple of ``world * batch_size * accumulation`` so that every rank
+    runs the same number of full micro-batches and every epoch ends on an optimizer step.
     ``start_batch`` skips the first batches of the current epoch, for resume.
     """
 
-    def __init__(self, n: int, *, batch_size: int, rank: int, world: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self,
+        n: int,
+        *,
+        batch_size: int,
+        rank: int,
+        world: int,
+        seed: int,
+        shuffle: bool = True,
+        accumulation: int = 1,
+    ):
         self.n, self.batch_size, self.rank, self.world = n, batch_size, rank, world
+        self.accumulation = accumulation
         self.seed, self.shuffle = seed, shuffle
         self.epoch = 0
         self.start_batch = 0
@@ -28,7 +39,9 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch, self.start_batch = epoch, start_batch
 
     def batches_per_epoch(self) -> int:
-        return self.n // (self.world * self.batch_size)
+        # A multiple of the accumulation steps, so that every epoch ends on an optimizer step.
+        full = self.n // (self.world * self.batch_size)
+        return full - full % self.accumulation
 
     def __len__(self) -> int:
         return (self.batches_per_epoch() - self.start_batch) * self.batch_size

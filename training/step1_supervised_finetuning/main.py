@@ -14,7 +14,6 @@ Hugging Face format, ``dschat_config.json``, ``metrics.jsonl``, ``summary.json``
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -24,17 +23,17 @@ import torch
 from tqdm import tqdm
 
 from dschat import config as C
+from dschat import trainer as T
+from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
 from dschat.engine import core as engine_core
-from dschat.engine import ds_config as dsc
-from dschat.engine.checkpoint import export_hf_model, latest_tag, load_checkpoint, save_checkpoint
+from dschat.engine.checkpoint import export_hf_model
 from dschat.generation import task_accuracy
 from dschat.lm import eval_batches, evaluate_perplexity, train_loader
 from dschat.losses import mean_token_nll
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
-from dschat.models.lora import inject_lora
 from dschat.utils import dist
-from dschat.utils.errors import UserError, run_cli
+from dschat.utils.errors import run_cli
 from dschat.utils.metrics import MetricsLogger, setup_logging
 from dschat.utils.run import (
     Stopwatch,
@@ -72,22 +71,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 2. data
     data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
+    collate = SFTCollator(tokenizer.pad_token_id)
     loader = train_loader(
-        data.train, batch_size=optim.per_device_train_batch_size, pad_id=tokenizer.pad_token_id, seed=run.seed
-    )
-    evals = eval_batches(
-        data.eval, batch_size=optim.per_device_eval_batch_size, pad_id=tokenizer.pad_token_id
-    )
-    batches_per_epoch = loader.sampler.batches_per_epoch()
-    if batches_per_epoch < optim.gradient_accumulation_steps:
-        raise UserError(
-            f"{len(data.train)} training samples make {batches_per_epoch} micro-batches per rank, fewer than "
-            f"--gradient_accumulation_steps {optim.gradient_accumulation_steps}: lower the batch size or add data"
-        )
-    steps_per_epoch = batches_per_epoch // optim.gradient_accumulation_steps
-    total_steps = steps_per_epoch * optim.num_train_epochs
-    if optim.max_steps:
-        total_steps = min(total_steps, optim.max_steps)
+        data.train, batch_size=optim.per_device_train_batch_size, seed=run.seed, collate=collate,
+        accumulation=optim.gradient_accumulation_steps,
+    )  # fmt: skip
+    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
+    total_steps = T.count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
+    global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * world
 
     if run.overwrite:
         clear_previous_run(run.output_dir)
@@ -99,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "resolved_model_path": model_path,
         "resolved_dtype": dtype,
         "world_size": world,
-        "global_batch_size": optim.per_device_train_batch_size * optim.gradient_accumulation_steps * world,
+        "global_batch_size": global_batch,
         "total_steps": total_steps,
         "data": data.stats,
         "data_cache_hit": data.cache_hit,
@@ -111,15 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
 
     # ---------------------------------------------------------------- 3. model and engine
-    ds_config = dsc.train_ds_config(
-        zero_stage=ds_args.zero_stage,
-        dtype=dtype,
-        micro_batch_size=optim.per_device_train_batch_size,
-        gradient_accumulation_steps=optim.gradient_accumulation_steps,
-        world_size=world,
-        offload=ds_args.offload,
-        max_grad_norm=optim.max_grad_norm,
-    )
+    ds_config = T.train_ds_config(optim, ds_args, dtype)
     with engine_core.zero3_loading(ds_config):
         model = load_causal_lm(
             model_path,
@@ -127,32 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             dropout=model_args.dropout,
             trust_remote_code=model_args.trust_remote_code,
         )
-    if lora_args.lora_dim:
-        model = inject_lora(
-            model,
-            dim=lora_args.lora_dim,
-            alpha=lora_args.lora_alpha,
-            dropout=lora_args.lora_dropout,
-            module_name=lora_args.lora_module_name,
-            only_optimize_lora=lora_args.only_optimize_lora,
-        )
-    if model_args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if lora_args.only_optimize_lora:
-            model.enable_input_require_grads()
+    model = T.apply_lora(model, lora_args)
     n_params = count_parameters(model)
-    groups = engine_core.param_groups(
-        model, optim.weight_decay, lora_args.lora_learning_rate, optim.learning_rate
-    )
-    optimizer = engine_core.make_optimizer(
-        groups, lr=optim.learning_rate, betas=(optim.adam_beta1, optim.adam_beta2), offload=ds_args.offload
-    )
-    scheduler = engine_core.make_scheduler(
-        optimizer, optim.lr_scheduler_type, optim.num_warmup_steps, total_steps
-    )
-    engine = engine_core.initialize_engine(
-        model, optimizer=optimizer, lr_scheduler=scheduler, ds_config=ds_config
-    )
+    engine = T.build_engine(
+        model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,
+        gradient_checkpointing=model_args.gradient_checkpointing,
+    )  # fmt: skip
     log.info(
         "model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)",
         model_path,
@@ -162,164 +125,106 @@ def main(argv: list[str] | None = None) -> int:
         world,
     )
 
-    # ---------------------------------------------------------------- 4. resume or start
-    ckpt_root = Path(run.output_dir) / "checkpoints"
-    start = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0.0, "train_seconds": 0.0}
-    if run.resume:
-        tag = latest_tag(ckpt_root)
-        if tag is None:
-            raise UserError(f"--resume: {ckpt_root}/latest names no complete checkpoint")
-        state = load_checkpoint(engine, ckpt_root, tag)
-        if state.get("global_batch_size") != resolved["global_batch_size"]:
-            raise UserError(
-                f"--resume: checkpoint {tag} was trained with global batch {state.get('global_batch_size')}, "
-                f"this run has {resolved['global_batch_size']} (same batch size, accumulation and ranks are needed to keep the data order)"
-            )
-        start.update({k: state[k] for k in start if k in state})
-        log.info("resumed from %s/%s at step %d", ckpt_root, tag, start["step"])
+    # ---------------------------------------------------------------- 4. resume or start; first evaluation
+    state = T.resume_state(engine, run, global_batch)
+    start_step = state.step
     metrics = MetricsLogger(
-        run.output_dir,
-        config=resolved,
-        enable_tensorboard=run.enable_tensorboard,
-        tensorboard_path=run.tensorboard_path,
-        enable_wandb=run.enable_wandb,
-        wandb_project=run.wandb_project,
-        run_name=Path(run.output_dir).name,
-        append=run.resume,
-    )
+        run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
+        tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
+        run_name=Path(run.output_dir).name, append=run.resume,
+    )  # fmt: skip
     sw = Stopwatch()
 
-    def true_accuracy() -> dict[str, float] | None:
-        """Greedy answers to built-in task prompts, checked by the task verifier (None for other data)."""
-        if not run.eval_generation_samples:
-            return None
-        with sw("generation_eval"):
-            return task_accuracy(
-                engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
-                device=engine.device, synced_gpus=ds_args.zero_stage == 3,
-            )  # fmt: skip
+    def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict[str, float], dict[str, float] | None]:
+        """Eval-set perplexity, and (at start and end) the verifier's true accuracy of greedy answers."""
+        acc = None
+        if with_accuracy and run.eval_generation_samples:
+            with sw("generation_eval"):
+                acc = task_accuracy(
+                    engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
+                    device=engine.device, synced_gpus=ds_args.zero_stage == 3,
+                )  # fmt: skip
+        ev = evaluate_perplexity(engine, evals)
+        metrics.log(
+            {"loss": ev["loss"], "perplexity": ev["perplexity"], **(acc or {})}, step=step, split="eval"
+        )
+        log.info("eval at step %d: loss %.4f, perplexity %.3f%s", step, ev["loss"], ev["perplexity"],
+                 f", true {fmt_acc(acc)}" if acc else "")  # fmt: skip
+        return ev, acc
 
-    acc_start = true_accuracy()
-    if acc_start:
-        metrics.log(acc_start, step=start["step"], split="eval")
-        log.info("true accuracy at step %d: %s", start["step"], fmt_acc(acc_start))
-    eval_start = evaluate_perplexity(engine, evals)
-    metrics.log(
-        {"loss": eval_start["loss"], "perplexity": eval_start["perplexity"]}, step=start["step"], split="eval"
-    )
-    log.info(
-        "eval at step %d: loss %.4f, perplexity %.3f",
-        start["step"],
-        eval_start["loss"],
-        eval_start["perplexity"],
-    )
+    eval_start, acc_start = evaluate(state.step, with_accuracy=True)
 
     # ---------------------------------------------------------------- 5. training loop
-    step, tokens, train_seconds = start["step"], start["tokens"], start["train_seconds"]
-    window = {"loss": 0.0, "micro": 0, "tokens": 0.0, "seconds": 0.0}
-    bar = tqdm(total=total_steps, initial=step, disable=not dist.is_main(), desc="step 1 (SFT)", dynamic_ncols=True,
-               mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
-    crash_after = int(os.environ.get("DSCHAT_TEST_EXIT_AFTER_SAVE", "0"))  # test hook: simulate a kill
-    epoch = start["epoch"]
+    window = T.MetricWindow()
+    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc="step 1 (SFT)",
+               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
     engine.train()
-    while step < total_steps and epoch < optim.num_train_epochs:
-        loader.sampler.set_epoch(epoch, start["batch_in_epoch"] if epoch == start["epoch"] else 0)
-        batch_in_epoch = loader.sampler.start_batch
-        for batch in loader:
-            t0 = torch_time()
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
-            # 5a. forward: mean NLL over this micro-batch's target tokens
-            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss, _ = mean_token_nll(logits, batch["labels"])
-            # 5b. backward and step; DeepSpeed scales by 1/accumulation and steps at the boundary
-            engine.backward(loss)
-            engine.step()
-            batch_in_epoch += 1
-            window["loss"] += float(loss.detach())
-            window["micro"] += 1
-            window["tokens"] += float(batch["attention_mask"].sum())
-            window["seconds"] += torch_time() - t0
-            if batch_in_epoch % optim.gradient_accumulation_steps:
-                continue
-            step += 1
-            bar.update(1)
-            # 5c. log: loss averaged over the window's micro-batches and ranks; real (non-pad) tokens/s
-            if step % max(run.log_interval, 1) == 0 or step == total_steps:
-                loss_sum, micro, tok, secs = dist.all_reduce_sum(
-                    [window["loss"], window["micro"], window["tokens"], window["seconds"]]
-                )
-                tokens += tok
-                train_seconds += secs / world
-                tps = tok / max(secs / world, 1e-9)
-                lr = engine.get_lr()[0]
-                row = {
-                    "loss": loss_sum / micro,
-                    "lr": lr,
-                    "tokens_per_sec": tps,
-                    "tokens": tokens,
-                    "epoch": epoch,
-                }
-                metrics.log(row, step=step, split="train")
-                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-                if not sys.stdout.isatty():
-                    log.info(
-                        "step %d/%d loss %.4f lr %.2e tokens/s %.0f", step, total_steps, row["loss"], lr, tps
-                    )
-                window = {"loss": 0.0, "micro": 0, "tokens": 0.0, "seconds": 0.0}
-            # 5d. evaluate
-            if run.eval_interval and step % run.eval_interval == 0 and step < total_steps:
-                ev = evaluate_perplexity(engine, evals)
-                metrics.log({"loss": ev["loss"], "perplexity": ev["perplexity"]}, step=step, split="eval")
-                log.info("eval at step %d: loss %.4f, perplexity %.3f", step, ev["loss"], ev["perplexity"])
-            # 5e. checkpoint (atomic; resumes at this exact batch)
-            if run.save_steps and step % run.save_steps == 0 and step < total_steps:
-                client = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "tokens": tokens,
-                          "train_seconds": train_seconds, "global_batch_size": resolved["global_batch_size"]}  # fmt: skip
-                with sw("checkpoint"):
-                    save_checkpoint(engine, ckpt_root, step, client, keep=run.keep_checkpoints)
-                if crash_after and step >= crash_after:
-                    os._exit(17)
-            if step >= total_steps:
-                break
-        else:
-            epoch += 1
+    for batch in T.micro_batches(loader, state, optim.num_train_epochs):
+        t0 = clock()
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        # 5a. forward: mean NLL over this micro-batch's target (response) tokens
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss, _ = mean_token_nll(logits, batch["labels"])
+        # 5b. backward and step; DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary
+        engine.backward(loss)
+        engine.step()
+        window.add(loss=loss, micro=1, tokens=batch["attention_mask"].sum(), seconds=clock() - t0)
+        if state.batch_in_epoch % optim.gradient_accumulation_steps:
             continue
-        break
+        state.step += 1
+        bar.update(1)
+        # 5c. log: loss averaged over the window's micro-batches and ranks; real (non-pad) tokens/s
+        if T.should_log(state.step, run.log_interval, total_steps):
+            w = window.reduce()
+            state.tokens += w["tokens"]
+            state.train_seconds += w["seconds"] / world
+            row = {"loss": w["loss"] / w["micro"], "lr": engine.get_lr()[0], "epoch": state.epoch,
+                   "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9), "tokens": state.tokens}  # fmt: skip
+            metrics.log(row, step=state.step, split="train")
+            bar.set_postfix(
+                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_sec']:,.0f}"
+            )
+            if not sys.stdout.isatty():
+                log.info("step %d/%d loss %.4f lr %.2e tokens/s %.0f", state.step, total_steps, row["loss"], row["lr"],
+                         row["tokens_per_sec"])  # fmt: skip
+        # 5d. evaluate
+        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
+            evaluate(state.step)
+        # 5e. checkpoint (atomic; a resume continues at exactly this batch)
+        with sw("checkpoint"):
+            T.maybe_checkpoint(engine, run, state, total_steps)
+        if state.step >= total_steps:
+            break
     bar.close()
 
     # ---------------------------------------------------------------- 6. final evaluation and save
-    eval_end = evaluate_perplexity(engine, evals)
-    metrics.log({"loss": eval_end["loss"], "perplexity": eval_end["perplexity"]}, step=step, split="eval")
-    log.info("eval at step %d: loss %.4f, perplexity %.3f", step, eval_end["loss"], eval_end["perplexity"])
-    acc_end = true_accuracy()
-    if acc_end:
-        metrics.log(acc_end, step=step, split="eval")
-        log.info("true accuracy at step %d: %s", step, fmt_acc(acc_end))
+    eval_end, acc_end = evaluate(state.step, with_accuracy=True)
     with sw("export"):
         export_hf_model(engine.module, tokenizer, run.output_dir)
     summary = {
         "step": 1,
-        "steps": step,
+        "steps": state.step,
         "eval_loss_start": eval_start["loss"],
         "eval_loss_end": eval_end["loss"],
         "eval_perplexity_start": eval_start["perplexity"],
         "eval_perplexity_end": eval_end["perplexity"],
-        "train_tokens": tokens,
-        "train_tokens_per_sec": tokens / max(train_seconds, 1e-9),
-        "train_seconds": train_seconds,
+        "train_tokens": state.tokens,
+        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
+        "train_seconds": state.train_seconds,
         "wall_seconds": sw.wall(),
+        "seconds_by_phase": sw.totals,
         "parameters": n_params,
         "dtype": dtype,
         "world_size": world,
         "zero_stage": ds_args.zero_stage,
         "lora_dim": lora_args.lora_dim,
-        "resumed_from_step": start["step"] if run.resume else None,
+        "resumed_from_step": start_step if run.resume else None,
     }
     if acc_start and acc_end:
         summary.update(
             {"true_accuracy_start": acc_start["accuracy"], "true_accuracy_end": acc_end["accuracy"]}
         )
-        summary.update({f"true_{k}_end": v for k, v in acc_end.items() if "/" in k})
+        summary.update({f"true_accuracy_{k.split('/')[1]}_end": v for k, v in acc_end.items() if "/" in k})
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: eval perplexity %.3f -> %.3f, %.0f tokens/s, model saved to %s",
@@ -331,7 +236,7 @@ def fmt_acc(acc: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
 
 
-def torch_time() -> float:
+def clock() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     import time

@@ -1,0 +1,94 @@
+"""Reward model and critic: a transformer body with a scalar head, scoring at the last real token.
+
+The trained module is a Hugging Face ``AutoModelForSequenceClassification`` (``num_labels=1``) wrapped
+in :class:`ScalarHeadModel`, whose forward returns one value per token (what PPO's critic needs) and
+whose :meth:`ScalarHeadModel.score` picks the value at each sequence's last real token (what the
+reward model is trained on). The saved directory loads with ``AutoModelForSequenceClassification``
+and gives the same scores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dschat.losses import gather_last
+from dschat.models.loading import apply_dropout, load_config
+from dschat.utils.errors import UserError
+
+
+class ScalarHeadModel(nn.Module):
+    """``forward(input_ids (B,T), attention_mask (B,T)) -> values (B,T)``; ``score(...) -> (B,)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model  # a *ForSequenceClassification model (possibly a peft wrapper of one)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return base
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hf = self.hf_model
+        body = getattr(hf, hf.base_model_prefix)
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return hf.score(hidden).squeeze(-1).float()
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return gather_last(self(input_ids, attention_mask), attention_mask)
+
+
+def has_value_head(path: str) -> bool:
+    """True if ``path`` holds a saved sequence-classification model with one label (a reward model)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    archs = cfg.get("architectures") or []
+    return (
+        any(a.endswith("ForSequenceClassification") for a in archs)
+        and cfg.get("num_labels", len(cfg.get("id2label", {}))) == 1
+    )
+
+
+def load_reward_model(
+    path: str,
+    *,
+    tokenizer=None,
+    dropout: float | None = None,
+    trust_remote_code: bool = False,
+    require_trained_head: bool = False,
+    flag: str = "--model_name_or_path",
+) -> ScalarHeadModel:
+    """A reward model/critic from ``path``: a trained reward model, or (unless ``require_trained_head``)
+    a causal LM whose body gets a fresh scalar head."""
+    from transformers import AutoModelForSequenceClassification
+
+    if require_trained_head and not has_value_head(path):
+        raise UserError(
+            f"{flag} {path}: not a trained reward model (no sequence-classification value head; "
+            "train one with step 2, or pass the step-2 output directory)"
+        )
+    config = load_config(path, trust_remote_code=trust_remote_code, flag=flag)
+    apply_dropout(config, dropout)
+    config.num_labels = 1
+    config.id2label, config.label2id = {0: "score"}, {"score": 0}
+    if tokenizer is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+    except ValueError as exc:
+        raise UserError(
+            f"{flag} {path}: cannot be loaded as a reward model ({str(exc).splitlines()[0][:200]})"
+        ) from None
+    if not hasattr(model, "score"):
+        raise UserError(
+            f"{flag} {path}: {type(model).__name__} has no 'score' head; this architecture is not supported"
+        )
+    return ScalarHeadModel(model)

@@ -1,0 +1,186 @@
+"""Pieces every training step shares around its own loop: engine construction, resume state,
+epoch/micro-batch iteration, metric windows reduced over ranks, and checkpoint cadence.
+
+The loop itself stays in each step's ``main.py`` so the algorithm reads top to bottom there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dschat.config import DeepSpeedArgs, LoraArgs, OptimArgs, RunArgs
+from dschat.engine import core as engine_core
+from dschat.engine import ds_config as dsc
+from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
+from dschat.models.lora import inject_lora
+from dschat.utils import dist
+from dschat.utils.errors import UserError
+
+LOG = logging.getLogger("dschat")
+
+
+@dataclass
+class TrainState:
+    """Where a run is; saved in every checkpoint and restored by ``--resume``."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of the current epoch consumed (per rank)
+    tokens: float = 0.0  # real (non-padding) tokens processed, all ranks
+    train_seconds: float = 0.0
+    global_batch_size: int = 0
+
+    def to_client_state(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def train_ds_config(optim: OptimArgs, ds: DeepSpeedArgs, dtype: str) -> dict[str, Any]:
+    return dsc.train_ds_config(
+        zero_stage=ds.zero_stage,
+        dtype=dtype,
+        micro_batch_size=optim.per_device_train_batch_size,
+        gradient_accumulation_steps=optim.gradient_accumulation_steps,
+        world_size=dist.world_size(),
+        offload=ds.offload,
+        max_grad_norm=optim.max_grad_norm,
+    )
+
+
+def apply_lora(
+    model: torch.nn.Module, lora: LoraArgs, prefix: str = "", keep_trainable: tuple[str, ...] = ()
+):
+    """peft LoRA per ``lora`` (no-op when ``lora_dim`` is 0). ``keep_trainable`` names parameters
+    (substrings) that stay trainable under ``--only_optimize_lora``, e.g. a new value head."""
+    if not lora.lora_dim:
+        return model
+    model = inject_lora(
+        model,
+        dim=lora.lora_dim,
+        alpha=lora.lora_alpha,
+        dropout=lora.lora_dropout,
+        module_name=lora.lora_module_name,
+        only_optimize_lora=lora.only_optimize_lora,
+        flag_prefix=prefix,
+    )
+    for name, p in model.named_parameters():
+        if any(k in name for k in keep_trainable):
+            p.requires_grad_(True)
+    return model
+
+
+def build_engine(
+    model: torch.nn.Module,
+    *,
+    optim: OptimArgs,
+    ds: DeepSpeedArgs,
+    lora: LoraArgs,
+    ds_config: dict[str, Any],
+    total_steps: int,
+    gradient_checkpointing: bool = False,
+):
+    """AdamW (decay/no-decay and LoRA groups) + schedule + ``deepspeed.initialize``."""
+    if gradient_checkpointing:
+        target = model.hf_model if hasattr(model, "hf_model") else model
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora.only_optimize_lora and hasattr(target, "enable_input_require_grads"):
+            target.enable_input_require_grads()
+    groups = engine_core.param_groups(model, optim.weight_decay, lora.lora_learning_rate, optim.learning_rate)
+    optimizer = engine_core.make_optimizer(
+        groups, lr=optim.learning_rate, betas=(optim.adam_beta1, optim.adam_beta2), offload=ds.offload
+    )
+    scheduler = engine_core.make_scheduler(
+        optimizer, optim.lr_scheduler_type, optim.num_warmup_steps, total_steps
+    )
+    return engine_core.initialize_engine(
+        model, optimizer=optimizer, lr_scheduler=scheduler, ds_config=ds_config
+    )
+
+
+def count_total_steps(batches_per_epoch: int, optim: OptimArgs, n_samples: int) -> int:
+    """Optimizer steps of the run; refuses a data set too small for one step."""
+    if batches_per_epoch < optim.gradient_accumulation_steps or batches_per_epoch == 0:
+        raise UserError(
+            f"{n_samples} training samples make {batches_per_epoch} micro-batches per rank, fewer than "
+            f"--gradient_accumulation_steps {optim.gradient_accumulation_steps}: lower "
+            "--per_device_train_batch_size or add data"
+        )
+    total = batches_per_epoch // optim.gradient_accumulation_steps * optim.num_train_epochs
+    return min(total, optim.max_steps) if optim.max_steps else total
+
+
+def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
+    """Fresh state, or the one saved with the latest checkpoint when ``--resume`` is given."""
+    state = TrainState(global_batch_size=global_batch_size)
+    if not run.resume:
+        return state
+    root = Path(run.output_dir) / "checkpoints"
+    tag = latest_tag(root)
+    if tag is None:
+        raise UserError(f"--resume: {root}/latest names no complete checkpoint")
+    saved = load_checkpoint(engine, root, tag)
+    if saved.get("global_batch_size") != global_batch_size:
+        raise UserError(
+            f"--resume: checkpoint {tag} was trained with global batch {saved.get('global_batch_size')}, this run has "
+            f"{global_batch_size} (the same batch size, accumulation and number of ranks keep the data order)"
+        )
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    state = TrainState(**{k: v for k, v in saved.items() if k in fields})
+    LOG.info("resumed from %s/%s at step %d", root, tag, state.step)
+    return state
+
+
+def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
+    """Micro-batches from ``state.epoch`` / ``state.batch_in_epoch`` on, advancing ``state`` as it goes."""
+    while state.epoch < num_epochs:
+        loader.sampler.set_epoch(state.epoch, state.batch_in_epoch)
+        for batch in loader:
+            state.batch_in_epoch += 1
+            yield batch
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+
+def maybe_checkpoint(
+    engine, run: RunArgs, state: TrainState, total_steps: int, engines: dict[str, Any] | None = None
+) -> None:
+    """Save every ``--save_steps`` optimizer steps (not at the very end: the final model is exported)."""
+    if not run.save_steps or state.step % run.save_steps or state.step >= total_steps:
+        return
+    root = Path(run.output_dir) / "checkpoints"
+    save_checkpoint(engine, root, state.step, state.to_client_state(), keep=run.keep_checkpoints)
+    crash_after = int(
+        os.environ.get("DSCHAT_TEST_EXIT_AFTER_SAVE", "0")
+    )  # test hook: a kill right after a save
+    if crash_after and state.step >= crash_after:
+        os._exit(17)
+
+
+class MetricWindow:
+    """Sums of per-micro-batch quantities since the last log line, reduced over ranks on demand."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+
+    def add(self, **values: float | torch.Tensor) -> None:
+        for k, v in values.items():
+            self._sums[k] += float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+
+    def reduce(self) -> dict[str, float]:
+        """Sums over all ranks (a collective: call on every rank), then reset."""
+        keys = sorted(self._sums)
+        totals = dist.all_reduce_sum([self._sums[k] for k in keys])
+        self._sums.clear()
+        return dict(zip(keys, totals))
+
+
+def should_log(step: int, interval: int, total: int) -> bool:
+    return step == total or (interval > 0 and step % interval == 0)
