@@ -38,7 +38,7 @@ class Step:
 
 STEPS = {
     1: Step(1, "supervised fine-tuning", ROOT / "training/step1_supervised_finetuning/main.py", True),
-    2: Step(2, "reward model", ROOT / "training/step2_reward_model_finetuning/main.py", False),
+    2: Step(2, "reward model", ROOT / "training/step2_reward_model_finetuning/main.py", True),
     3: Step(3, "RLHF (PPO)", ROOT / "training/step3_rlhf_finetuning/main.py", False),
 }
 
@@ -133,6 +133,10 @@ def step_args(step: int, args: argparse.Namespace, extra: list[str]) -> list[str
             a += ["--model_name_or_path", args.actor_model]
         if args.actor_zero_stage is not None:
             a += ["--zero_stage", str(args.actor_zero_stage)]
+    if step == 2:
+        a += ["--model_name_or_path", reward_start_model(args)]
+        if args.reward_zero_stage is not None:
+            a += ["--zero_stage", str(args.reward_zero_stage)]
     if args.data_path:
         a += ["--data_path", *args.data_path]
     if args.overwrite:
@@ -140,6 +144,17 @@ def step_args(step: int, args: argparse.Namespace, extra: list[str]) -> list[str
     if args.resume:
         a.append("--resume")
     return a + extra
+
+
+def reward_start_model(args: argparse.Namespace) -> str:
+    """Step 2 starts from --reward-model, else from this run's step-1 model (it already knows the prompt
+    format and the tasks), else from --actor-model or the embedded default."""
+    if args.reward_model:
+        return args.reward_model
+    step1 = Path(args.output_dir) / "step1"
+    if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
+        return str(step1)
+    return args.actor_model or "builtin:tiny-llama"
 
 
 def run_step(step: Step, cmd: list[str], log_path: Path, append: bool) -> int:

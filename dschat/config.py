@@ -167,6 +167,15 @@ class RunArgs:
             raise UserError("--resume and --overwrite contradict each other: pick one")
 
 
+@dataclass
+class RewardArgs:
+    margin: float = opt(0.0, "ranking margin m in -log sigmoid(r_chosen - r_rejected - m)")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.margin < 0:
+            raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
+
+
 def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
     """``"2,4,4"`` -> ``[0.2, 0.4, 0.4]``; exactly three non-negative numbers with a positive sum."""
     try:
@@ -190,12 +199,27 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def add_group(parser: argparse.ArgumentParser, cls: type, prefix: str = "", title: str | None = None) -> None:
-    """Add every field of dataclass ``cls`` as ``--{prefix}{name}``."""
+def add_group(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    title: str | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """Add every field of dataclass ``cls`` as ``--{prefix}{name}``.
+
+    ``defaults`` overrides a field's default for one step (step 2's output directory, say) while the
+    option itself, its type, help and validation stay defined once.
+    """
     group = parser.add_argument_group(title or cls.__name__)
+    defaults = defaults or {}
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"defaults for unknown fields of {cls.__name__}: {sorted(unknown)}")
     for f in dataclasses.fields(cls):
         meta = f.metadata
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = defaults.get(f.name, default)
         flag = f"--{prefix}{f.name}"
         if isinstance(default, bool):
             group.add_argument(flag, action="store_true", default=default, help=meta["help"])
@@ -208,6 +232,22 @@ def add_group(parser: argparse.ArgumentParser, cls: type, prefix: str = "", titl
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
         group.add_argument(flag, type=kind, **kwargs)
+
+
+def parse_groups(
+    prog: str,
+    description: str,
+    groups: tuple[type, ...],
+    argv: list[str] | None = None,
+    defaults: dict[type, dict[str, Any]] | None = None,
+) -> tuple:
+    """One parser from option groups; returns one validated dataclass instance per group."""
+    parser = ArgumentParser(prog=prog, description=description)
+    for g in groups:
+        add_group(parser, g, defaults=(defaults or {}).get(g))
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    ns = parser.parse_args(argv)
+    return tuple(from_namespace(g, ns) for g in groups)
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dschat.config import DataArgs, parse_data_split
-from dschat.data.collate import sft_example
+from dschat.data.collate import pair_example, sft_example
 from dschat.data.schema import Sample
 from dschat.data.sources import fingerprint, load_source
 from dschat.data.split import phase_share
@@ -145,13 +145,89 @@ def _build_sft(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
+def tokenize_pairs(samples: list[Sample], tokenizer, max_seq_len: int) -> tuple[list[dict], dict]:
+    """Preference pairs -> ``{"chosen", "rejected"}`` token lists (see :func:`pair_example`).
+
+    Pairs whose responses are identical or empty carry no preference and are dropped; a prompt too
+    long for ``max_seq_len`` keeps its most recent tokens (the end of the dialogue, after the BOS) so
+    both responses stay whole; pairs whose responses alone do not fit are dropped. All are counted.
+    """
+    stats = {"samples": len(samples), "kept": 0, "dropped_identical": 0, "dropped_empty_response": 0,
+             "dropped_too_long": 0, "prompt_truncated": 0}  # fmt: skip
+    usable = []
+    for s in samples:
+        if not s.chosen.strip() or not s.rejected.strip():
+            stats["dropped_empty_response"] += 1
+        elif s.chosen.strip() == s.rejected.strip():
+            stats["dropped_identical"] += 1
+        else:
+            usable.append(s)
+    if not usable:
+        return [], stats
+    prompts = tokenizer([s.prompt for s in usable], add_special_tokens=True)["input_ids"]
+    chosen = tokenizer([s.chosen for s in usable], add_special_tokens=False)["input_ids"]
+    rejected = tokenizer([s.rejected for s in usable], add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    out = []
+    for p, c, r in zip(prompts, chosen, rejected):
+        budget = max_seq_len - max(len(c), len(r))
+        if len(p) > budget:
+            keep_bos = 1 if p and p[0] == bos else 0
+            if budget - keep_bos < 1:
+                stats["dropped_too_long"] += 1
+                continue
+            p = p[:keep_bos] + p[len(p) - (budget - keep_bos) :]
+            stats["prompt_truncated"] += 1
+        out.append(pair_example(p, c, r))
+    stats["kept"] = len(out)
+    return out, stats
+
+
+def _check_pairs(samples: list[Sample]) -> None:
+    for s in samples:
+        if s.rejected is None:
+            raise UserError(
+                f"{s.source or 'data'}: missing field 'rejected' (step 2 needs preference pairs: prompt, chosen, rejected)"
+            )
+
+
+def _build_pairs(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData:
+    train_s, eval_s = gather_samples(args, phase, seed, tokenizer)
+    _check_pairs(train_s)
+    _check_pairs(eval_s)
+    train, tstats = tokenize_pairs(train_s, tokenizer, args.max_seq_len)
+    evals, estats = tokenize_pairs(eval_s, tokenizer, args.max_seq_len)
+    if not train:
+        raise UserError(
+            f"no usable preference pairs for step {phase}: {json.dumps(tstats)} (see --max_seq_len)"
+        )
+    if not evals:
+        raise UserError(f"no usable evaluation pairs: {json.dumps(estats)} (see --max_seq_len)")
+    prompts = [s.prompt for s in eval_s]
+    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
+
+
+BUILDERS = {"sft": _build_sft, "pairs": _build_pairs}
+
+
 def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) -> PreparedData:
-    """Tokenized SFT train/eval examples for ``phase``; cached under ``args.data_output_path``.
+    """Tokenized SFT examples (``input_ids``, ``labels``) of step ``phase``; see :func:`prepare_data`."""
+    return prepare_data("sft", args, tokenizer, seed=seed, phase=phase)
+
+
+def prepare_pair_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 2) -> PreparedData:
+    """Tokenized preference pairs (``chosen``, ``rejected``) of step ``phase``; see :func:`prepare_data`."""
+    return prepare_data("pairs", args, tokenizer, seed=seed, phase=phase)
+
+
+def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int) -> PreparedData:
+    """Tokenized train/eval examples of ``kind`` for step ``phase``, cached under the data cache dir.
 
     With several processes, local rank 0 of each node builds and writes the cache while the others
     wait, then everyone reads it; a failure on the builder is re-raised on every rank (no hang).
     """
-    path = data_cache_dir(args) / f"sft_{_cache_key(args, phase, seed, tokenizer, 'sft')}.pt"
+    path = data_cache_dir(args) / f"{kind}_{_cache_key(args, phase, seed, tokenizer, kind)}.pt"
     builder = dist.local_rank() == 0
     data: PreparedData | None = None
     error: UserError | None = None
@@ -159,7 +235,7 @@ def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) ->
         try:
             data = _read_cache(path) if path.exists() else None
             if data is None:
-                data = _build_sft(args, phase, seed, tokenizer)
+                data = BUILDERS[kind](args, phase, seed, tokenizer)
                 _write_cache(path, data)
         except UserError as exc:
             error = exc

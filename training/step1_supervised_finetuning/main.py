@@ -46,17 +46,8 @@ from dschat.utils.run import (
 GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.RunArgs)
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = C.ArgumentParser(prog="step1_supervised_finetuning", description=__doc__.split("\n\n")[0])
-    for g in GROUPS:
-        C.add_group(parser, g)
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
-    ns = parser.parse_args(argv)
-    return tuple(C.from_namespace(g, ns) for g in GROUPS)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = C.parse_groups("step1_supervised_finetuning", __doc__.split("\n\n")[0], GROUPS, argv)
     model_args, data_args, lora_args, optim, ds_args, run = args
 
     # ---------------------------------------------------------------- 1. setup

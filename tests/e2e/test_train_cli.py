@@ -1,0 +1,35 @@
+"""The ``train.py`` command line: help, and flag combinations refused with one line before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.helpers import error_line, train_py
+
+
+def test_help():
+    proc = train_py("--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--step", "--deployment-type", "--actor-model", "--num-gpus", "--hostfile", "--output-dir"):
+        assert flag in proc.stdout
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--deployment-type", "single_gpu", "--hostfile", "hosts.txt"], ["--hostfile", "multi_node"]),
+        (["--deployment-type", "multi_node"], ["multi_node", "--hostfile"]),
+        (["--deployment-type", "multi_node", "--hostfile", "/no/such/hostfile"], ["/no/such/hostfile", "not found"]),
+        (["--deployment-type", "single_gpu", "--num-gpus", "2"], ["--num-gpus", "single_node"]),
+        (["--actor-zero-stage", "4"], ["--actor-zero-stage", "4"]),
+        (["--no-such-flag"], ["--no-such-flag"]),
+    ],
+    ids=["hostfile-single-gpu", "multi-node-no-hostfile", "hostfile-missing", "num-gpus-single-gpu",
+         "zero-stage-4", "unknown-flag"],  # fmt: skip
+)
+def test_bad_flag_combinations_are_one_line(tmp_path, args, needles):
+    proc = train_py("--step", "1", "--output-dir", str(tmp_path), *args)
+    error_line(proc, *needles)
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert not (tmp_path / "step1").exists()

@@ -1,0 +1,338 @@
+"""Step 1 (SFT) run for real on the built-in micro Llama: ZeRO stages, several ranks, resume, LoRA,
+offload, the orchestrator and the data cache. Every run is a subprocess of the real entry point."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import (
+    FAST,
+    MICRO,
+    REFERENCE_1RANK,
+    REFERENCE_RUN_FLAGS,
+    assert_ok,
+    base_weights,
+    error_line,
+    eval_losses,
+    exported_eval_loss,
+    metrics,
+    resolved_config,
+    step1,
+    summary,
+    train_losses,
+    train_py,
+)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """``reference_run(stage)``: output dir of a finished 20-step fp32 run at that ZeRO stage (one rank,
+    batch 8 x 2 accumulation, a train row per step), run once per module and shared by the tests."""
+    runs: dict[int, tuple[Path, object]] = {}
+
+    def get(stage: int) -> Path:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"zero{stage}") / "run"
+            runs[stage] = (out, step1(out, *REFERENCE_1RANK, "--zero_stage", str(stage)))
+        out, proc = runs[stage]
+        assert_ok(proc)
+        return out
+
+    return get
+
+
+# ---------------------------------------------------------------- 1. every ZeRO stage trains and exports
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_stage_trains_and_exports_a_loadable_model(reference_run, stage):
+    out = reference_run(stage)
+    s = summary(out)
+    assert s["zero_stage"] == stage and s["steps"] == 20 and s["world_size"] == 1 and s["dtype"] == "fp32"
+    assert s["eval_loss_end"] < s["eval_loss_start"] - 0.3, s
+    assert s["eval_perplexity_end"] < s["eval_perplexity_start"]
+    assert s["eval_perplexity_end"] == pytest.approx(math.exp(s["eval_loss_end"]), rel=1e-9)
+    assert s["train_tokens_per_sec"] > 0 and s["wall_seconds"] > 0
+
+    # metrics.jsonl agrees with the summary: the first and the last eval rows are the start and the end.
+    evals = eval_losses(out)
+    assert evals[0] == (0, pytest.approx(s["eval_loss_start"], rel=1e-12))
+    assert evals[-1] == (20, pytest.approx(s["eval_loss_end"], rel=1e-12))
+    assert all("perplexity" in r for r in metrics(out) if r["split"] == "eval" and "loss" in r)
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, 21))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[20] < losses[1]
+
+    cfg = resolved_config(out)
+    assert cfg["global_batch_size"] == 16 and cfg["world_size"] == 1 and cfg["zero_stage"] == stage
+
+    # The exported directory is an ordinary Hugging Face model whose forward reproduces the run's own
+    # final eval loss (so the export holds the trained weights, gathered whole under ZeRO-3).
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert exported_eval_loss(out) == pytest.approx(s["eval_loss_end"], rel=1e-4)
+
+
+# ---------------------------------------------------------------- 2. ZeRO-3 = ZeRO-0
+def test_zero3_and_zero2_follow_the_zero0_loss_curve(reference_run):
+    ref = train_losses(reference_run(0))
+    for stage in (2, 3):
+        other = train_losses(reference_run(stage))
+        assert sorted(other) == sorted(ref)
+        for step, loss in ref.items():
+            assert other[step] == pytest.approx(loss, rel=1e-3), f"ZeRO-{stage} step {step}"
+        assert summary(reference_run(stage))["eval_loss_end"] == pytest.approx(
+            summary(reference_run(0))["eval_loss_end"], rel=1e-4
+        )
+
+
+# ---------------------------------------------------------------- 3. two ranks = one rank at the same global batch
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
+def test_two_ranks_zero3_match_one_rank_with_accumulation(reference_run, tmp_path):
+    """2 ranks x batch 8 (gloo, through train.py and the DeepSpeed launcher) vs 1 rank x batch 8 x 2
+    accumulation: the sampler gives both the same 16 samples per step (rank r takes every 2nd index of
+    the shuffled order, one rank takes them in a row), so the loss curves agree up to float rounding and
+    the per-micro-batch token mean."""
+    one = reference_run(3)
+    proc = train_py(
+        "--step", "1", "--deployment-type", "single_node", "--num-gpus", "2", "--actor-zero-stage", "3",
+        "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path), "--", *REFERENCE_RUN_FLAGS,
+    )  # fmt: skip
+    assert_ok(proc)
+    two = tmp_path / "step1"
+    launch = next(line for line in proc.stdout.splitlines() if line.startswith("==> step 1 ("))
+    assert "deepspeed.launcher.runner" in launch and "--num_gpus 2" in launch and "--zero_stage 3" in launch
+
+    cfg = resolved_config(two)
+    assert cfg["world_size"] == 2 and cfg["global_batch_size"] == 16
+    assert summary(two)["world_size"] == 2 and summary(two)["zero_stage"] == 3
+    ref, got = train_losses(one), train_losses(two)
+    assert sorted(got) == sorted(ref) == list(range(1, 21))
+    for step, loss in ref.items():
+        assert got[step] == pytest.approx(loss, rel=2e-2), f"step {step}"
+    # Same starting weights, same eval set split over ranks: identical up to summation order.
+    assert summary(two)["eval_loss_start"] == pytest.approx(summary(one)["eval_loss_start"], rel=1e-6)
+    assert summary(two)["eval_loss_end"] == pytest.approx(summary(one)["eval_loss_end"], rel=5e-3)
+
+
+# ---------------------------------------------------------------- 4. resume after a kill is exact
+def test_resume_after_interruption_is_bit_identical(reference_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from dschat.engine.checkpoint import latest_tag
+
+    ref = reference_run(3)
+    out = tmp_path / "run"
+    flags = [*REFERENCE_1RANK, "--zero_stage", "3", "--save_steps", "10"]
+
+    # Killed right after the step-10 checkpoint: no summary, a complete checkpoint named by `latest`.
+    proc = step1(out, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "10"})
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    assert not (out / "summary.json").exists()
+    ckpt = out / "checkpoints"
+    assert latest_tag(ckpt) == "step10"
+    assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
+
+    # Rerunning without --resume is refused (and does not clobber the checkpoint).
+    line = error_line(step1(out, *flags), str(out), "--resume")
+    assert "--overwrite" in line
+    assert latest_tag(ckpt) == "step10"
+
+    assert_ok(step1(out, *flags, "--resume"))
+    s = summary(out)
+    assert s["resumed_from_step"] == 10 and s["steps"] == 20
+
+    # Bit-identical to the uninterrupted run, and so is everything computed from the weights.
+    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert float((a[k] - b[k]).abs().max()) == 0.0, k
+    assert s["eval_loss_end"] == summary(ref)["eval_loss_end"]
+    # metrics.jsonl is appended: steps 1..20 once each, and the resumed steps equal the reference's.
+    got, want = train_losses(out), train_losses(ref)
+    assert sorted(got) == list(range(1, 21))
+    for step in range(1, 21):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+    # A finished run is refused unless --overwrite, with --resume too.
+    error_line(step1(out, *flags), str(out), "--overwrite")
+    error_line(step1(out, *flags, "--resume"), str(out), "--overwrite")
+    assert summary(out) == s
+
+
+# ---------------------------------------------------------------- 5. checkpoints are atomic
+class _FakeEngine:
+    """Writes what DeepSpeed's save_checkpoint would into ``save_dir/tag``; ``die=True`` stops half way."""
+
+    def __init__(self, die: bool = False):
+        self.die = die
+
+    def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=True):
+        assert not save_latest  # `latest` is dschat's to write, after the directory is complete
+        d = Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "mp_rank_00_model_states.pt").write_bytes(b"model")
+        if self.die:
+            raise KeyboardInterrupt("killed mid-save")
+        (d / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optim")
+
+
+def test_checkpoint_killed_mid_save_leaves_latest_on_the_previous_one(tmp_path):
+    from dschat.engine.checkpoint import latest_tag, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    assert latest_tag(root) is None  # nothing saved yet
+    save_checkpoint(_FakeEngine(), root, 10, {"step": 10})
+    assert latest_tag(root) == "step10"
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(_FakeEngine(die=True), root, 20, {"step": 20})
+    assert latest_tag(root) == "step10"
+    assert not (root / "step20").exists()
+    assert sorted(p.name for p in (root / "step10").iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ]  # fmt: skip
+
+    # A stray half-written directory from an earlier kill changes nothing either.
+    (root / ".tmp-step99").mkdir()
+    (root / ".tmp-step99" / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    assert latest_tag(root) == "step10"
+
+    # The next save replaces the leftover temporary directory and keeps the newest `keep`.
+    save_checkpoint(_FakeEngine(), root, 20, {"step": 20}, keep=2)
+    save_checkpoint(_FakeEngine(), root, 30, {"step": 30}, keep=2)
+    assert latest_tag(root) == "step30"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == ["step20", "step30"]
+    assert not (root / ".tmp-step20").exists() and not (root / ".tmp-step30").exists()
+
+
+def test_latest_naming_a_missing_or_foreign_directory_is_no_checkpoint(tmp_path):
+    from dschat.engine.checkpoint import latest_tag
+
+    root = tmp_path / "checkpoints"
+    (root / "step10").mkdir(parents=True)
+    for text in ("step99\n", ".tmp-step10\n", "../step10\n", "", "step10/../step10"):
+        (root / "latest").write_text(text)
+        assert latest_tag(root) is None, repr(text)
+    (root / "latest").write_text("step10\n")
+    assert latest_tag(root) == "step10"
+
+
+# ---------------------------------------------------------------- 6. LoRA
+def test_lora_zero3_exports_a_plain_merged_model(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    out = tmp_path / "run"
+    # Default dtype (bf16 where the CPU has it): LoRA matrices created after zero.Init must be aligned.
+    assert_ok(step1(out, *FAST, "--max_steps", "20", "--zero_stage", "3", "--lora_dim", "4"))
+    s = summary(out)
+    assert s["lora_dim"] == 4 and s["zero_stage"] == 3
+    assert s["eval_loss_end"] < s["eval_loss_start"] - 0.3, s
+
+    weights = load_file(str(out / "model.safetensors"))
+    base = base_weights(out)
+    assert not [k for k in weights if "lora" in k]
+    assert set(weights) == set(base)
+    assert any(not (weights[k].float() == base[k].float()).all() for k in weights)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model) is LlamaForCausalLM
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 40, 41, 42]])).logits
+    assert logits.shape[-1] == model.config.vocab_size and bool(logits.isfinite().all())
+
+
+def test_only_optimize_lora_changes_only_the_lora_targets(tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    flags = [*FAST, "--max_steps", "20", "--dtype", "fp32", "--lora_dim", "4", "--only_optimize_lora"]
+    assert_ok(step1(out, *flags))
+    s = summary(out)
+    assert s["eval_loss_end"] < s["eval_loss_start"], s
+
+    weights, base = load_file(str(out / "model.safetensors")), base_weights(out)
+    assert set(weights) == set(base)
+    # --lora_module_name "layers." targets the Linear layers inside the decoder blocks; everything else
+    # (embeddings, norms, lm_head) is frozen and must come out bit-identical.
+    targets = [k for k in base if ".layers." in k and k.endswith("_proj.weight")]
+    frozen = [k for k in base if k not in targets]
+    assert targets and frozen
+    for k in frozen:
+        assert (weights[k] == base[k]).all(), f"frozen {k} changed"
+    for k in targets:
+        assert not (weights[k] == base[k]).all(), f"LoRA target {k} unchanged (LoRA not merged?)"
+
+
+# ---------------------------------------------------------------- 7. ZeRO-Offload
+@pytest.mark.slow
+def test_zero2_offload_trains(tmp_path):
+    """Optimizer states in CPU memory with DeepSpeedCPUAdam (JIT-built on first use, then cached)."""
+    out = tmp_path / "run"
+    assert_ok(step1(out, *FAST, "--max_steps", "10", "--zero_stage", "2", "--offload"))
+    s = summary(out)
+    assert resolved_config(out)["offload"] is True
+    assert s["steps"] == 10 and s["eval_loss_end"] < s["eval_loss_start"], s
+
+
+# ---------------------------------------------------------------- 8. train.py end to end
+def test_train_py_runs_step1_and_captures_its_output(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    proc = train_py(
+        "--step", "1", "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path),
+        "--", "--max_steps", "10", *FAST[2:],
+    )  # fmt: skip
+    assert_ok(proc)
+    out = tmp_path / "step1"
+    launch = [line for line in proc.stdout.splitlines() if line.startswith("==> step 1 (")]
+    assert len(launch) == 1
+    cmd = shlex.split(launch[0].split(": ", 1)[1])
+    assert cmd[1].endswith("training/step1_supervised_finetuning/main.py")
+    assert cmd[cmd.index("--output_dir") + 1] == str(out)
+    assert cmd[cmd.index("--model_name_or_path") + 1] == "builtin:micro-llama"
+    assert cmd[-len(FAST[2:]) - 2 :] == ["--max_steps", "10", *FAST[2:]]
+    assert f"==> step 1 done: {out}" in proc.stdout
+
+    log = (out / "training.log").read_text()
+    assert log.startswith(f"$ {shlex.join(cmd)}\n")
+    # The child's own output is in the log exactly once (it does not also write the file itself).
+    assert log.count("INFO done: eval perplexity") == 1
+    assert "INFO done: eval perplexity" in proc.stdout
+    assert summary(out)["steps"] == 10
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.hidden_size == 64
+
+
+def test_train_py_refuses_a_step_that_is_not_built(tmp_path):
+    proc = train_py("--step", "2", "--output-dir", str(tmp_path))
+    line = error_line(proc, "step 2", "not built")
+    assert proc.returncode != 0 and line
+    assert not (tmp_path / "step2").exists()
+
+
+# ---------------------------------------------------------------- 9. tokenized-data cache
+def test_second_identical_run_hits_the_data_cache_and_overwrite_replaces_the_run(tmp_path):
+    cache = tmp_path / "data-cache"
+    out = tmp_path / "run"
+    flags = [*MICRO, *FAST[2:], "--max_steps", "5", "--data_path", "builtin:add", "--data_output_path", str(cache)]
+    assert_ok(step1(out, *flags))
+    first = resolved_config(out)
+    assert first["data_cache_hit"] is False
+    assert len(list(cache.glob("*.pt"))) == 1
+    start = summary(out)["eval_loss_start"]
+
+    assert_ok(step1(out, *flags, "--overwrite"))
+    second = resolved_config(out)
+    assert second["data_cache_hit"] is True
+    assert second["data"] == first["data"]
+    assert summary(out)["eval_loss_start"] == start
+    # --overwrite started over: one run's rows in metrics.jsonl, not two.
+    assert [step for step, _ in eval_losses(out)] == [0, 5]

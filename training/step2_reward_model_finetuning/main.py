@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Step 2: reward-model training on preference pairs (prompt, chosen, rejected).
+
+    python training/step2_reward_model_finetuning/main.py --model_name_or_path output/step1 --output_dir output/step2
+    deepspeed --num_gpus 2 training/step2_reward_model_finetuning/main.py --zero_stage 3 ...
+
+or ``python train.py --step 2``. The model is a transformer body with a scalar head
+(``AutoModelForSequenceClassification``, one label) scored at the last real token of
+``prompt + response``; the loss is ``-log sigmoid(r_chosen - r_rejected - margin)`` with chosen and
+rejected batched together. The output directory loads with
+``AutoModelForSequenceClassification.from_pretrained`` and gives the same scores.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
+
+import torch
+from tqdm import tqdm
+
+from dschat import config as C
+from dschat import trainer as T
+from dschat.data.collate import PairCollator
+from dschat.data.pipeline import prepare_pair_data
+from dschat.engine import core as engine_core
+from dschat.engine.checkpoint import export_hf_model
+from dschat.lm import eval_batches, train_loader
+from dschat.losses import gather_last, pairwise_loss
+from dschat.models.loading import count_parameters, load_tokenizer, resolve
+from dschat.models.reward import ScalarHeadModel, load_reward_model
+from dschat.ranking import evaluate_ranking
+from dschat.utils import dist
+from dschat.utils.errors import run_cli
+from dschat.utils.metrics import MetricsLogger, setup_logging
+from dschat.utils.run import (
+    Stopwatch,
+    check_output_dir,
+    clear_previous_run,
+    save_resolved_config,
+    write_summary,
+)
+
+GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.RunArgs, C.RewardArgs)
+STEP_DEFAULTS = {
+    C.RunArgs: {"output_dir": "output/step2", "eval_interval": 50},
+    C.OptimArgs: {"learning_rate": 5e-4, "weight_decay": 0.1, "num_train_epochs": 1},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = C.parse_groups(
+        "step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS
+    )
+    model_args, data_args, lora_args, optim, ds_args, run, reward = args
+
+    # ---------------------------------------------------------------- 1. setup
+    log = setup_logging(None)
+    check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
+    engine_core.init_distributed()
+    dtype = engine_core.resolve_dtype(model_args.dtype)
+    world = dist.world_size()
+    torch.manual_seed(run.seed)
+    model_path = resolve(model_args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=model_args.trust_remote_code)
+
+    # ---------------------------------------------------------------- 2. data: this step's share of the pairs
+    data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
+    collate = PairCollator(tokenizer.pad_token_id)
+    loader = train_loader(
+        data.train, batch_size=optim.per_device_train_batch_size, seed=run.seed, collate=collate,
+        accumulation=optim.gradient_accumulation_steps,
+    )  # fmt: skip
+    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
+    total_steps = T.count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
+    global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * world
+
+    if run.overwrite:
+        clear_previous_run(run.output_dir)
+    dist.barrier()
+    setup_logging(run.output_dir)
+    resolved = {
+        "step": 2, **C.to_dict(*args), "resolved_model_path": model_path, "resolved_dtype": dtype,
+        "world_size": world, "global_batch_size": global_batch, "total_steps": total_steps,
+        "data": data.stats, "data_cache_hit": data.cache_hit,
+    }  # fmt: skip
+    save_resolved_config(run.output_dir, resolved)
+    st = data.stats["train"]
+    log.info(
+        "data: %d train / %d eval pairs; dropped %d identical, %d empty, %d too long; %d prompts truncated; %d steps",
+        len(data.train), len(data.eval), st["dropped_identical"], st["dropped_empty_response"], st["dropped_too_long"],
+        st["prompt_truncated"], total_steps,
+    )  # fmt: skip
+
+    # ---------------------------------------------------------------- 3. model (body + scalar head) and engine
+    ds_config = T.train_ds_config(optim, ds_args, dtype)
+    with engine_core.zero3_loading(ds_config):
+        hf_model = load_reward_model(
+            model_path,
+            tokenizer=tokenizer,
+            dropout=model_args.dropout,
+            trust_remote_code=model_args.trust_remote_code,
+        ).model
+    hf_model = T.apply_lora(hf_model, lora_args, keep_trainable=("score.",))
+    model = ScalarHeadModel(hf_model)
+    n_params = count_parameters(model)
+    engine = T.build_engine(
+        model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,
+        gradient_checkpointing=model_args.gradient_checkpointing,
+    )  # fmt: skip
+    log.info("reward model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
+             ds_args.zero_stage, world)  # fmt: skip
+
+    # ---------------------------------------------------------------- 4. resume or start; first evaluation
+    state = T.resume_state(engine, run, global_batch)
+    start_step = state.step
+    metrics = MetricsLogger(
+        run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
+        tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
+        run_name=Path(run.output_dir).name, append=run.resume,
+    )  # fmt: skip
+    sw = Stopwatch()
+
+    def evaluate(step: int) -> dict[str, float]:
+        t = time.perf_counter()
+        with sw("eval"):
+            ev = evaluate_ranking(engine, evals)
+        ev["scoring_samples_per_sec"] = 2 * ev["pairs"] / max(time.perf_counter() - t, 1e-9)
+        metrics.log(ev, step=step, split="eval")
+        log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f", step, ev["accuracy"],
+                 ev["chosen_mean"], ev["rejected_mean"], ev["margin"])  # fmt: skip
+        return ev
+
+    eval_start = evaluate(state.step)
+
+    # ---------------------------------------------------------------- 5. training loop
+    window = T.MetricWindow()
+    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc="step 2 (reward)",
+               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
+    engine.train()
+    for batch in T.micro_batches(loader, state, optim.num_train_epochs):
+        t0 = time.perf_counter()
+        ids = batch["input_ids"].to(engine.device)
+        mask = batch["attention_mask"].to(engine.device)
+        b = ids.shape[0] // 2
+        # 5a. score chosen and rejected in one forward: the value at each sequence's last real token
+        scores = gather_last(engine(ids, mask), mask)
+        chosen, rejected = scores[:b], scores[b:]
+        # 5b. ranking loss, backward, step
+        loss = pairwise_loss(chosen, rejected, reward.margin)
+        engine.backward(loss)
+        engine.step()
+        window.add(loss=loss, micro=1, pairs=b, right=(chosen > rejected).sum(), margin=(chosen - rejected).sum(),
+                   tokens=mask.sum(), seconds=time.perf_counter() - t0)  # fmt: skip
+        if state.batch_in_epoch % optim.gradient_accumulation_steps:
+            continue
+        state.step += 1
+        bar.update(1)
+        # 5c. log (averaged over micro-batches and ranks)
+        if T.should_log(state.step, run.log_interval, total_steps):
+            w = window.reduce()
+            state.tokens += w["tokens"]
+            state.train_seconds += w["seconds"] / world
+            row = {"loss": w["loss"] / w["micro"], "accuracy": w["right"] / w["pairs"], "margin": w["margin"] / w["pairs"],
+                   "lr": engine.get_lr()[0], "samples_per_sec": 2 * w["pairs"] / max(w["seconds"] / world, 1e-9),
+                   "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9), "epoch": state.epoch}  # fmt: skip
+            metrics.log(row, step=state.step, split="train")
+            bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", lr=f"{row['lr']:.2e}")
+            if not sys.stdout.isatty():
+                log.info("step %d/%d loss %.4f accuracy %.3f lr %.2e samples/s %.1f", state.step, total_steps,
+                         row["loss"], row["accuracy"], row["lr"], row["samples_per_sec"])  # fmt: skip
+        # 5d. evaluate
+        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
+            evaluate(state.step)
+        # 5e. checkpoint
+        with sw("checkpoint"):
+            T.maybe_checkpoint(engine, run, state, total_steps)
+        if state.step >= total_steps:
+            break
+    bar.close()
+
+    # ---------------------------------------------------------------- 6. final evaluation and save
+    eval_end = evaluate(state.step)
+    with sw("export"):
+        export_hf_model(engine.module.model, tokenizer, run.output_dir)
+    train_pairs = state.step * global_batch - start_step * global_batch
+    summary = {
+        "step": 2,
+        "steps": state.step,
+        "eval_accuracy_start": eval_start["accuracy"],
+        "eval_accuracy_end": eval_end["accuracy"],
+        "eval_chosen_mean": eval_end["chosen_mean"],
+        "eval_rejected_mean": eval_end["rejected_mean"],
+        "eval_margin": eval_end["margin"],
+        "eval_accuracy_chosen_longer": eval_end.get("accuracy_chosen_longer"),
+        "eval_accuracy_chosen_shorter": eval_end.get("accuracy_chosen_shorter"),
+        "eval_longer_response_baseline": eval_end["longer_response_baseline"],
+        "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
+        "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
+        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
+        "train_seconds": state.train_seconds,
+        "wall_seconds": sw.wall(),
+        "seconds_by_phase": sw.totals,
+        "parameters": n_params,
+        "dtype": dtype,
+        "world_size": world,
+        "zero_stage": ds_args.zero_stage,
+        "lora_dim": lora_args.lora_dim,
+        "resumed_from_step": start_step if run.resume else None,
+    }
+    metrics.close()
+    write_summary(run.output_dir, summary)
+    log.info("done: eval accuracy %.4f -> %.4f, reward model saved to %s", eval_start["accuracy"], eval_end["accuracy"],
+             run.output_dir)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
