@@ -39,7 +39,7 @@ class Step:
 STEPS = {
     1: Step(1, "supervised fine-tuning", ROOT / "training/step1_supervised_finetuning/main.py", True),
     2: Step(2, "reward model", ROOT / "training/step2_reward_model_finetuning/main.py", True),
-    3: Step(3, "RLHF (PPO)", ROOT / "training/step3_rlhf_finetuning/main.py", False),
+    3: Step(3, "RLHF (PPO)", ROOT / "training/step3_rlhf_finetuning/main.py", True),
 }
 
 
@@ -137,6 +137,14 @@ def step_args(step: int, args: argparse.Namespace, extra: list[str]) -> list[str
         a += ["--model_name_or_path", reward_start_model(args)]
         if args.reward_zero_stage is not None:
             a += ["--zero_stage", str(args.reward_zero_stage)]
+    if step == 3:
+        a += ["--actor_model_name_or_path", str(Path(args.output_dir) / "step1"),
+              "--critic_model_name_or_path", args.reward_model if args.reward_model and 2 not in steps_of(args)
+              else str(Path(args.output_dir) / "step2")]  # fmt: skip
+        if args.actor_zero_stage is not None:
+            a += ["--actor_zero_stage", str(args.actor_zero_stage)]
+        if args.reward_zero_stage is not None:
+            a += ["--critic_zero_stage", str(args.reward_zero_stage)]
     if args.data_path:
         a += ["--data_path", *args.data_path]
     if args.overwrite:
@@ -144,6 +152,10 @@ def step_args(step: int, args: argparse.Namespace, extra: list[str]) -> list[str
     if args.resume:
         a.append("--resume")
     return a + extra
+
+
+def steps_of(args: argparse.Namespace) -> list[int]:
+    return sorted(set(args.step)) if args.step else [n for n, s in STEPS.items() if s.built]
 
 
 def reward_start_model(args: argparse.Namespace) -> str:
@@ -178,7 +190,7 @@ def run_step(step: Step, cmd: list[str], log_path: Path, append: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
-    steps = sorted(set(args.step)) if args.step else [n for n, s in STEPS.items() if s.built]
+    steps = steps_of(args)
     for n in steps:
         if not STEPS[n].built:
             raise UserError(
@@ -192,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{flag} must be 0, 1, 2 or 3, got {value}")
     prefix = launcher(args)
     for n in steps:
+        for needed in (1, 2) if n == 3 else ():
+            if (
+                needed not in steps
+                and not (Path(args.output_dir) / f"step{needed}" / "summary.json").exists()
+            ):
+                if needed == 2 and args.reward_model:
+                    continue
+                raise UserError(
+                    f"--step 3 needs a finished step {needed} in {Path(args.output_dir) / f'step{needed}'} "
+                    f"(run --step {needed} first, or add it: --step 1 2 3)"
+                )
         check_output_dir(str(Path(args.output_dir) / f"step{n}"), overwrite=args.overwrite, resume=args.resume,
                          flag="--output-dir")  # fmt: skip
     for n in steps:

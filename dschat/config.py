@@ -47,7 +47,7 @@ class ModelArgs:
         False, "allow model code from the model repository to run (off: safe default)"
     )
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--{prefix}dropout must be in [0, 1), got {self.dropout}")
 
@@ -68,7 +68,7 @@ class DataArgs:
     train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
     max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         parse_data_split(self.data_split, flag=f"--{prefix}data_split")
         if self.max_seq_len < 8:
             raise UserError(f"--{prefix}max_seq_len must be at least 8, got {self.max_seq_len}")
@@ -87,10 +87,11 @@ class LoraArgs:
         None, "learning rate of the LoRA matrices (default: --learning_rate)", type=float
     )
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.lora_dim < 0:
             raise UserError(f"--{prefix}lora_dim must be >= 0, got {self.lora_dim}")
-        if self.only_optimize_lora and self.lora_dim == 0:
+        # A shared --only_optimize_lora (step 3) is checked by the step: it needs LoRA on some model.
+        if self.only_optimize_lora and self.lora_dim == 0 and "only_optimize_lora" not in shared:
             raise UserError(
                 f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)"
             )
@@ -113,7 +114,7 @@ class OptimArgs:
     num_warmup_steps: int = opt(0, "linear warm-up steps")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
                      "gradient_accumulation_steps"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -130,7 +131,7 @@ class DeepSpeedArgs:
     zero_stage: int = opt(0, "ZeRO stage: 0, 1, 2 or 3")
     offload: bool = opt(False, "offload optimizer states (and, with ZeRO-3, parameters) to CPU memory")
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--{prefix}zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload and self.zero_stage == 0:
@@ -157,7 +158,7 @@ class RunArgs:
     enable_wandb: bool = opt(False, "log to Weights & Biases (WANDB_MODE=offline works without network)")
     wandb_project: str = opt("dschat", "W&B project name")
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         for name in ("eval_interval", "save_steps", "log_interval", "eval_generation_samples"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
@@ -171,9 +172,113 @@ class RunArgs:
 class RewardArgs:
     margin: float = opt(0.0, "ranking margin m in -log sigmoid(r_chosen - r_rejected - m)")
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.margin < 0:
             raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
+
+
+@dataclass
+class RLHFEngineArgs:
+    """How step 3 places its four models (actor, reference, critic, reward)."""
+
+    reward_model_name_or_path: str | None = opt(
+        None, "frozen reward model (default: --critic_model_name_or_path)", type=str
+    )
+    actor_zero_stage: int = opt(0, "ZeRO stage of the actor (the reference uses 3 if this is 3, else 0)")
+    critic_zero_stage: int = opt(0, "ZeRO stage of the critic (the reward model uses 3 if this is 3, else 0)")
+    offload: bool = opt(False, "offload actor and critic optimizer states (and ZeRO-3 parameters) to CPU")
+    offload_reference_model: bool = opt(False, "keep the reference model's ZeRO-3 parameters in CPU memory")
+    offload_reward_model: bool = opt(False, "keep the reward model's ZeRO-3 parameters in CPU memory")
+    share_reference_with_actor: bool = opt(
+        False,
+        "reference = the LoRA actor with its adapter disabled (needs --actor_lora_dim and --only_optimize_lora)",
+    )
+    enable_ema: bool = opt(
+        False, "keep an exponential moving average of the actor, saved as OUTPUT_DIR/actor_ema"
+    )
+    ema_decay: float = opt(0.992, "EMA decay per PPO step")
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        for name in ("actor_zero_stage", "critic_zero_stage"):
+            if getattr(self, name) not in (0, 1, 2, 3):
+                raise UserError(f"--{name} must be 0, 1, 2 or 3, got {getattr(self, name)}")
+        if self.offload and 0 in (self.actor_zero_stage, self.critic_zero_stage):
+            raise UserError(
+                "--offload needs --actor_zero_stage and --critic_zero_stage of 1, 2 or 3 (ZeRO-0 cannot offload)"
+            )
+        if not 0.0 < self.ema_decay < 1.0:
+            raise UserError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
+
+
+@dataclass
+class PPOArgs:
+    """PPO: batch geometry, learning rates, and every constant of the algorithm (DeepSpeed-Chat's defaults)."""
+
+    per_device_generation_batch_size: int = opt(16, "prompts per device per generation round")
+    per_device_training_batch_size: int = opt(
+        16, "experiences per device per PPO update (must divide the generated batch)"
+    )
+    generation_batches: int = opt(1, "generation rounds collected before the PPO epochs over them")
+    ppo_epochs: int = opt(1, "passes of PPO updates over each collected batch")
+    num_train_epochs: int = opt(1, "passes over the prompt set")
+    max_steps: int = opt(0, "stop after this many generation rounds (0 = all epochs)")
+    max_prompt_seq_len: int = opt(256, "longest prompt in tokens; longer prompts are dropped and counted")
+    max_answer_seq_len: int = opt(256, "most new tokens generated per prompt")
+    actor_learning_rate: float = opt(9.65e-6, "actor learning rate")
+    critic_learning_rate: float = opt(5e-6, "critic learning rate")
+    actor_weight_decay: float = opt(0.0, "actor AdamW weight decay")
+    critic_weight_decay: float = opt(0.0, "critic AdamW weight decay")
+    lr_scheduler_type: str = opt("cosine", "learning-rate schedule of actor and critic", choices=SCHEDULERS)
+    num_warmup_steps: int = opt(0, "linear warm-up steps (PPO updates)")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
+    kl_coef: float = opt(0.1, "KL penalty coefficient beta in r_t = -beta (log pi - log pi_ref)")
+    kl_target: float | None = opt(None, "adaptive KL controller target (None: fixed --kl_coef)", type=float)
+    kl_horizon: int = opt(10000, "adaptive KL controller horizon")
+    clip_reward_value: float = opt(5.0, "reward-model score clipped to +-this before it enters the reward")
+    cliprange: float = opt(0.2, "policy ratio clip epsilon")
+    cliprange_value: float = opt(0.2, "value clip epsilon")
+    gamma: float = opt(1.0, "discount")
+    lam: float = opt(0.95, "GAE lambda")
+    whiten_advantages: bool = opt(False, "normalise advantages over the batch's response tokens")
+    temperature: float = opt(1.0, "sampling temperature of generation")
+    top_p: float = opt(1.0, "nucleus sampling p")
+    top_k: int = opt(0, "top-k sampling (0 = off)")
+    reward_fn: str | None = opt(
+        None, "module:function (prompts, responses) -> scores, e.g. dschat.tasks:verifier_reward", type=str
+    )
+    reward_fn_mode: str = opt(
+        "replace", "the function replaces the reward model or is added to it", choices=("replace", "add")
+    )
+    unsupervised_dataset_name: str | None = opt(
+        None, "PTX: SFT data source for a language-modelling loss (builtin, file, hub)", type=str
+    )
+    unsup_coef: float = opt(27.8, "PTX loss weight")
+    eval_prompts: int = opt(
+        300, "held-out prompts answered greedily at start, every --eval_interval, and at the end"
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
+                     "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        collected = self.per_device_generation_batch_size * self.generation_batches
+        if collected % self.per_device_training_batch_size:
+            raise UserError(
+                f"--per_device_training_batch_size {self.per_device_training_batch_size} must divide the generated batch "
+                f"(--per_device_generation_batch_size x --generation_batches = {collected})"
+            )
+        for name in ("kl_coef", "clip_reward_value", "cliprange", "cliprange_value", "unsup_coef"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise UserError(f"--gamma and --lam must be in [0, 1], got {self.gamma} and {self.lam}")
+        if self.kl_target is not None and self.kl_target <= 0:
+            raise UserError(f"--kl_target must be > 0, got {self.kl_target}")
+        if self.temperature <= 0:
+            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if self.reward_fn is not None and ":" not in self.reward_fn:
+            raise UserError(f"--reward_fn {self.reward_fn}: expected module:function")
 
 
 def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
@@ -205,13 +310,16 @@ def add_group(
     prefix: str = "",
     title: str | None = None,
     defaults: dict[str, Any] | None = None,
+    shared: frozenset[str] = frozenset(),
 ) -> None:
     """Add every field of dataclass ``cls`` as ``--{prefix}{name}``.
 
     ``defaults`` overrides a field's default for one step (step 2's output directory, say) while the
-    option itself, its type, help and validation stay defined once.
+    option itself, its type, help and validation stay defined once. Fields in ``shared`` keep their
+    unprefixed name and are added once even when the group is added under several prefixes (step 3's
+    ``--dtype`` serves actor and critic).
     """
-    group = parser.add_argument_group(title or cls.__name__)
+    group = parser.add_argument_group(title or f"{cls.__name__} {prefix}".strip())
     defaults = defaults or {}
     unknown = set(defaults) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
@@ -220,7 +328,9 @@ def add_group(
         meta = f.metadata
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         default = defaults.get(f.name, default)
-        flag = f"--{prefix}{f.name}"
+        flag = f"--{f.name}" if f.name in shared else f"--{prefix}{f.name}"
+        if flag in parser._option_string_actions:
+            continue
         if isinstance(default, bool):
             group.add_argument(flag, action="store_true", default=default, help=meta["help"])
             continue
@@ -234,27 +344,40 @@ def add_group(
         group.add_argument(flag, type=kind, **kwargs)
 
 
+GroupSpec = type | tuple  # a dataclass, or (dataclass, prefix, shared field names)
+
+
 def parse_groups(
     prog: str,
     description: str,
-    groups: tuple[type, ...],
+    groups: tuple[GroupSpec, ...],
     argv: list[str] | None = None,
     defaults: dict[type, dict[str, Any]] | None = None,
 ) -> tuple:
-    """One parser from option groups; returns one validated dataclass instance per group."""
+    """One parser from option groups; returns one validated dataclass instance per group.
+
+    A group is a dataclass, or ``(dataclass, prefix, shared)`` to add it under a prefix (step 3 adds
+    :class:`ModelArgs` as ``actor_`` and ``critic_``) with some fields left unprefixed and shared.
+    """
+    specs = [(g, "", frozenset()) if isinstance(g, type) else (g[0], g[1], frozenset(g[2])) for g in groups]
     parser = ArgumentParser(prog=prog, description=description)
-    for g in groups:
-        add_group(parser, g, defaults=(defaults or {}).get(g))
+    for cls, prefix, shared in specs:
+        add_group(parser, cls, prefix=prefix, defaults=(defaults or {}).get(cls), shared=shared)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     ns = parser.parse_args(argv)
-    return tuple(from_namespace(g, ns) for g in groups)
+    return tuple(from_namespace(cls, ns, prefix, shared) for cls, prefix, shared in specs)
 
 
-def from_namespace(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:
-    values = {f.name: getattr(ns, f"{prefix}{f.name}") for f in dataclasses.fields(cls)}
+def from_namespace(
+    cls: type[T], ns: argparse.Namespace, prefix: str = "", shared: frozenset[str] = frozenset()
+) -> T:
+    values = {
+        f.name: getattr(ns, f.name if f.name in shared else f"{prefix}{f.name}")
+        for f in dataclasses.fields(cls)
+    }
     obj = cls(**values)
     if hasattr(obj, "validate"):
-        obj.validate(prefix)
+        obj.validate(prefix, shared)
     return obj
 
 

@@ -38,6 +38,7 @@ class TrainState:
     tokens: float = 0.0  # real (non-padding) tokens processed, all ranks
     train_seconds: float = 0.0
     global_batch_size: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # step-specific (e.g. the KL coefficient)
 
     def to_client_state(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,6 +119,7 @@ def count_total_steps(batches_per_epoch: int, optim: OptimArgs, n_samples: int) 
 
 
 def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
+    """``engine`` may be a dict name -> engine (step 3 saves actor and critic together)."""
     """Fresh state, or the one saved with the latest checkpoint when ``--resume`` is given."""
     state = TrainState(global_batch_size=global_batch_size)
     if not run.resume:

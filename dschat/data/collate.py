@@ -81,3 +81,22 @@ class PairCollator:
             input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, : len(r)] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@dataclass
+class PromptCollator:
+    """Left-pad prompt token lists (generation continues from the right edge).
+
+    Returns ``input_ids (B, P)`` and ``attention_mask (B, P)``, P = the longest prompt in the batch.
+    """
+
+    pad_id: int
+
+    def __call__(self, features: list[list[int]]) -> dict[str, torch.Tensor]:
+        width = max(len(f) for f in features)
+        input_ids = torch.full((len(features), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(features), width), dtype=torch.long)
+        for i, f in enumerate(features):
+            input_ids[i, width - len(f) :] = torch.tensor(f, dtype=torch.long)
+            attention_mask[i, width - len(f) :] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}

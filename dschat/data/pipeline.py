@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -208,7 +209,22 @@ def _build_pairs(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedDa
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
-BUILDERS = {"sft": _build_sft, "pairs": _build_pairs}
+def _build_prompts(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData:
+    """Prompt token lists (with BOS) of step ``phase``; prompts longer than ``max_seq_len`` are dropped."""
+    train_s, eval_s = gather_samples(args, phase, seed, tokenizer)
+    ids = tokenizer([s.prompt for s in train_s], add_special_tokens=True)["input_ids"] if train_s else []
+    train = [p for p in ids if len(p) <= args.max_seq_len]
+    stats = {"samples": len(ids), "kept": len(train), "dropped_too_long": len(ids) - len(train)}
+    if not train:
+        raise UserError(
+            f"no prompts for step {phase}: all {len(ids)} are longer than --max_prompt_seq_len {args.max_seq_len}"
+        )
+    prompts = [s.prompt for s in eval_s]
+    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    return PreparedData(train, [], {"train": stats}, prompts)
+
+
+BUILDERS = {"sft": _build_sft, "pairs": _build_pairs, "prompts": _build_prompts}
 
 
 def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) -> PreparedData:
@@ -219,6 +235,15 @@ def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) ->
 def prepare_pair_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 2) -> PreparedData:
     """Tokenized preference pairs (``chosen``, ``rejected``) of step ``phase``; see :func:`prepare_data`."""
     return prepare_data("pairs", args, tokenizer, seed=seed, phase=phase)
+
+
+def prepare_prompt_data(
+    args: DataArgs, tokenizer, *, seed: int, max_prompt_len: int, phase: int = 3
+) -> PreparedData:
+    """Tokenized prompts of step ``phase`` (at most ``max_prompt_len`` tokens); see :func:`prepare_data`."""
+    return prepare_data(
+        "prompts", dataclasses.replace(args, max_seq_len=max_prompt_len), tokenizer, seed=seed, phase=phase
+    )
 
 
 def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int) -> PreparedData:

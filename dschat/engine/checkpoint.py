@@ -32,13 +32,29 @@ TAG_RE = re.compile(r"^step(\d+)$")
 
 
 def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str, Any], keep: int = 2) -> Path:
+    """Save one engine (``root/stepN/``) or several (a dict name -> engine: ``root/stepN/<name>/``).
+
+    ``client_state`` goes with the (first) engine; a per-rank ``rng_rank<R>.pt`` with the torch RNG
+    state is saved beside it, so that sampling after a resume continues exactly.
+    """
     root = Path(root)
     tag, tmp_tag = f"step{step}", f".tmp-step{step}"
     if dist.is_main():
         shutil.rmtree(root / tmp_tag, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
+    if isinstance(engine, dict):
+        for i, (name, eng) in enumerate(engine.items()):
+            eng.save_checkpoint(
+                str(root / tmp_tag), tag=name, client_state=client_state if i == 0 else {}, save_latest=False
+            )
+    else:
+        engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+    torch.save(rng, root / tmp_tag / f"rng_rank{dist.rank()}.pt")
     dist.barrier()
     if dist.is_main():
         replace_dir(root / tmp_tag, root / tag)
@@ -61,12 +77,26 @@ def latest_tag(root: str | Path) -> str | None:
 
 
 def load_checkpoint(engine, root: str | Path, tag: str) -> dict[str, Any]:
-    path, client_state = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")
-    return client_state or {}
+    """Load what :func:`save_checkpoint` wrote (one engine or a dict of them); returns the client state."""
+    root = Path(root)
+    targets = engine.items() if isinstance(engine, dict) else [(None, engine)]
+    client: dict[str, Any] = {}
+    for i, (name, eng) in enumerate(targets):
+        load_dir, load_tag = (root / tag, name) if name is not None else (root, tag)
+        path, state = eng.load_checkpoint(
+            str(load_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir}/{load_tag}")
+        if i == 0:
+            client = state or {}
+    rng_file = root / tag / f"rng_rank{dist.rank()}.pt"
+    if rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return client
 
 
 def _is_zero3_param(p: torch.nn.Parameter) -> bool:
@@ -113,7 +143,13 @@ def export_hf_model(
     ``os.replace``; the weights are moved before ``config.json`` so a reader never pairs a new config
     with missing weights. Collective: call on every rank (ZeRO-3 gathers).
     """
-    state = gather_full_state_dict(module)
+    write_hf_model(module, gather_full_state_dict(module), tokenizer, out_dir, extra_files=extra_files)
+    dist.barrier()
+
+
+def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | None, tokenizer, out_dir: str | Path,
+                   *, extra_files: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Rank 0: write ``state`` (a full state dict of ``module``'s structure) as a merged HF model."""
     if dist.is_main():
         base, lora_cfg = unwrap_peft(module)
         config = copy.deepcopy(base.config)
@@ -148,4 +184,3 @@ def export_hf_model(
                 os.replace(f, out_dir / f.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()

@@ -35,7 +35,11 @@ class ScalarHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hf = self.hf_model
         body = getattr(hf, hf.base_model_prefix)
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        # Positions skip left padding (PPO's prompts are left-padded), as generate computes them.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return hf.score(hidden).squeeze(-1).float()
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

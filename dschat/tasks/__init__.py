@@ -207,3 +207,12 @@ def verify(prompt: str, response: str) -> bool | None:
 def task_of(prompt: str) -> str | None:
     q = last_question(prompt)
     return next((t.name for t in TASKS.values() if t.pattern.match(q)), None)
+
+
+def verifier_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """A rule-based reward for ``--reward_fn dschat.tasks:verifier_reward``: +1 right, -1 wrong, 0 unknown task."""
+    out = []
+    for p, r in zip(prompts, responses):
+        ok = verify(p, r)
+        out.append(0.0 if ok is None else (1.0 if ok else -1.0))
+    return out

@@ -20,13 +20,22 @@ def test_help():
     [
         (["--deployment-type", "single_gpu", "--hostfile", "hosts.txt"], ["--hostfile", "multi_node"]),
         (["--deployment-type", "multi_node"], ["multi_node", "--hostfile"]),
-        (["--deployment-type", "multi_node", "--hostfile", "/no/such/hostfile"], ["/no/such/hostfile", "not found"]),
+        (
+            ["--deployment-type", "multi_node", "--hostfile", "/no/such/hostfile"],
+            ["/no/such/hostfile", "not found"],
+        ),
         (["--deployment-type", "single_gpu", "--num-gpus", "2"], ["--num-gpus", "single_node"]),
         (["--actor-zero-stage", "4"], ["--actor-zero-stage", "4"]),
         (["--no-such-flag"], ["--no-such-flag"]),
     ],
-    ids=["hostfile-single-gpu", "multi-node-no-hostfile", "hostfile-missing", "num-gpus-single-gpu",
-         "zero-stage-4", "unknown-flag"],  # fmt: skip
+    ids=[
+        "hostfile-single-gpu",
+        "multi-node-no-hostfile",
+        "hostfile-missing",
+        "num-gpus-single-gpu",
+        "zero-stage-4",
+        "unknown-flag",
+    ],
 )
 def test_bad_flag_combinations_are_one_line(tmp_path, args, needles):
     proc = train_py("--step", "1", "--output-dir", str(tmp_path), *args)

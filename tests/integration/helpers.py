@@ -28,7 +28,9 @@ REFERENCE_RUN_FLAGS = [*RUN_FLAGS, "--dtype", "fp32", "--log_interval", "1", "--
 REFERENCE_1RANK = [*MICRO, *REFERENCE_RUN_FLAGS, "--gradient_accumulation_steps", "2"]
 
 
-def step1(out_dir: Path | str, *flags: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def step1(
+    out_dir: Path | str, *flags: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run ``training/step1_supervised_finetuning/main.py --output_dir OUT FLAGS``."""
     return run_cmd([str(STEP1), "--output_dir", str(out_dir), *flags], env=env, timeout=timeout)
 

@@ -31,9 +31,15 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
 
 def test_required_field_missing_names_the_field_and_line(tmp_path):
     data = tmp_path / "data.jsonl"
-    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "answer": "d"}, {"prompt": "e", "response": "f"}]
+    rows = [
+        {"prompt": "a", "response": "b"},
+        {"prompt": "c", "answer": "d"},
+        {"prompt": "e", "response": "f"},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    error_line(run_bad(tmp_path, "--data_path", str(data)), f"{data}:2", "missing field", "'chosen'", "response")
+    error_line(
+        run_bad(tmp_path, "--data_path", str(data)), f"{data}:2", "missing field", "'chosen'", "response"
+    )
 
 
 def test_everything_filtered_out_by_max_seq_len(tmp_path):

@@ -1,0 +1,29 @@
+"""Exponential moving average of the actor (``--enable_ema``), kept in fp32 on rank 0's CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from dschat.engine.checkpoint import gather_full_state_dict, write_hf_model
+from dschat.utils import dist
+
+
+class EMA:
+    """``ema <- decay * ema + (1 - decay) * weights`` after every PPO update (a collective under ZeRO-3)."""
+
+    def __init__(self, module: torch.nn.Module, decay: float) -> None:
+        self.decay = decay
+        state = gather_full_state_dict(module)
+        self.state = {k: v.float() for k, v in state.items()} if state is not None else None
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        current = gather_full_state_dict(module)
+        if self.state is None or current is None:
+            return
+        for k, v in current.items():
+            self.state[k].mul_(self.decay).add_(v.float(), alpha=1.0 - self.decay)
+
+    def export(self, module: torch.nn.Module, tokenizer, out_dir) -> None:
+        write_hf_model(module, self.state, tokenizer, out_dir)
+        dist.barrier()

@@ -1,0 +1,176 @@
+"""The PPO trainer: drives the four engines (actor, reference, critic, reward) through
+experience collection and clipped PPO updates. The maths lives in :mod:`dschat.rlhf.ppo_math`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dschat.losses import mean_token_nll
+from dschat.rlhf import ppo_math as M
+from dschat.rlhf.experience import Experience
+from dschat.rlhf.generation import position_ids_from_mask
+
+
+@dataclass(frozen=True)
+class PPOHyper:
+    """The constants of the algorithm (all flags; printed and logged by the step)."""
+
+    kl_coef: float
+    clip_reward_value: float
+    cliprange: float
+    cliprange_value: float
+    gamma: float
+    lam: float
+    whiten_advantages: bool
+    unsup_coef: float
+
+
+class PPOTrainer:
+    """``make_experience(prompts) -> Experience`` and ``train(experience) -> metrics``.
+
+    ``reference`` is an engine, or None when the reference is the LoRA actor with its adapter
+    disabled (``--share_reference_with_actor``).
+    """
+
+    def __init__(
+        self, *, actor, reference, critic, reward_source, generator, tokenizer, hyper: PPOHyper, kl_ctl
+    ) -> None:
+        self.actor, self.reference, self.critic = actor, reference, critic
+        self.reward_source, self.generator, self.tokenizer = reward_source, generator, tokenizer
+        self.hyper, self.kl_ctl = hyper, kl_ctl
+        self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
+        self.generated_tokens = 0.0
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.timing[name] += time.perf_counter() - t
+
+    @contextlib.contextmanager
+    def reference_mode(self) -> Iterator[torch.nn.Module]:
+        """The reference policy: its own engine, or the actor with its LoRA adapter switched off."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        with self.actor.module.disable_adapter():
+            yield self.actor
+
+    @staticmethod
+    def _logits(engine, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return engine(
+            input_ids=sequences,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+        ).logits
+
+    # ------------------------------------------------------------------ 1. experience
+    @torch.no_grad()
+    def make_experience(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+    ) -> tuple[Experience, dict[str, float]]:
+        """Generate responses for (B, P) left-padded prompts and score them with every model."""
+        tok = self.tokenizer
+        with self._timed("generation"), self.generator.generation_mode() as gen:
+            sequences = gen.generate(prompt_ids, prompt_mask)
+        prompt_len = prompt_ids.shape[1]
+        with self._timed("experience"):
+            action_mask = M.action_mask_from(sequences, prompt_len, tok.eos_token_id, tok.pad_token_id)
+            self.generated_tokens += float(action_mask.sum())
+            response_mask = torch.zeros_like(sequences)
+            response_mask[:, 1:] = action_mask.long()
+            attention_mask = torch.cat([prompt_mask, response_mask[:, prompt_len:]], dim=1)
+            # The reward model was trained on prompt + response without EOS: score at the last content token.
+            is_eos = (sequences == tok.eos_token_id) & (response_mask > 0)
+            reward_mask = attention_mask * (~is_eos).long()
+
+            self.actor.eval()
+            logits = self._logits(self.actor, sequences, attention_mask)
+            logprobs = M.logprobs_of(logits, sequences)
+            entropy = M.masked_mean(M.entropy_of(logits), action_mask)
+            del logits
+            with self.reference_mode() as ref:
+                ref.eval()
+                ref_logprobs = M.logprobs_of(self._logits(ref, sequences, attention_mask), sequences)
+            self.critic.eval()
+            values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
+            prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
+            responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
+            scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
+
+            h = self.hyper
+            rewards, kl = M.kl_shaped_rewards(
+                scores, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, h.clip_reward_value
+            )
+            advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
+            if h.whiten_advantages:
+                advantages = M.masked_whiten(advantages, action_mask)
+        exp = Experience(
+            sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, logprobs=logprobs,
+            ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
+            scores=scores, prompt_len=prompt_len,
+        )  # fmt: skip
+        lengths = action_mask.sum(1)
+        stats = {
+            "score_sum": float(scores.sum()),
+            "score_sq_sum": float((scores.float() ** 2).sum()),
+            "reward_sum": float(rewards.sum()),  # per-sequence total reward, summed over rows
+            "kl_sum": float(kl.sum()),  # per-sequence KL to the reference, summed over rows
+            "entropy_sum": float(entropy) * len(lengths),
+            "length_sum": float(lengths.sum()),
+            "rows": float(len(lengths)),
+        }
+        return exp, stats
+
+    # ------------------------------------------------------------------ 2. PPO update
+    def train(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """One clipped PPO update of actor and critic on a minibatch of experience."""
+        h = self.hyper
+        with self._timed("train"):
+            # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)
+            self.actor.train()
+            logits = self._logits(self.actor, exp.sequences, exp.attention_mask)
+            logprobs = M.logprobs_of(logits, exp.sequences)
+            pg_loss, pg_stats = M.policy_loss(
+                logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange
+            )
+            actor_loss = pg_loss
+            out = {}
+            if unsup_batch is not None and h.unsup_coef > 0:
+                lm_logits = self.actor(
+                    input_ids=unsup_batch["input_ids"], attention_mask=unsup_batch["attention_mask"]
+                ).logits
+                ptx, _ = mean_token_nll(lm_logits, unsup_batch["labels"])
+                actor_loss = actor_loss + h.unsup_coef * ptx
+                out["ptx_loss"] = float(ptx.detach())
+            self.actor.backward(actor_loss)
+            self.actor.step()
+            # 2b. critic: clipped value regression towards the GAE returns
+            self.critic.train()
+            values = self.critic(exp.sequences, exp.attention_mask)[:, :-1]
+            v_loss, v_stats = M.value_loss(
+                values, exp.values, exp.returns, exp.action_mask, h.cliprange_value
+            )
+            self.critic.backward(v_loss)
+            self.critic.step()
+        out.update(
+            {
+                "policy_loss": float(pg_loss.detach()),
+                "value_loss": float(v_loss.detach()),
+                "clip_fraction": float(pg_stats["clip_fraction"]),
+                "approx_kl": float(pg_stats["approx_kl"]),
+                "value_clip_fraction": float(v_stats["value_clip_fraction"]),
+            }
+        )
+        return out

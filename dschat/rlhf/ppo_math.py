@@ -1,0 +1,183 @@
+"""PPO maths for RLHF on token sequences. Pure torch: no deepspeed, tested on hand-computed tensors.
+
+Conventions (T = prompt + response length, positions t = 0..T-2 are *actions*):
+``logprobs[:, t]`` is log pi(token t+1 | tokens <= t); ``values[:, t]`` is the critic's value of the
+state after token t; ``action_mask[:, t]`` is 1 where token t+1 is a response token (up to and
+including the first EOS, never padding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits (B, T, V), tokens (B, T) -> log-prob of tokens[:, 1:] under logits[:, :-1]: (B, T-1)."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at positions 0..T-2: (B, T-1)."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_id: int) -> torch.Tensor:
+    """(B, T) prompt (left-padded to ``prompt_len``) + generated tokens -> action mask (B, T-1).
+
+    A generated token counts until and including the first EOS; whatever generate wrote after it
+    (padding, which may equal EOS) does not. Prompt positions never count.
+    """
+    response = sequences[:, prompt_len:]
+    is_eos = response == eos_id
+    # position of the first EOS (or the end): tokens after it are padding
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    valid = ~after_eos
+    if pad_id != eos_id:
+        valid &= response != pad_id
+    mask = torch.zeros(
+        sequences.shape[0], sequences.shape[1] - 1, dtype=torch.float32, device=sequences.device
+    )
+    mask[:, prompt_len - 1 :] = valid.float()
+    return mask
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp_min(1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (mean kept if ``shift_mean`` is False)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T-1) -> (B,) index of each row's last action (its final response token)."""
+    t = action_mask.shape[1]
+    positions = torch.arange(t, device=action_mask.device).expand_as(action_mask)
+    return (positions * (action_mask > 0)).max(dim=1).values
+
+
+def kl_shaped_rewards(
+    score: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    kl_coef: float,
+    clip_reward_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards ``-kl_coef * (logp - ref_logp)`` plus the clipped score on the last action.
+
+    score: (B,); the others (B, T-1). Returns (rewards (B, T-1), per-token KL estimate (B, T-1)),
+    both zero outside the action mask.
+    """
+    kl = (logprobs - ref_logprobs) * action_mask
+    rewards = -kl_coef * kl
+    last = last_action_index(action_mask)
+    clipped = score.float().clamp(-clip_reward_value, clip_reward_value)
+    rewards = rewards.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += clipped
+    return rewards * action_mask, kl
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the action positions (B, T-1).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, where the value and
+    advantage after a row's last action are 0 (the episode ends there). Returns (advantages, returns =
+    advantages + values), both zero outside the mask.
+    """
+    values = values * action_mask
+    b, t = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last_gae = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
+    for i in reversed(range(t)):
+        m = action_mask[:, i]
+        delta = rewards[:, i] + gamma * next_value - values[:, i]
+        last_gae = delta + gamma * lam * last_gae
+        last_gae = last_gae * m  # outside the response nothing flows
+        adv[:, i] = last_gae
+        next_value = torch.where(m > 0, values[:, i], next_value * 0)
+    returns = (adv + values) * action_mask
+    return adv * action_mask, returns
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))`` over actions; r = exp(logp - logp_old)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(loss1, loss2), action_mask)
+    with torch.no_grad():
+        stats = {
+            "clip_fraction": masked_mean((loss2 > loss1).float(), action_mask),
+            # k3 estimator of KL(old || new): (r - 1) - log r, non-negative and low-variance
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, action_mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))``, V_clip = V_old + clip(V - V_old)."""
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    l1 = (values - returns) ** 2
+    l2 = (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(l1, l2), action_mask)
+    with torch.no_grad():
+        stats = {"value_clip_fraction": masked_mean((l2 > l1).float(), action_mask)}
+    return loss, stats
+
+
+class FixedKLController:
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, d: dict[str, float]) -> None:
+        self.value = d["value"]
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. (2019): scale the coefficient by ``1 + clip(KL/target - 1, -0.2, 0.2) * n/horizon``."""
+
+    def __init__(self, kl_coef: float, target: float, horizon: int) -> None:
+        super().__init__(kl_coef)
+        self.target, self.horizon = target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):
+            return
+        error = max(min(current_kl / self.target - 1.0, 0.2), -0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

@@ -1,0 +1,63 @@
+"""Reward sources behind one call: ``score(prompts, responses, sequences, mask) -> Tensor[B]``.
+
+A trained reward model, a Python function (rule-based or verifiable rewards), or their sum.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from dschat.losses import gather_last
+from dschat.utils.errors import UserError
+
+
+class RewardSource(Protocol):
+    def score(
+        self, prompts: list[str], responses: list[str], sequences: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class RewardModelSource:
+    """A frozen reward engine (``ScalarHeadModel``) scoring prompt + response at its last real token.
+
+    ``attention_mask`` must cover the prompt and the response *without* its EOS, matching how step 2
+    trained the model (scores sit on the last response token).
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    @torch.no_grad()
+    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+        values = self.engine(sequences, attention_mask)
+        return gather_last(values, attention_mask).float()
+
+
+class FunctionSource:
+    """``fn(prompts, responses) -> list[float]``, loaded from ``module:function``."""
+
+    def __init__(self, spec: str) -> None:
+        module, _, name = spec.partition(":")
+        try:
+            self.fn: Callable = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise UserError(f"--reward_fn {spec}: cannot import ({exc})") from None
+
+    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+        out = self.fn(prompts, responses)
+        t = torch.as_tensor(list(out), dtype=torch.float32, device=sequences.device)
+        if t.shape != (len(prompts),):
+            raise UserError(f"--reward_fn returned {tuple(t.shape)} scores for {len(prompts)} responses")
+        return t
+
+
+class SumSource:
+    def __init__(self, *sources: RewardSource) -> None:
+        self.sources = sources
+
+    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+        return sum(s.score(prompts, responses, sequences, attention_mask) for s in self.sources)
