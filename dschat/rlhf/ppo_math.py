@@ -36,9 +36,9 @@ def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_
     is_eos = response == eos_id
     # position of the first EOS (or the end): tokens after it are padding
     after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    # Before the first EOS every token was sampled (even one that happens to be the pad token);
+    # generate writes padding only after it.
     valid = ~after_eos
-    if pad_id != eos_id:
-        valid &= response != pad_id
     mask = torch.zeros(
         sequences.shape[0], sequences.shape[1] - 1, dtype=torch.float32, device=sequences.device
     )

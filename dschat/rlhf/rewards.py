@@ -44,12 +44,18 @@ class FunctionSource:
         module, _, name = spec.partition(":")
         try:
             self.fn: Callable = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise UserError(f"--reward_fn {spec}: cannot import ({exc})") from None
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            raise UserError(f"--reward_fn {spec}: cannot import ({type(exc).__name__}: {exc})") from None
+        if not callable(self.fn):
+            raise UserError(f"--reward_fn {spec}: {type(self.fn).__name__} is not callable")
+        self.spec = spec
 
     def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
         out = self.fn(prompts, responses)
-        t = torch.as_tensor(list(out), dtype=torch.float32, device=sequences.device)
+        try:
+            t = torch.as_tensor(list(out), dtype=torch.float32, device=sequences.device)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"--reward_fn {self.spec}: must return a list of numbers ({type(exc).__name__}: {exc})") from None
         if t.shape != (len(prompts),):
             raise UserError(f"--reward_fn returned {tuple(t.shape)} scores for {len(prompts)} responses")
         return t

@@ -63,7 +63,6 @@ def test_unknown_model_name_offline(tmp_path):
 def test_bad_flags(tmp_path, flags, needles):
     proc = run_bad(tmp_path, *flags)
     error_line(proc, *needles)
-    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # the whole of stderr is that one line
 
 
 def test_output_dir_holding_a_finished_run_needs_overwrite(tmp_path):

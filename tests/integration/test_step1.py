@@ -160,8 +160,7 @@ def test_resume_after_interruption_is_bit_identical(reference_run, tmp_path):
     for step in range(1, 21):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
-    # A finished run is refused unless --overwrite, with --resume too.
-    error_line(step1(out, *flags), str(out), "--overwrite")
+    # Finished: --resume is refused now (so is a plain rerun: test_bad_inputs), the run is left alone.
     error_line(step1(out, *flags, "--resume"), str(out), "--overwrite")
     assert summary(out) == s
 
@@ -195,9 +194,9 @@ def test_checkpoint_killed_mid_save_leaves_latest_on_the_previous_one(tmp_path):
         save_checkpoint(_FakeEngine(die=True), root, 20, {"step": 20})
     assert latest_tag(root) == "step10"
     assert not (root / "step20").exists()
-    assert sorted(p.name for p in (root / "step10").iterdir()) == [
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-    ]  # fmt: skip
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"} <= {
+        p.name for p in (root / "step10").iterdir()
+    }
 
     # A stray half-written directory from an earlier kill changes nothing either.
     (root / ".tmp-step99").mkdir()
@@ -309,18 +308,6 @@ def test_train_py_runs_step1_and_captures_its_output(tmp_path):
     assert summary(out)["steps"] == 10
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.hidden_size == 64
-
-
-def test_train_py_refuses_a_step_that_is_not_built(tmp_path):
-    import train
-
-    unbuilt = [n for n, step in train.STEPS.items() if not step.built]
-    if not unbuilt:
-        pytest.skip("every step is built")
-    n = unbuilt[0]
-    proc = train_py("--step", str(n), "--output-dir", str(tmp_path))
-    error_line(proc, f"step {n}", "not built")
-    assert not (tmp_path / f"step{n}").exists()
 
 
 # ---------------------------------------------------------------- 9. tokenized-data cache

@@ -1,0 +1,395 @@
+"""dschat.rlhf.ppo_math: PPO maths on tiny tensors with hand-computed expected values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dschat.rlhf.ppo_math import (
+    AdaptiveKLController,
+    FixedKLController,
+    action_mask_from,
+    entropy_of,
+    gae,
+    kl_shaped_rewards,
+    last_action_index,
+    logprobs_of,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    value_loss,
+)
+
+LN2, LN3 = math.log(2.0), math.log(3.0)
+
+
+def t(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def close(x, values, atol=1e-6):
+    return torch.allclose(x.float(), t(values), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- log-probs and entropy
+
+
+def tiny_logits():
+    # B=1, T=3, V=3.
+    # position 0: [0, ln2, ln3] -> probs [1, 2, 3] / 6 -> log-probs [-ln6, -ln3, -ln2]
+    # position 1: [0, 0, 0]     -> uniform, log-probs all -ln3
+    # position 2: never used (it would predict a token after the sequence)
+    return t([[[0.0, LN2, LN3], [0.0, 0.0, 0.0], [100.0, 0.0, -100.0]]])
+
+
+def test_logprobs_of_hand_values():
+    # tokens[1] = 2 under position 0: ln(3/6) = -ln2; tokens[2] = 0 under position 1: -ln3
+    lp = logprobs_of(tiny_logits(), torch.tensor([[1, 2, 0]]))
+    assert lp.shape == (1, 2)
+    assert lp.dtype == torch.float32
+    assert close(lp, [[-LN2, -LN3]])
+
+
+def test_logprobs_of_other_tokens_and_first_token_is_ignored():
+    # tokens[1] = 0 under position 0: -ln6; tokens[2] = 1 under position 1: -ln3; tokens[0] is no target
+    for first in (0, 1, 2):
+        lp = logprobs_of(tiny_logits(), torch.tensor([[first, 0, 1]]))
+        assert close(lp, [[-math.log(6.0), -LN3]])
+
+
+def test_logprobs_of_ignores_the_last_position():
+    logits = tiny_logits()
+    logits[0, 2] = t([-5.0, 7.0, 1.0])
+    assert close(logprobs_of(logits, torch.tensor([[1, 2, 0]])), [[-LN2, -LN3]])
+
+
+def test_logprobs_of_bf16_logits_are_upcast():
+    lp = logprobs_of(tiny_logits().bfloat16(), torch.tensor([[1, 2, 0]]))
+    assert lp.dtype == torch.float32
+    assert close(lp, [[-LN2, -LN3]], atol=2e-2)
+
+
+def test_entropy_of_hand_values():
+    # position 0: H = -(1/6 ln 1/6 + 2/6 ln 2/6 + 3/6 ln 3/6) = ln6/6 + ln3/3 + ln2/2
+    # position 1: uniform over 3 -> ln3
+    h = entropy_of(tiny_logits())
+    assert h.shape == (1, 2)
+    assert close(h, [[math.log(6.0) / 6 + LN3 / 3 + LN2 / 2, LN3]])
+
+
+# ---------------------------------------------------------------- action mask
+
+EOS, PAD = 2, 0
+
+
+def test_action_mask_eos_in_the_middle():
+    # prompt_len 3 (left-padded), response [7, EOS, PAD, PAD]. Mask has T-1 = 6 entries; entry t is
+    # token t+1: entries 0, 1 are prompt tokens 1, 2 -> 0; entries 2..5 are response tokens 7, EOS, PAD, PAD
+    seq = torch.tensor([[PAD, 5, 6, 7, EOS, PAD, PAD]])
+    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    assert mask.shape == (1, 6)
+    assert mask.dtype == torch.float32
+    assert torch.equal(mask, t([[0, 0, 1, 1, 0, 0]]))
+
+
+def test_action_mask_batch_of_cases():
+    seq = torch.tensor(
+        [
+            [PAD, 5, 6, 7, EOS, PAD, PAD],  # EOS second: [1, 1, 0, 0]
+            [5, 6, 7, 8, 9, 10, 11],  # no EOS: all response tokens count
+            [PAD, PAD, 5, EOS, PAD, PAD, PAD],  # immediate EOS: exactly one 1
+            [5, 6, 7, 7, EOS, 9, EOS],  # junk after the first EOS does not count
+            [5, 6, 7, 8, 9, 10, EOS],  # EOS as the very last token counts
+        ]
+    )
+    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    expected = t(
+        [
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 1],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 1],
+        ]
+    )
+    assert torch.equal(mask, expected)
+    assert mask[2].sum() == 1
+
+
+def test_action_mask_pad_equals_eos():
+    # pad_id == eos_id == 2: the first 2 in the response is the EOS (counts), later 2s are padding
+    seq = torch.tensor(
+        [
+            [2, 5, 6, 7, 8, 2, 2],  # [1, 1, 1, 0]
+            [2, 2, 5, 2, 2, 2, 2],  # immediate EOS: [1, 0, 0, 0]
+            [5, 6, 7, 8, 9, 10, 11],  # no EOS: [1, 1, 1, 1]
+        ]
+    )
+    mask = action_mask_from(seq, prompt_len=3, eos_id=2, pad_id=2)
+    assert torch.equal(mask, t([[0, 0, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]]))
+
+
+def test_action_mask_prompt_tokens_never_count():
+    # prompt tokens equal to EOS/PAD or not: the prompt block never enters the mask
+    seq = torch.tensor([[EOS, PAD, EOS, 7, 8]])
+    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    assert torch.equal(mask, t([[0, 0, 1, 1]]))
+
+
+def test_action_mask_sampled_pad_token_before_eos_counts():
+    # The docstring: "A generated token counts until and including the first EOS". generate writes
+    # padding only after a row's EOS, so a PAD id before the first EOS was sampled by the policy (the
+    # builtin tokenizer's <pad> = 0 is an ordinary logit). Response [7, PAD, 8, EOS] -> [1, 1, 1, 1].
+    seq = torch.tensor([[5, 6, 7, 7, PAD, 8, EOS]])
+    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    assert torch.equal(mask, t([[0, 0, 1, 1, 1, 1]]))
+
+
+def test_last_action_index():
+    mask = t([[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0]])
+    assert last_action_index(mask).tolist() == [3, 5, 2]
+
+
+# ---------------------------------------------------------------- KL-shaped rewards
+
+
+def test_kl_shaped_rewards_hand_values():
+    mask = t([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    # row 0: kl = logp - ref on the mask = [0, 0.5, -1.0, 0, 0]; -0.1 * kl = [0, -0.05, 0.1, 0, 0];
+    #        score 7 clipped to 5 added at the last action (index 3)
+    # row 1: kl = [0, -1.0, -2.0, 0, 0]; -0.1 * kl = [0, 0.1, 0.2, 0, 0]; score -9 -> -5 at index 2
+    # row 2: logp == ref -> kl 0; score 3 (inside the clip) at index 4
+    logp = t([[9.0, -1.0, -2.0, -0.5, 9.0], [3.0, -2.0, -3.0, 4.0, 4.0], [1.0, 1.0, -1.0, -1.0, -1.0]])
+    ref = t([[-9.0, -1.5, -1.0, -0.5, -9.0], [1.0, -1.0, -1.0, 0.0, 0.0], [5.0, 5.0, -1.0, -1.0, -1.0]])
+    rewards, kl = kl_shaped_rewards(t([7.0, -9.0, 3.0]), logp, ref, mask, kl_coef=0.1, clip_reward_value=5)
+    assert close(
+        rewards,
+        [[0, -0.05, 0.1, 5.0, 0], [0, 0.1, 0.2 - 5.0, 0, 0], [0, 0, 0, 0, 3.0]],
+    )
+    assert close(kl, [[0, 0.5, -1.0, 0, 0], [0, -1.0, -2.0, 0, 0], [0, 0, 0, 0, 0]])
+    assert torch.all(rewards[mask == 0] == 0)
+    assert torch.all(kl[mask == 0] == 0)
+
+
+def test_kl_shaped_rewards_does_not_modify_inputs():
+    logp, ref = t([[0.0, -1.0, -2.0]]), t([[0.0, -1.5, -1.0]])
+    mask = t([[0, 1, 1]])
+    before = logp.clone(), ref.clone(), mask.clone()
+    kl_shaped_rewards(t([1.0]), logp, ref, mask, 0.1, 5.0)
+    assert torch.equal(logp, before[0]) and torch.equal(ref, before[1]) and torch.equal(mask, before[2])
+
+
+# ---------------------------------------------------------------- GAE
+
+
+def gae_row():
+    # one prompt position (masked, with junk reward/value), then 3 actions
+    rewards = t([[7.0, 0.5, -1.0, 2.0]])
+    values = t([[100.0, 1.0, 2.0, 3.0]])
+    mask = t([[0, 1, 1, 1]])
+    return rewards, values, mask
+
+
+def test_gae_gamma1_lam095():
+    # gamma = 1, lam = 0.95, V after the last action = 0:
+    # t=3: delta = 2 + 0 - 3 = -1;            A3 = -1
+    # t=2: delta = -1 + 3 - 2 = 0;            A2 = 0 + 0.95 * -1 = -0.95
+    # t=1: delta = 0.5 + 2 - 1 = 1.5;         A1 = 1.5 + 0.95 * -0.95 = 1.5 - 0.9025 = 0.5975
+    # returns = A + V = [0, 1.5975, 1.05, 2.0]
+    adv, ret = gae(*gae_row(), gamma=1.0, lam=0.95)
+    assert close(adv, [[0.0, 0.5975, -0.95, -1.0]])
+    assert close(ret, [[0.0, 1.5975, 1.05, 2.0]])
+
+
+def test_gae_gamma09_lam1_is_discounted_return_minus_value():
+    # gamma = 0.9, lam = 1:
+    # t=3: delta = 2 + 0 - 3 = -1;                A3 = -1
+    # t=2: delta = -1 + 0.9*3 - 2 = -0.3;         A2 = -0.3 + 0.9 * -1 = -1.2
+    # t=1: delta = 0.5 + 0.9*2 - 1 = 1.3;         A1 = 1.3 + 0.9 * -1.2 = 0.22
+    # (check: discounted returns R3 = 2, R2 = -1 + 0.9*2 = 0.8, R1 = 0.5 + 0.9*0.8 = 1.22; A = R - V)
+    adv, ret = gae(*gae_row(), gamma=0.9, lam=1.0)
+    assert close(adv, [[0.0, 0.22, -1.2, -1.0]])
+    assert close(ret, [[0.0, 1.22, 0.8, 2.0]])
+
+
+def test_gae_padding_after_the_last_action_changes_nothing():
+    rewards, values, mask = gae_row()
+    # same row with two padding positions (junk rewards and values) after the last action
+    rewards_p = torch.cat([rewards, t([[9.0, -9.0]])], dim=1)
+    values_p = torch.cat([values, t([[50.0, 60.0]])], dim=1)
+    mask_p = torch.cat([mask, t([[0, 0]])], dim=1)
+    for gamma, lam in ((1.0, 0.95), (0.9, 1.0), (0.5, 0.5)):
+        adv, ret = gae(rewards, values, mask, gamma, lam)
+        adv_p, ret_p = gae(rewards_p, values_p, mask_p, gamma, lam)
+        assert torch.allclose(adv_p[:, :4], adv, atol=1e-6)
+        assert torch.allclose(ret_p[:, :4], ret, atol=1e-6)
+        assert torch.all(adv_p[:, 4:] == 0) and torch.all(ret_p[:, 4:] == 0)
+
+
+def test_gae_rows_are_independent_and_masked_positions_are_zero():
+    rewards, values, mask = gae_row()
+    # row 1: a single action at index 2 (reward 4, value 1): A = 4 - 1 = 3, return 4
+    rewards2 = torch.cat([rewards, t([[5.0, 5.0, 4.0, 5.0]])])
+    values2 = torch.cat([values, t([[5.0, 5.0, 1.0, 5.0]])])
+    mask2 = torch.cat([mask, t([[0, 0, 1, 0]])])
+    adv, ret = gae(rewards2, values2, mask2, gamma=1.0, lam=0.95)
+    assert close(adv, [[0.0, 0.5975, -0.95, -1.0], [0, 0, 3.0, 0]])
+    assert close(ret, [[0.0, 1.5975, 1.05, 2.0], [0, 0, 4.0, 0]])
+    assert torch.all(adv[mask2 == 0] == 0) and torch.all(ret[mask2 == 0] == 0)
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def policy_case():
+    # cliprange 0.2; r = exp(logp - old); the last position is masked out (huge A and r)
+    #   a) A=+1, r=1.5: -A r = -1.5, -A clip(r) = -1.2 -> max -1.2 (clipped)
+    #   b) A=+1, r=0.5: -0.5 vs -0.8                  -> -0.5 (not clipped)
+    #   c) A=-2, r=1.5:  3.0 vs  2.4                  ->  3.0 (not clipped)
+    #   d) A=-2, r=0.5:  1.0 vs  1.6                  ->  1.6 (clipped)
+    #   e) A=+3, r=1.1: -3.3 vs -3.3 (inside)          -> -3.3 (not clipped)
+    ratios = [1.5, 0.5, 1.5, 0.5, 1.1, 5.0]
+    old = t([[-1.0, -2.0, -0.5, -3.0, -1.5, -0.1]])
+    logp = old + torch.log(t([ratios]))
+    adv = t([[1.0, 1.0, -2.0, -2.0, 3.0, 100.0]])
+    mask = t([[1, 1, 1, 1, 1, 0]])
+    return logp, old, adv, mask
+
+
+def test_policy_loss_hand_values():
+    logp, old, adv, mask = policy_case()
+    loss, stats = policy_loss(logp, old, adv, mask, cliprange=0.2)
+    # (-1.2 - 0.5 + 3.0 + 1.6 - 3.3) / 5 = -0.4 / 5 = -0.08
+    assert math.isclose(float(loss), -0.08, abs_tol=1e-6)
+    # clipped: a and d -> 2/5
+    assert math.isclose(float(stats["clip_fraction"]), 0.4, abs_tol=1e-6)
+    # k3 = r - 1 - ln r: 2(0.5 - ln1.5) + 2(-0.5 + ln2) + (0.1 - ln1.1) = 2 ln(4/3) + 0.1 - ln1.1
+    k3 = (2 * math.log(4 / 3) + 0.1 - math.log(1.1)) / 5
+    assert math.isclose(float(stats["approx_kl"]), k3, abs_tol=1e-6)
+
+
+def test_policy_loss_gradient_is_zero_where_clipped_and_masked():
+    logp, old, adv, mask = policy_case()
+    logp = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, adv, mask, cliprange=0.2)
+    loss.backward()
+    # d(-A r)/d logp = -A r, over 5 masked entries: b) -0.5/5 = -0.1, c) 3/5 = 0.6, e) -3.3/5 = -0.66;
+    # a) and d) are clipped (constant), the masked position gets nothing
+    assert close(logp.grad, [[0.0, -0.1, 0.6, 0.0, -0.66, 0.0]], atol=1e-5)
+
+
+def test_policy_loss_ratio_one_is_minus_mean_advantage():
+    # r = 1 everywhere: loss = -mean(A) over the mask = -(1 + 2 - 6)/3 = 1; no clipping, k3 = 0
+    old = t([[-1.0, -2.0, -3.0, -4.0]])
+    adv = t([[1.0, 2.0, -6.0, 50.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, stats = policy_loss(old.clone(), old, adv, mask, cliprange=0.2)
+    assert math.isclose(float(loss), 1.0, abs_tol=1e-6)
+    assert float(stats["clip_fraction"]) == 0.0
+    assert float(stats["approx_kl"]) == 0.0
+
+
+# ---------------------------------------------------------------- value loss
+
+
+def test_value_loss_hand_values():
+    # cliprange_value 0.2; V_clip = V_old + clip(V - V_old, -0.2, 0.2)
+    #   a) old 1, new 1.5, R 2: V_clip 1.2; (1.5-2)^2 = 0.25, (1.2-2)^2 = 0.64 -> 0.64 (clip counts)
+    #   b) old 1, new 1.5, R 0: V_clip 1.2; 2.25 vs 1.44                        -> 2.25
+    #   c) old 1, new 1.1, R 3: inside the clip; (1.1-3)^2 = 3.61 both          -> 3.61
+    #   d) masked: old 0, new 10, R -10
+    # loss = 0.5 * (0.64 + 2.25 + 3.61) / 3 = 0.5 * 6.5 / 3 = 1.0833...
+    old = t([[1.0, 1.0, 1.0, 0.0]])
+    new = t([[1.5, 1.5, 1.1, 10.0]])
+    ret = t([[2.0, 0.0, 3.0, -10.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, stats = value_loss(new, old, ret, mask, cliprange_value=0.2)
+    assert math.isclose(float(loss), 0.5 * 6.5 / 3, abs_tol=1e-5)
+    assert math.isclose(float(stats["value_clip_fraction"]), 1 / 3, abs_tol=1e-6)
+
+
+def test_value_loss_unclipped_is_half_mse():
+    # V = V_old: no clipping, loss = 0.5 * mean((V - R)^2) = 0.5 * (1 + 4) / 2 = 1.25
+    v = t([[0.0, 1.0, 2.0]])
+    ret = t([[1.0, 3.0, 7.0]])
+    mask = t([[1, 1, 0]])
+    loss, stats = value_loss(v, v.clone(), ret, mask, cliprange_value=0.2)
+    assert math.isclose(float(loss), 1.25, abs_tol=1e-6)
+    assert float(stats["value_clip_fraction"]) == 0.0
+
+
+# ---------------------------------------------------------------- masked mean / whiten
+
+
+def test_masked_mean():
+    x = t([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    mask = t([[1, 0, 1, 0], [0, 0, 0, 0]])
+    # all: (1 + 3) / 2 = 2
+    assert float(masked_mean(x, mask)) == 2.0
+    # per row: row 0 -> 2, row 1 has no entries -> 0 (denominator clamped to 1)
+    assert torch.equal(masked_mean(x, mask, dim=1), t([2.0, 0.0]))
+    # empty mask overall -> 0, not nan
+    assert float(masked_mean(x, torch.zeros_like(mask))) == 0.0
+
+
+def test_masked_whiten_hand_values():
+    # masked entries [1, 2, 3, 6]: mean 3, variance (4 + 1 + 0 + 9) / 4 = 3.5
+    x = t([[1.0, 2.0, 3.0, 100.0, 6.0]])
+    mask = t([[1, 1, 1, 0, 1]])
+    s = math.sqrt(3.5)
+    out = masked_whiten(x, mask)
+    assert close(out, [[-2 / s, -1 / s, 0.0, 0.0, 3 / s]])
+    assert abs(float(masked_mean(out, mask))) < 1e-6
+    assert math.isclose(float(masked_mean(out**2, mask)), 1.0, abs_tol=1e-6)
+    assert float(out[0, 3]) == 0.0
+
+
+def test_masked_whiten_keep_mean():
+    x = t([[1.0, 2.0, 3.0, 100.0, 6.0]])
+    mask = t([[1, 1, 1, 0, 1]])
+    s = math.sqrt(3.5)
+    out = masked_whiten(x, mask, shift_mean=False)
+    # (x - 3) / s + 3 on the mask, 0 outside
+    assert close(out, [[3 - 2 / s, 3 - 1 / s, 3.0, 0.0, 3 + 3 / s]])
+
+
+# ---------------------------------------------------------------- KL controllers
+
+
+def test_adaptive_kl_controller_hand_values():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    # kl 9: error = 9/6 - 1 = 0.5 -> clipped 0.2; value = 0.1 * (1 + 0.2 * 256/10000) = 0.1 * 1.00512
+    ctl.update(9.0, 256)
+    assert math.isclose(ctl.value, 0.100512, rel_tol=1e-12)
+    # kl 3: error = -0.5 -> -0.2; value *= 1 - 0.2 * 1000/10000 = 0.98 -> 0.09850176
+    ctl.update(3.0, 1000)
+    assert math.isclose(ctl.value, 0.09850176, rel_tol=1e-12)
+    # kl 6.6: error = 0.1 (inside the clip); value *= 1 + 0.1 * 5000/10000 = 1.05 -> 0.103426848
+    ctl.update(6.6, 5000)
+    assert math.isclose(ctl.value, 0.103426848, rel_tol=1e-12)
+    # kl at the target: no change; a non-finite KL is skipped
+    ctl.update(6.0, 5000)
+    ctl.update(float("nan"), 5000)
+    ctl.update(float("inf"), 5000)
+    assert math.isclose(ctl.value, 0.103426848, rel_tol=1e-12)
+
+
+def test_fixed_kl_controller_never_changes():
+    ctl = FixedKLController(0.05)
+    for kl in (0.0, 100.0, -3.0, float("nan")):
+        ctl.update(kl, 1000)
+    assert ctl.value == 0.05
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: FixedKLController(0.2), lambda: AdaptiveKLController(0.2, target=1.0, horizon=10)]
+)
+def test_kl_controller_state_dict_round_trip(make):
+    a = make()
+    a.update(5.0, 3)  # adaptive: 0.2 * (1 + 0.2 * 3/10) = 0.212
+    b = make()
+    b.load_state_dict(a.state_dict())
+    assert b.value == a.value
+    assert a.state_dict() == {"value": a.value}

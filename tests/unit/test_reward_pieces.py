@@ -1,0 +1,204 @@
+"""Step-2 pieces: last-token pooling, the pairwise loss, pair/prompt collation, ranking metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dschat.data.collate import PairCollator, PromptCollator, pair_example
+from dschat.losses import gather_last, last_token_index, pairwise_loss
+from dschat.ranking import ranking_metrics, ranking_sums
+
+# ---------------------------------------------------------------- last_token_index / gather_last
+
+
+@pytest.mark.parametrize(
+    "mask, expected",
+    [
+        ([[1, 1, 1, 0, 0]], [2]),  # right padding
+        ([[0, 0, 1, 1, 1]], [4]),  # left padding
+        ([[1, 1, 1, 1, 1]], [4]),  # no padding
+        ([[0, 1, 1, 0, 0]], [2]),  # left and right padding
+        ([[1, 0, 0, 0, 0]], [0]),  # one token
+        ([[0, 0, 0, 0, 0]], [0]),  # no real token -> 0
+        ([[1, 1, 0], [0, 1, 1], [1, 1, 1]], [1, 2, 2]),
+    ],
+)
+def test_last_token_index(mask, expected):
+    assert last_token_index(torch.tensor(mask)).tolist() == expected
+
+
+def test_last_token_index_bool_and_float_masks():
+    assert last_token_index(torch.tensor([[True, True, False]])).tolist() == [1]
+    assert last_token_index(torch.tensor([[0.0, 1.0, 1.0]])).tolist() == [2]
+
+
+def test_gather_last_pad_equals_eos_uses_the_mask():
+    # pad == eos == 2: row 0 really ends with an EOS at index 2 followed by padding 2s; a pad-id based
+    # rule would pick index 1 (before the first 2) or index 4 (last token). The mask says index 2.
+    ids = torch.tensor([[5, 6, 2, 2, 2], [2, 2, 5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5], [1.1, 1.2, 1.3, 1.4, 1.5]])
+    assert last_token_index(mask).tolist() == [2, 4]
+    assert torch.equal(gather_last(values, mask), torch.tensor([0.3, 1.5]))
+    assert ids.shape == values.shape
+
+
+def test_gather_last_right_and_left_padding():
+    values = torch.arange(12, dtype=torch.float32).view(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 1, 1]])
+    # row 0 index 1 -> 1; row 1 index 3 -> 7; row 2 index 3 -> 11
+    assert gather_last(values, mask).tolist() == [1.0, 7.0, 11.0]
+
+
+# ---------------------------------------------------------------- pairwise loss
+
+
+def test_pairwise_loss_hand_values():
+    # -log sigmoid(d) = log(1 + e^-d): d = 1 -> 0.3132617, d = 0 -> ln2 = 0.6931472; mean 0.5032044
+    loss = pairwise_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.0]))
+    assert math.isclose(float(loss), (math.log1p(math.exp(-1.0)) + math.log(2.0)) / 2, abs_tol=1e-6)
+    assert math.isclose(float(loss), 0.5032044, abs_tol=1e-6)
+
+
+def test_pairwise_loss_with_margin():
+    # margin 0.5: d - m = 0.5 and -0.5 -> log(1 + e^-0.5) = 0.4740770, log(1 + e^0.5) = 0.9740770
+    loss = pairwise_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.0]), margin=0.5)
+    assert math.isclose(float(loss), (0.4740770 + 0.9740770) / 2, abs_tol=1e-6)
+
+
+def test_pairwise_loss_is_float32_and_stable():
+    loss = pairwise_loss(torch.tensor([-100.0], dtype=torch.bfloat16), torch.tensor([100.0]))
+    # d = -200: log(1 + e^200) = 200 (no overflow to inf)
+    assert loss.dtype == torch.float32
+    assert math.isclose(float(loss), 200.0, rel_tol=1e-6)
+
+
+# ---------------------------------------------------------------- collation
+
+
+def test_pair_example_appends_no_eos():
+    prompt, chosen, rejected = [1, 2], [3, 4, 5], [6]
+    ex = pair_example(prompt, chosen, rejected)
+    assert ex == {"chosen": [1, 2, 3, 4, 5], "rejected": [1, 2, 6]}
+    ex["chosen"].append(9)
+    assert prompt == [1, 2] and chosen == [3, 4, 5]
+
+
+def test_pair_collator_chosen_first_right_padded():
+    feats = [pair_example([1, 2], [3, 4, 5], [6]), pair_example([7], [8], [9, 9])]
+    out = PairCollator(pad_id=99)(feats)
+    assert set(out) == {"input_ids", "attention_mask"}
+    # rows: chosen 0, chosen 1, rejected 0, rejected 1; width = longest = 5
+    assert out["input_ids"].tolist() == [
+        [1, 2, 3, 4, 5],
+        [7, 8, 99, 99, 99],
+        [1, 2, 6, 99, 99],
+        [7, 9, 9, 99, 99],
+    ]
+    assert out["attention_mask"].tolist() == [
+        [1, 1, 1, 1, 1],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0],
+    ]
+    assert out["input_ids"].dtype == torch.long and out["attention_mask"].dtype == torch.long
+
+
+def test_pair_collator_then_gather_last_scores_last_response_token():
+    out = PairCollator(pad_id=0)([pair_example([1], [2, 3], [4])])
+    values = out["input_ids"].float() * 10  # score = 10 * token id
+    # chosen [1, 2, 3] -> last token 3 -> 30; rejected [1, 4, pad] -> last real token 4 -> 40
+    assert gather_last(values, out["attention_mask"]).tolist() == [30.0, 40.0]
+
+
+def test_prompt_collator_left_pads():
+    out = PromptCollator(pad_id=99)([[1, 2, 3], [4], [5, 6]])
+    assert out["input_ids"].tolist() == [[1, 2, 3], [99, 99, 4], [99, 5, 6]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert out["input_ids"].dtype == torch.long
+
+
+def test_prompt_collator_equal_lengths_no_padding():
+    out = PromptCollator(pad_id=0)([[1, 2], [3, 4]])
+    assert out["input_ids"].tolist() == [[1, 2], [3, 4]]
+    assert out["attention_mask"].tolist() == [[1, 1], [1, 1]]
+
+
+# ---------------------------------------------------------------- ranking
+
+
+def toy_pairs():
+    #      chosen rejected  len_c len_r  weight
+    # p0:   2.0    1.0        5     3     1     right,  chosen longer
+    # p1:   0.5    0.5        2     4     1     tie -> wrong, chosen shorter
+    # p2:   3.0   -1.0        3     6     2     right,  chosen shorter
+    # p3:  -4.0    4.0        9     1     0     wrong,  chosen longer, but weight 0: ignored
+    chosen = torch.tensor([2.0, 0.5, 3.0, -4.0])
+    rejected = torch.tensor([1.0, 0.5, -1.0, 4.0])
+    len_c = torch.tensor([5, 2, 3, 9])
+    len_r = torch.tensor([3, 4, 6, 1])
+    weight = torch.tensor([1.0, 1.0, 2.0, 0.0])
+    return chosen, rejected, len_c, len_r, weight
+
+
+def test_ranking_sums_hand_values():
+    s = ranking_sums(*toy_pairs())
+    assert s == pytest.approx(
+        {
+            "n": 4.0,  # 1 + 1 + 2 + 0
+            "right": 3.0,  # p0 (1) + p2 (2)
+            "chosen": 8.5,  # 2 + 0.5 + 2*3 + 0
+            "rejected": -0.5,  # 1 + 0.5 + 2*(-1) + 0
+            "n_chosen_longer": 1.0,  # p0
+            "right_chosen_longer": 1.0,
+            "n_chosen_shorter": 3.0,  # p1 (1) + p2 (2)
+            "right_chosen_shorter": 2.0,  # p2
+            "longer_wins": 1.0,  # p0
+        }
+    )
+
+
+def test_ranking_metrics_hand_values():
+    m = ranking_metrics(ranking_sums(*toy_pairs()))
+    assert m == pytest.approx(
+        {
+            "accuracy": 0.75,  # 3 / 4
+            "chosen_mean": 2.125,  # 8.5 / 4
+            "rejected_mean": -0.125,  # -0.5 / 4
+            "margin": 2.25,  # 9 / 4
+            "longer_response_baseline": 0.25,  # 1 / 4
+            "pairs": 4.0,
+            "accuracy_chosen_longer": 1.0,  # 1 / 1
+            "accuracy_chosen_shorter": 2 / 3,  # 2 / 3
+        }
+    )
+
+
+def test_ranking_ties_count_as_wrong():
+    x = torch.tensor([1.0, 1.0])
+    lens = torch.tensor([3, 3])
+    m = ranking_metrics(ranking_sums(x, x.clone(), lens, lens, torch.ones(2)))
+    assert m["accuracy"] == 0.0
+    assert m["margin"] == 0.0
+    # equal lengths: neither split exists, and the longer-response baseline never wins
+    assert "accuracy_chosen_longer" not in m and "accuracy_chosen_shorter" not in m
+    assert m["longer_response_baseline"] == 0.0
+
+
+def test_ranking_sums_add_up_over_batches():
+    c, r, lc, lr, w = toy_pairs()
+    a = ranking_sums(c[:2], r[:2], lc[:2], lr[:2], w[:2])
+    b = ranking_sums(c[2:], r[2:], lc[2:], lr[2:], w[2:])
+    total = {k: a[k] + b[k] for k in a}
+    assert ranking_metrics(total) == pytest.approx(ranking_metrics(ranking_sums(c, r, lc, lr, w)))
+
+
+def test_ranking_metrics_empty():
+    c = torch.tensor([1.0])
+    m = ranking_metrics(ranking_sums(c, c, torch.tensor([1]), torch.tensor([2]), torch.zeros(1)))
+    assert m["pairs"] == 0.0
+    assert m["accuracy"] == 0.0
+    assert "accuracy_chosen_shorter" not in m
