@@ -31,8 +31,13 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-        # DeepSpeed's CPU accelerator reads this to size its thread pools; keep torch's own choice.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # Several CPU ranks on one machine: split the cores, or their thread pools fight over them
+        # (oversubscribed OpenMP threads spin and run many times slower).
+        # torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
