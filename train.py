@@ -78,6 +78,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--output-dir", default="output", help="root of the outputs: DIR/step1, DIR/step2, DIR/step3"
     )
+    p.add_argument(
+        "--preset",
+        help="YAML preset under configs/presets (name or path); default: builtin-tiny "
+        "when no --actor-model is given",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace finished runs in the output directories")
     p.add_argument("--resume", action="store_true", help="resume each step from its latest checkpoint")
     return p.parse_args(argv), extra
@@ -125,12 +130,47 @@ def launcher(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def step_args(step: int, args: argparse.Namespace, extra: list[str]) -> list[str]:
+PRESETS = ROOT / "configs" / "presets"
+
+
+def load_preset(args: argparse.Namespace) -> dict:
+    """The preset's per-step flags: ``{"model": ..., "step1": {"--flag": value}, ...}`` (empty if none)."""
+    import yaml
+
+    name = args.preset or (None if args.actor_model else "builtin-tiny")
+    if name is None:
+        return {}
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESETS / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+        raise UserError(f"--preset {name}: no such preset (known: {known})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: malformed YAML ({str(exc).splitlines()[0]})") from None
+    for key, flags in data.items():
+        if key.startswith("step") and not isinstance(flags, dict):
+            raise UserError(f"{path}: '{key}' must map flags to values")
+    return data
+
+
+def preset_flags(preset: dict, step: int) -> list[str]:
+    out: list[str] = []
+    for flag, value in (preset.get(f"step{step}") or {}).items():
+        if value is True:
+            out.append(flag)
+        elif value is not False and value is not None:
+            out += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return out
+
+
+def step_args(step: int, args: argparse.Namespace, extra: list[str], preset: dict | None = None) -> list[str]:
     out_dir = str(Path(args.output_dir) / f"step{step}")
     a = ["--output_dir", out_dir]
     if step == 1:
-        if args.actor_model:
-            a += ["--model_name_or_path", args.actor_model]
+        model = args.actor_model or (preset or {}).get("model")
+        if model:
+            a += ["--model_name_or_path", model]
         if args.actor_zero_stage is not None:
             a += ["--zero_stage", str(args.actor_zero_stage)]
     if step == 2:
@@ -151,7 +191,8 @@ def step_args(step: int, args: argparse.Namespace, extra: list[str]) -> list[str
         a.append("--overwrite")
     if args.resume:
         a.append("--resume")
-    return a + extra
+    # preset values first, so that the user's own flags (after --) win: argparse keeps the last value
+    return a + preset_flags(preset or {}, step) + extra
 
 
 def steps_of(args: argparse.Namespace) -> list[int]:
@@ -166,7 +207,7 @@ def reward_start_model(args: argparse.Namespace) -> str:
     step1 = Path(args.output_dir) / "step1"
     if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
         return str(step1)
-    return args.actor_model or "builtin:tiny-llama"
+    return args.actor_model or "builtin:tiny-llama"  # the builtin-tiny preset's model
 
 
 def run_step(step: Step, cmd: list[str], log_path: Path, append: bool) -> int:
@@ -203,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value not in (0, 1, 2, 3):
             raise UserError(f"{flag} must be 0, 1, 2 or 3, got {value}")
     prefix = launcher(args)
+    preset = load_preset(args)
+    if preset:
+        print(f"==> preset {args.preset or 'builtin-tiny'}: " + "; ".join(
+            f"{k} {' '.join(preset_flags(preset, int(k[4:])))}" for k in preset if k.startswith("step")), flush=True)  # fmt: skip
     for n in steps:
         for needed in (1, 2) if n == 3 else ():
             if (
@@ -219,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                          flag="--output-dir")  # fmt: skip
     for n in steps:
         step = STEPS[n]
-        cmd = [*prefix, str(step.entry), *step_args(n, args, extra)]
+        cmd = [*prefix, str(step.entry), *step_args(n, args, extra, preset)]
         out_dir = Path(args.output_dir) / f"step{n}"
         print(f"==> step {n} ({step.name}): {shlex.join(cmd)}", flush=True)
         code = run_step(step, cmd, out_dir / "training.log", append=args.resume)
