@@ -73,14 +73,18 @@ class PairCollator:
     pad_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [f["chosen"] for f in features] + [f["rejected"] for f in features]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, : len(r)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        return pad_right([f["chosen"] for f in features] + [f["rejected"] for f in features], self.pad_id)
+
+
+def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Token lists -> ``input_ids (N, T)`` right-padded with ``pad_id`` and ``attention_mask (N, T)``."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, : len(r)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 @dataclass

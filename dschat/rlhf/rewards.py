@@ -55,7 +55,9 @@ class FunctionSource:
         try:
             t = torch.as_tensor(list(out), dtype=torch.float32, device=sequences.device)
         except (TypeError, ValueError) as exc:
-            raise UserError(f"--reward_fn {self.spec}: must return a list of numbers ({type(exc).__name__}: {exc})") from None
+            raise UserError(
+                f"--reward_fn {self.spec}: must return a list of numbers ({type(exc).__name__}: {exc})"
+            ) from None
         if t.shape != (len(prompts),):
             raise UserError(f"--reward_fn returned {tuple(t.shape)} scores for {len(prompts)} responses")
         return t

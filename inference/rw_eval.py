@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Score prompt/response pairs with a trained reward model (step 2 output).
+
+    python inference/rw_eval.py --model output/step2 --prompt "\\n\\nHuman: What is 2 + 2?\\n\\nAssistant:" \\
+        --response " 4" --response " 5"
+    python inference/rw_eval.py --model output/step2 --file pairs.jsonl          # prompt, chosen, rejected
+    python inference/rw_eval.py --model output/step2 --file answers.jsonl --json # prompt, response
+
+With preference pairs it prints pairwise accuracy, the score distribution of chosen and rejected
+responses, and accuracy split by whether the chosen response is the longer one (a length-only model
+shows itself there). ``--json`` prints one JSON object for programs instead of a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from dschat.config import ArgumentParser
+from dschat.data.sources import read_json_file
+from dschat.models.loading import load_tokenizer, resolve
+from dschat.models.reward import load_reward_model
+from dschat.ranking import ranking_metrics, ranking_sums
+from dschat.scoring import score_texts
+from dschat.utils.errors import UserError, run_cli
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ArgumentParser(prog="rw_eval.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", "--model_name_or_path", dest="model", required=True, help="trained reward model directory"
+    )
+    p.add_argument("--prompt", help="a prompt to score --response values against")
+    p.add_argument("--response", action="append", default=[], help="a response (repeatable)")
+    p.add_argument("--file", help="JSONL/JSON with prompt+response rows, or prompt+chosen+rejected pairs")
+    p.add_argument("--max_samples", type=int, default=0, help="score only the first N rows (0 = all)")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--trust_remote_code", action="store_true")
+    args = p.parse_args(argv)
+    if bool(args.prompt) == bool(args.file):
+        p.error("give either --prompt with --response, or --file")
+    if args.prompt and not args.response:
+        p.error("--prompt needs at least one --response")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    return args
+
+
+def describe(x: torch.Tensor) -> dict[str, float]:
+    q = torch.quantile(x, torch.tensor([0.1, 0.5, 0.9])).tolist() if len(x) else [float("nan")] * 3
+    return {
+        "mean": float(x.mean()),
+        "std": float(x.std()) if len(x) > 1 else 0.0,
+        "p10": q[0],
+        "p50": q[1],
+        "p90": q[2],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    path = resolve(args.model, "--model")
+    tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
+                              require_trained_head=True, flag="--model").to(args.device)  # fmt: skip
+
+    def score(prompts: list[str], responses: list[str]) -> torch.Tensor:
+        return score_texts(
+            model, tokenizer, prompts, responses, batch_size=args.batch_size, device=args.device
+        )
+
+    if args.prompt:
+        rows = [{"prompt": args.prompt, "response": r} for r in args.response]
+    else:
+        samples = read_json_file(Path(args.file))
+        if args.max_samples:
+            samples = samples[: args.max_samples]
+        if not samples:
+            raise UserError(f"{args.file}: no rows")
+        if all(s.rejected is not None for s in samples):
+            return report_pairs(samples, score, args)
+        rows = [{"prompt": s.prompt, "response": s.chosen} for s in samples]
+    scores = score([r["prompt"] for r in rows], [r["response"] for r in rows])
+    out = [{**r, "score": float(s)} for r, s in zip(rows, scores)]
+    if args.json:
+        print(json.dumps({"model": path, "scores": out}, indent=2))
+        return 0
+    print(f"{'score':>9}  response (prompt tail)")
+    for r in out:
+        tail = r["prompt"][-40:].replace("\n", " ")
+        print(f"{r['score']:9.4f}  {r['response'].strip()[:60]!r}  ({tail!r})")
+    return 0
+
+
+def report_pairs(samples, score, args) -> int:
+    prompts = [s.prompt for s in samples]
+    chosen = score(prompts, [s.chosen for s in samples])
+    rejected = score(prompts, [s.rejected for s in samples])
+    lc = torch.tensor([len(s.chosen) for s in samples])
+    lr = torch.tensor([len(s.rejected) for s in samples])
+    metrics = ranking_metrics(ranking_sums(chosen, rejected, lc, lr, torch.ones(len(samples))))
+    result = {"model": args.model, "pairs": len(samples), **metrics, "chosen_scores": describe(chosen),
+              "rejected_scores": describe(rejected), "margin_scores": describe(chosen - rejected)}  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"reward model {args.model}: {len(samples)} pairs")
+    print(f"  pairwise accuracy       {metrics['accuracy']:.4f}")
+    if "accuracy_chosen_longer" in metrics:
+        print(f"    chosen longer          {metrics['accuracy_chosen_longer']:.4f}")
+    if "accuracy_chosen_shorter" in metrics:
+        print(f"    chosen shorter         {metrics['accuracy_chosen_shorter']:.4f}")
+    print(f"  'longer wins' baseline  {metrics['longer_response_baseline']:.4f}")
+    print(f"  {'':16}{'mean':>9}{'std':>9}{'p10':>9}{'p50':>9}{'p90':>9}")
+    for name in ("chosen", "rejected", "margin"):
+        d = result[f"{name}_scores"]
+        print(f"  {name:16}{d['mean']:9.4f}{d['std']:9.4f}{d['p10']:9.4f}{d['p50']:9.4f}{d['p90']:9.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
