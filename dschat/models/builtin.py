@@ -119,8 +119,16 @@ def materialize(name_or_path: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     torch.random.set_rng_state(devnull_state)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar on stderr for a one-off cache write
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     try:
         os.rename(tmp, final)
     except OSError:  # another process won the race; its copy is identical

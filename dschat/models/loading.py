@@ -50,14 +50,17 @@ def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--mo
         raise UserError(f"{flag} {path}: {where} ({first[:200]})") from None
 
 
-def load_tokenizer(path: str, *, trust_remote_code: bool = False, padding_side: str = "right"):
+def load_tokenizer(
+    path: str, *, trust_remote_code: bool = False, padding_side: str = "right", flag: str = "--model_name_or_path"
+):
     """Tokenizer with a pad token (EOS when the model has none) and the given padding side."""
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: cannot load a tokenizer ({str(exc).splitlines()[0][:200]})") from None
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{flag} {path}: cannot load a tokenizer ({first})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = padding_side

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ def clear_previous_run(path: str) -> None:
     (p / SUMMARY).unlink(missing_ok=True)
     shutil.rmtree(p / "checkpoints", ignore_errors=True)
     (p / "metrics.jsonl").unlink(missing_ok=True)
+    if not os.environ.get("DSCHAT_LOG_CAPTURED"):  # train.py already truncated the log it is writing
+        (p / "training.log").unlink(missing_ok=True)
 
 
 def save_resolved_config(output_dir: str, config: dict[str, Any]) -> None:

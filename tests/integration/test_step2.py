@@ -1,0 +1,170 @@
+"""Step 2 (reward model) on real DeepSpeed, CPU, tiny models: it learns to rank, saves a model that
+AutoModelForSequenceClassification scores identically, and refuses bad input clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_cmd
+from tests.integration.helpers import assert_ok, error_line
+
+STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
+RW_EVAL = ROOT / "inference" / "rw_eval.py"
+FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch_size", "16",
+        "--max_eval_samples", "128", "--eval_interval", "0", "--learning_rate", "2e-3"]  # fmt: skip
+
+
+def step2(out: Path, *flags: str, env: dict | None = None):
+    return run_cmd([str(STEP2), "--output_dir", str(out), *flags], env=env)
+
+
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rm") / "step2"
+    assert_ok(step2(out, *FAST, "--max_steps", "150", "--data_path", "builtin:sort,reverse"))
+    return out
+
+
+def test_reward_model_learns_to_rank_builtin_pairs(trained_rm):
+    s = json.loads((trained_rm / "summary.json").read_text())
+    assert s["eval_accuracy_start"] < 0.75
+    assert s["eval_accuracy_end"] > 0.75, s
+    assert s["eval_accuracy_end"] > s["eval_accuracy_start"] + 0.15
+    assert s["eval_chosen_mean"] > s["eval_rejected_mean"]
+    for key in ("wall_seconds", "train_samples_per_sec", "scoring_samples_per_sec"):
+        assert s[key] > 0
+    rows = [json.loads(x) for x in (trained_rm / "metrics.jsonl").read_text().splitlines()]
+    assert {r["split"] for r in rows} == {"train", "eval"}
+
+
+def test_saved_reward_model_scores_the_same_under_auto_class(trained_rm):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from dschat.models.reward import load_reward_model
+    from dschat.scoring import score_texts
+
+    tok = AutoTokenizer.from_pretrained(trained_rm)
+    auto = AutoModelForSequenceClassification.from_pretrained(trained_rm, dtype=torch.float32).eval()
+    assert auto.config.num_labels == 1
+    ours = load_reward_model(str(trained_rm), tokenizer=tok, require_trained_head=True)
+    prompts = [
+        "\n\nHuman: Reverse the letters of: abc\n\nAssistant:",
+        "\n\nHuman: Sort these words alphabetically: pig cat\n\nAssistant:",
+    ]
+    responses = [" cba", " cat pig but longer"]
+    mine = score_texts(ours, tok, prompts, responses)
+    # The auto class pools at the rightmost non-pad token: feed the same right-padded rows.
+    rows = [
+        tok(p)["input_ids"] + tok(r, add_special_tokens=False)["input_ids"]
+        for p, r in zip(prompts, responses)
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+    with torch.no_grad():
+        theirs = auto(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+    torch.testing.assert_close(mine, theirs.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_rw_eval_table_and_json(trained_rm, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "\n\nHuman: Reverse the letters of: abcd\n\nAssistant:", "chosen": " dcba", "rejected": " abcd"},
+        {"prompt": "\n\nHuman: Sort these words alphabetically: pig ant\n\nAssistant:", "chosen": " ant pig", "rejected": " pig ant"},
+    ]) + "\n")  # fmt: skip
+    proc = run_cmd([str(RW_EVAL), "--model", str(trained_rm), "--file", str(pairs), "--json"])
+    assert_ok(proc)
+    res = json.loads(proc.stdout)
+    assert res["pairs"] == 2 and 0.0 <= res["accuracy"] <= 1.0
+    assert set(res["chosen_scores"]) == {"mean", "std", "p10", "p50", "p90"}
+    table = run_cmd([str(RW_EVAL), "--model", str(trained_rm), "--file", str(pairs)])
+    assert_ok(table)
+    assert "pairwise accuracy" in table.stdout and "'longer wins' baseline" in table.stdout
+    single = run_cmd([str(RW_EVAL), "--model", str(trained_rm), "--prompt", "\n\nHuman: hi\n\nAssistant:",
+                      "--response", " a", "--response", " b", "--json"])  # fmt: skip
+    assert_ok(single)
+    assert len(json.loads(single.stdout)["scores"]) == 2
+
+
+def test_rw_eval_refuses_a_causal_lm(tmp_path):
+    from dschat.models.builtin import materialize
+
+    proc = run_cmd(
+        [str(RW_EVAL), "--model", materialize("builtin:micro-llama"), "--prompt", "x", "--response", "y"]
+    )
+    error_line(proc, "not a trained reward model")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
+def test_two_ranks_zero3_match_one_rank(tmp_path):
+    from dschat.utils.dist import free_port
+
+    common = [*FAST, "--max_steps", "8", "--dtype", "fp32", "--log_interval", "1", "--max_eval_samples", "64"]
+    one = tmp_path / "one"
+    assert_ok(step2(one, *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"))
+    two = tmp_path / "two"
+    proc = run_cmd(["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2", str(STEP2),
+                    "--output_dir", str(two), *common, "--per_device_train_batch_size", "8", "--zero_stage", "3"])  # fmt: skip
+    assert_ok(proc)
+
+    def losses(d: Path) -> list[float]:
+        return [
+            r["loss"]
+            for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"
+        ]
+
+    assert len(losses(one)) == len(losses(two)) == 8
+    for a, b in zip(losses(one), losses(two)):
+        assert a == pytest.approx(b, rel=2e-3, abs=2e-3)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bad_pairs_are_counted_and_reported(tmp_path):
+    good = [
+        {"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": f" yes {i}", "rejected": f" no {i}"}
+        for i in range(60)
+    ]
+    rows = [
+        *good,
+        {
+            "prompt": "\n\nHuman: same\n\nAssistant:",
+            "chosen": " x",
+            "rejected": " x ",
+        },  # identical after strip
+        {"prompt": "\n\nHuman: empty\n\nAssistant:", "chosen": " ", "rejected": " y"},
+        {
+            "prompt": "\n\nHuman: " + "long " * 80 + "\n\nAssistant:",
+            "chosen": " a",
+            "rejected": " b",
+        },  # prompt truncated
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "out"
+    proc = step2(out, *FAST, "--data_path", str(data), "--data_split", "0,1,0", "--max_steps", "2",
+                 "--max_seq_len", "64", "--per_device_train_batch_size", "4")  # fmt: skip
+    assert_ok(proc)
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    train, evals = cfg["data"]["train"], cfg["data"]["eval"]
+    assert train["dropped_identical"] + evals["dropped_identical"] == 1
+    assert train["dropped_empty_response"] + evals["dropped_empty_response"] == 1
+    assert train["prompt_truncated"] + evals["prompt_truncated"] == 1
+    assert "dropped 1 identical" in proc.stdout or "dropped 0 identical" in proc.stdout
+
+
+def test_missing_rejected_field_is_one_clear_line(tmp_path):
+    data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"p{i}", "response": f" r{i}"} for i in range(40)])
+    proc = step2(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0")
+    line = error_line(proc, "missing field 'rejected'")
+    assert str(data) in line
+    assert not (tmp_path / "out" / "summary.json").exists()

@@ -1,0 +1,149 @@
+"""Step 3 (PPO) on real DeepSpeed, CPU, tiny models: the reward rises on an easy rule-based reward,
+ZeRO-3 runs on two ranks, an interrupted run resumes to the same result, bad input is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, run_cmd
+from tests.integration.helpers import assert_ok, error_line
+
+STEP3 = ROOT / "training" / "step3_rlhf_finetuning" / "main.py"
+STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
+EASY = ["--reward_fn", "tests.integration.reward_fns:letters_abc"]
+PPO = ["--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16",
+       "--max_answer_seq_len", "12", "--max_prompt_seq_len", "96", "--eval_prompts", "16", "--eval_interval", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, Path]:
+    """(actor: the micro built-in LM, critic/reward: a briefly trained micro reward model)."""
+    from dschat.models.builtin import materialize
+
+    rm = tmp_path_factory.mktemp("s3") / "step2"
+    assert_ok(run_cmd([str(STEP2), "--output_dir", str(rm), "--model_name_or_path", "builtin:micro-llama",
+                       "--max_steps", "5", "--max_eval_samples", "32", "--eval_interval", "0"]))  # fmt: skip
+    return materialize("builtin:micro-llama"), rm
+
+
+def step3(
+    out: Path,
+    actor: str,
+    critic: Path,
+    *flags: str,
+    env: dict | None = None,
+    launcher: list[str] | None = None,
+):
+    cmd = [*(launcher or []), str(STEP3), "--output_dir", str(out), "--actor_model_name_or_path", actor,
+           "--critic_model_name_or_path", str(critic), *PPO, *flags]  # fmt: skip
+    return run_cmd(cmd, env={"PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def train_rows(out: Path) -> list[dict]:
+    return [
+        r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"
+    ]
+
+
+def test_ppo_raises_an_easy_rule_based_reward(models, tmp_path):
+    actor, rm = models
+    out = tmp_path / "ppo"
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "30", "--actor_learning_rate", "3e-3",
+                 "--critic_learning_rate", "3e-3", "--kl_coef", "0.01")  # fmt: skip
+    assert_ok(proc)
+    rows = train_rows(out)
+    first = sum(r["score_mean"] for r in rows[:5]) / 5
+    last = sum(r["score_mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.15, (first, last)
+    s = json.loads((out / "summary.json").read_text())
+    for key in ("reward_start", "reward_end", "kl_end", "generation_tokens_per_sec", "generation_seconds",
+                "train_seconds", "wall_seconds"):  # fmt: skip
+        assert s[key] is not None, key
+    for key in ("kl_to_reference", "entropy", "response_length", "policy_loss", "value_loss", "clip_fraction",
+                "approx_kl", "score_std", "generation_seconds", "experience_seconds"):  # fmt: skip
+        assert key in rows[-1], key
+    assert (out / "actor" / "model.safetensors").exists() and (out / "critic" / "model.safetensors").exists()
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    for key in ("kl_coef", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
+        assert key in cfg
+
+
+def test_resume_continues_to_the_same_actor(models, tmp_path):
+    actor, rm = models
+    flags = [
+        *EASY,
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--dtype",
+        "fp32",
+        "--actor_learning_rate",
+        "1e-3",
+    ]
+    full = tmp_path / "full"
+    assert_ok(step3(full, actor, rm, *flags))
+    cut = tmp_path / "cut"
+    proc = step3(cut, actor, rm, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "3"})
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    assert not (cut / "summary.json").exists()
+    assert_ok(step3(cut, actor, rm, *flags, "--resume"))
+    a, b = load_file(full / "actor" / "model.safetensors"), load_file(cut / "actor" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k
+    ca, cb = load_file(full / "critic" / "model.safetensors"), load_file(cut / "critic" / "model.safetensors")
+    for k in ca:
+        assert (ca[k] == cb[k]).all(), k
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
+def test_zero3_two_ranks(models, tmp_path):
+    from dschat.utils.dist import free_port
+
+    actor, rm = models
+    out = tmp_path / "z3"
+    launcher = ["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2"]
+    proc = step3(out, actor, rm, "--max_steps", "3", "--actor_zero_stage", "3", "--critic_zero_stage", "3",
+                 "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "4", launcher=launcher)  # fmt: skip
+    assert_ok(proc)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["actor_zero_stage"] == 3
+
+
+def test_lora_actor_shares_the_reference(models, tmp_path):
+    actor, rm = models
+    out = tmp_path / "lora"
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "3", "--actor_lora_dim", "4", "--only_optimize_lora",
+                 "--share_reference_with_actor", "--enable_ema")  # fmt: skip
+    assert_ok(proc)
+    assert "actor without adapter" in proc.stdout
+    assert (out / "actor_ema" / "model.safetensors").exists()
+    assert not any("lora" in k for k in load_file(out / "actor" / "model.safetensors"))
+
+
+def test_bad_inputs(models, tmp_path):
+    actor, rm = models
+    # the reward model must have a trained value head
+    error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1"),
+               "not a trained reward model")  # fmt: skip
+    # the PPO minibatch must divide the generated batch
+    error_line(
+        step3(tmp_path / "b", actor, rm, "--per_device_training_batch_size", "5"),
+        "--per_device_training_batch_size 5",
+    )
+    error_line(
+        step3(tmp_path / "c", actor, rm, "--share_reference_with_actor"), "--share_reference_with_actor"
+    )
+    error_line(
+        step3(tmp_path / "d", actor, rm, "--reward_fn", "no_such_module:f", "--max_steps", "1"), "--reward_fn"
+    )
+    # train.py: step 3 without finished steps 1 and 2
+    proc = run_cmd([str(ROOT / "train.py"), "--step", "3", "--output-dir", str(tmp_path / "empty")])
+    error_line(proc, "needs a finished step 1")
