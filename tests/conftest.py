@@ -29,7 +29,9 @@ def dschat_cache(tmp_path_factory):
     return Path(path)
 
 
-def run_cmd(args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_cmd(
+    args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     """Run a command with the project's interpreter; output captured as text."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)

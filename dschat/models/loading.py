@@ -51,7 +51,11 @@ def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--mo
 
 
 def load_tokenizer(
-    path: str, *, trust_remote_code: bool = False, padding_side: str = "right", flag: str = "--model_name_or_path"
+    path: str,
+    *,
+    trust_remote_code: bool = False,
+    padding_side: str = "right",
+    flag: str = "--model_name_or_path",
 ):
     """Tokenizer with a pad token (EOS when the model has none) and the given padding side."""
     from transformers import AutoTokenizer

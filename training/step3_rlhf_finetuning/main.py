@@ -113,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         eng_args.reward_model_name_or_path or critic_args.model_name_or_path, "--reward_model_name_or_path"
     )
     tokenizer = load_tokenizer(
-        actor_path, trust_remote_code=actor_args.trust_remote_code, padding_side="left"
+        actor_path, trust_remote_code=actor_args.trust_remote_code, padding_side="left", flag="--actor_model_name_or_path"
     )
-    reward_tok = load_tokenizer(reward_path, trust_remote_code=actor_args.trust_remote_code)
+    reward_tok = load_tokenizer(
+        reward_path, trust_remote_code=actor_args.trust_remote_code, flag="--reward_model_name_or_path"
+    )
     if reward_tok.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"--reward_model_name_or_path {reward_path}: its tokenizer differs from the actor's "
                         f"({actor_path}); step 3 scores token ids directly, so both must share one tokenizer")  # fmt: skip
