@@ -25,7 +25,7 @@ from dschat import tasks
 from dschat.data.schema import Sample
 from dschat.utils.errors import UserError
 
-BUILTIN_TRAIN_PER_TASK = 20000
+BUILTIN_TRAIN_PER_TASK = 10000
 BUILTIN_EVAL_PER_TASK = 200
 BUILTIN_SEED = 2024  # fixed: the held-out prompt set must not move with --seed
 EVAL_FRACTION = 0.05  # for sources without their own eval split
@@ -214,12 +214,10 @@ def _load_hub(name: str, seed: int) -> SourceData:
 def _load_builtin(spec: str) -> SourceData:
     names = spec.split(":", 1)[1].split(",") if ":" in spec else None
     try:
-        train_ex = tasks.generate(names, BUILTIN_TRAIN_PER_TASK, BUILTIN_SEED)
+        train_ex = tasks.generate(names, BUILTIN_TRAIN_PER_TASK, BUILTIN_SEED, held_out=False)
     except KeyError as exc:
         raise UserError(f"--data_path {spec}: {exc.args[0]}") from None
-    eval_ex = tasks.generate(
-        names, BUILTIN_EVAL_PER_TASK, BUILTIN_SEED + 1, exclude={e.prompt for e in train_ex}
-    )
+    eval_ex = tasks.generate(names, BUILTIN_EVAL_PER_TASK, BUILTIN_SEED + 1, held_out=True)
     to_samples = lambda exs: [Sample(e.prompt, e.chosen, e.rejected, f"builtin:{e.task}") for e in exs]  # noqa: E731
     return SourceData(spec, to_samples(train_ex), to_samples(eval_ex))
 
@@ -257,5 +255,7 @@ def fingerprint(spec: str) -> str:
         files = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
         return spec + "|" + ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     if kind == "builtin":
-        return f"{spec}|{BUILTIN_TRAIN_PER_TASK}|{BUILTIN_EVAL_PER_TASK}|{BUILTIN_SEED}"
+        return (
+            f"{spec}|{BUILTIN_TRAIN_PER_TASK}|{BUILTIN_EVAL_PER_TASK}|{BUILTIN_SEED}|v{tasks.TASKS_VERSION}"
+        )
     return spec + "|" + os.environ.get("DSCHAT_HUB_MIRROR", "")

@@ -53,8 +53,8 @@ def test_saved_reward_model_scores_the_same_under_auto_class(trained_rm):
     assert auto.config.num_labels == 1
     ours = load_reward_model(str(trained_rm), tokenizer=tok, require_trained_head=True)
     prompts = [
-        "\n\nHuman: Reverse the letters of: abc\n\nAssistant:",
-        "\n\nHuman: Sort these words alphabetically: pig cat\n\nAssistant:",
+        "\n\nHuman: Reverse: abc\n\nAssistant:",
+        "\n\nHuman: Sort: pig cat\n\nAssistant:",
     ]
     responses = [" cba", " cat pig but longer"]
     mine = score_texts(ours, tok, prompts, responses)
@@ -74,8 +74,8 @@ def test_saved_reward_model_scores_the_same_under_auto_class(trained_rm):
 def test_rw_eval_table_and_json(trained_rm, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "\n\nHuman: Reverse the letters of: abcd\n\nAssistant:", "chosen": " dcba", "rejected": " abcd"},
-        {"prompt": "\n\nHuman: Sort these words alphabetically: pig ant\n\nAssistant:", "chosen": " ant pig", "rejected": " pig ant"},
+        {"prompt": "\n\nHuman: Reverse: abcd\n\nAssistant:", "chosen": " dcba", "rejected": " abcd"},
+        {"prompt": "\n\nHuman: Sort: pig ant\n\nAssistant:", "chosen": " ant pig", "rejected": " pig ant"},
     ]) + "\n")  # fmt: skip
     proc = run_cmd([str(RW_EVAL), "--model", str(trained_rm), "--file", str(pairs), "--json"])
     assert_ok(proc)

@@ -133,7 +133,7 @@ def test_sum_source_single():
 
 def test_verifier_reward_hand_values():
     add = tasks.make_prompt("What is 2 + 3?")
-    rev = tasks.make_prompt("Reverse the letters of: abc")
+    rev = tasks.make_prompt("Reverse: abc")
     prompts = [add, add, add, rev, tasks.make_prompt("Tell me a joke"), add]
     responses = [" 5", " 6", " 5\n\nHuman: more?", " cba", " ha", ""]
     # right, wrong, right (reply cut at the newline), right, unknown task, empty = wrong

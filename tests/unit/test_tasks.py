@@ -75,8 +75,8 @@ def test_examples_verify(name):
     [
         ("What is 347 + 85?", " 432", " 422"),
         ("What is 0 + 0?", " 0", " 1"),
-        ("Sort these words alphabetically: pear apple fox", " apple fox pear", " apple pear fox"),
-        ("Reverse the letters of: abcd", " dcba", " abcd"),
+        ("Sort: pear apple fox", " apple fox pear", " apple pear fox"),
+        ("Reverse: abcd", " dcba", " abcd"),
     ],
 )
 def test_verify_hand_examples(question, right, wrong):
@@ -140,16 +140,16 @@ def test_addition_wrong_answers():
 
 
 def test_sort_wrong_answers():
-    assert _wrong("sort", "Sort these words alphabetically: pear apple fox") == {
+    assert _wrong("sort", "Sort: pear apple fox") == {
         "fox apple pear",
         "apple pear fox",
         "pear apple fox",
     }
     # already sorted input: the input itself is the right answer and is left out
-    assert _wrong("sort", "Sort these words alphabetically: ant bee cat") == {"bee ant cat", "ant cat bee"}
+    assert _wrong("sort", "Sort: ant bee cat") == {"bee ant cat", "ant cat bee"}
 
 
 def test_reverse_wrong_answers():
-    assert _wrong("reverse", "Reverse the letters of: abc") == {"abc", "bca", "cab", "cb"}
+    assert _wrong("reverse", "Reverse: abc") == {"abc", "bca", "cab", "cb"}
     # palindrome: the input is the right answer; swapping equal letters too
-    assert _wrong("reverse", "Reverse the letters of: aba") == {"baa", "aab", "ab"}
+    assert _wrong("reverse", "Reverse: aba") == {"baa", "aab", "ab"}

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Reward-model quality and speed, printed as JSON.
+
+    python bench/bench_reward_model.py builtin     # default tiny model: step 1 + step 2 on built-in tasks
+    python bench/bench_reward_model.py hh          # step 1 on shared SFT data, step 2 on HH-RLHF pairs
+    python bench/bench_reward_model.py builtin --from output   # read a finished run's step2/summary.json
+
+Targets: held-out pairwise accuracy >= 0.95 on the built-in tasks; on HH-RLHF test pairs above the
+"longer response wins" baseline (0.598), reported separately for pairs whose chosen answer is the
+shorter and the longer one, so a length-only model shows itself. Also training and scoring samples/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HH = ROOT.parent / "shared" / "data"
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:], "cmd": cmd}))
+        sys.exit(1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", choices=("builtin", "hh"))
+    p.add_argument("--from", dest="src", help="an existing output directory (holding step2/)")
+    p.add_argument("--model", default="builtin:tiny-llama")
+    p.add_argument("--max_seq_len", type=int, default=768)
+    args = p.parse_args()
+    tmp = None if args.src else tempfile.TemporaryDirectory()  # removed when the process ends
+    out = Path(args.src) if args.src else Path(tmp.name)
+    if not args.src and args.suite == "builtin":
+        run([sys.executable, str(ROOT / "train.py"), "--step", "1", "2", "--output-dir", str(out)])
+    elif not args.src:
+        if not (HH / "hh_rlhf" / "train.jsonl").exists():
+            print(json.dumps({"skipped": f"{HH} not present"}))
+            return
+        common = ["--max_seq_len", str(args.max_seq_len), "--data_output_path", str(out / "cache")]
+        run([sys.executable, str(ROOT / "training/step1_supervised_finetuning/main.py"), "--output_dir", str(out / "step1"),
+             "--model_name_or_path", args.model, "--data_path", str(HH / "sft" / "train.jsonl"), "--data_split", "1,0,0",
+             "--per_device_train_batch_size", "8", "--eval_generation_samples", "0", *common])  # fmt: skip
+        # Train on all of hh_rlhf/train.jsonl, evaluate on hh_rlhf/test.jsonl (a directory with both files).
+        pairs = out / "hh"
+        pairs.mkdir()
+        (pairs / "train.jsonl").symlink_to(HH / "hh_rlhf" / "train.jsonl")
+        (pairs / "test.jsonl").symlink_to(HH / "hh_rlhf" / "test.jsonl")
+        run([sys.executable, str(ROOT / "training/step2_reward_model_finetuning/main.py"), "--output_dir", str(out / "step2"),
+             "--model_name_or_path", str(out / "step1"), "--data_path", str(pairs), "--data_split", "0,1,0",
+             "--per_device_train_batch_size", "8", "--max_eval_samples", "0", "--eval_interval", "0", *common])  # fmt: skip
+    s = json.loads((out / "step2" / "summary.json").read_text())
+    target = 0.95 if args.suite == "builtin" else max(0.598, s["eval_longer_response_baseline"])
+    print(json.dumps({
+        "benchmark": f"reward_model_{args.suite}",
+        "eval_accuracy_start": s["eval_accuracy_start"],
+        "eval_accuracy_end": s["eval_accuracy_end"],
+        "eval_accuracy_chosen_longer": s.get("eval_accuracy_chosen_longer"),
+        "eval_accuracy_chosen_shorter": s.get("eval_accuracy_chosen_shorter"),
+        "longer_response_baseline": s["eval_longer_response_baseline"],
+        "eval_chosen_mean": s["eval_chosen_mean"],
+        "eval_rejected_mean": s["eval_rejected_mean"],
+        "train_samples_per_sec": s["train_samples_per_sec"],
+        "scoring_samples_per_sec": s["scoring_samples_per_sec"],
+        "wall_seconds": s["wall_seconds"],
+        "target_accuracy": target,
+        "target_met": s["eval_accuracy_end"] > target if args.suite == "hh" else s["eval_accuracy_end"] >= target,
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
