@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 
-def letters_abc(prompts: list[str], responses: list[str]) -> list[float]:
-    """Fraction of the response's characters that are a, b or c: every token can earn it, so PPO
-    gets signal from the first batch even for a random policy."""
-    out = []
-    for r in responses:
-        r = r[:16]
-        out.append(sum(ch in "abc" for ch in r) / max(len(r), 1))
-    return out
+def ascii_first(prompts: list[str], responses: list[str]) -> list[float]:
+    """1 when the response starts with a printable ASCII character (about half of the byte tokens, so a
+    random policy earns it half the time), else 0: with one-token answers a contextual bandit."""
+    return [1.0 if r[:1].isascii() and r[:1].isprintable() and r[:1] != "" else 0.0 for r in responses]

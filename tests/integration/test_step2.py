@@ -23,18 +23,37 @@ def step2(out: Path, *flags: str, env: dict | None = None):
     return run_cmd([str(STEP2), "--output_dir", str(out), *flags], env=env)
 
 
+def preference_file(path: Path, n: int = 1200) -> Path:
+    """Pairs whose preference a small model can learn in a minute: the chosen answer agrees with the
+    question's polarity word, the rejected one contradicts it; the lengths tell nothing."""
+    import random
+
+    rng = random.Random(0)
+    words = ["red", "blue", "green", "gold", "grey", "pink"]
+    rows = []
+    for i in range(n):
+        mood = rng.choice(["good", "bad"])
+        other = "bad" if mood == "good" else "good"
+        tail = " ".join(rng.sample(words, 2))
+        rows.append({"prompt": f"\n\nHuman: Is it {mood}? ({i})\n\nAssistant:", "chosen": f" {mood} {tail}",
+                     "rejected": f" {other} {tail}"})  # fmt: skip
+    return write_jsonl(path, rows)
+
+
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("rm") / "step2"
-    assert_ok(step2(out, *FAST, "--max_steps", "150", "--data_path", "builtin:sort,reverse"))
+    tmp = tmp_path_factory.mktemp("rm")
+    data = preference_file(tmp / "pairs.jsonl")
+    out = tmp / "step2"
+    assert_ok(step2(out, *FAST, "--max_steps", "60", "--data_path", str(data), "--data_split", "0,1,0"))
     return out
 
 
-def test_reward_model_learns_to_rank_builtin_pairs(trained_rm):
+def test_reward_model_learns_to_rank(trained_rm):
     s = json.loads((trained_rm / "summary.json").read_text())
-    assert s["eval_accuracy_start"] < 0.75
-    assert s["eval_accuracy_end"] > 0.75, s
-    assert s["eval_accuracy_end"] > s["eval_accuracy_start"] + 0.15
+    assert s["eval_accuracy_start"] < 0.8
+    assert s["eval_accuracy_end"] > 0.9, s
+    assert s["eval_accuracy_end"] > s["eval_accuracy_start"] + 0.2
     assert s["eval_chosen_mean"] > s["eval_rejected_mean"]
     for key in ("wall_seconds", "train_samples_per_sec", "scoring_samples_per_sec"):
         assert s[key] > 0

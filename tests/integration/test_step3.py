@@ -15,7 +15,7 @@ from tests.integration.helpers import assert_ok, error_line
 
 STEP3 = ROOT / "training" / "step3_rlhf_finetuning" / "main.py"
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
-EASY = ["--reward_fn", "tests.integration.reward_fns:letters_abc"]
+EASY = ["--reward_fn", "tests.integration.reward_fns:ascii_first"]
 PPO = ["--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16",
        "--max_answer_seq_len", "12", "--max_prompt_seq_len", "96", "--eval_prompts", "16", "--eval_interval", "0"]  # fmt: skip
 
@@ -53,13 +53,15 @@ def train_rows(out: Path) -> list[dict]:
 def test_ppo_raises_an_easy_rule_based_reward(models, tmp_path):
     actor, rm = models
     out = tmp_path / "ppo"
-    proc = step3(out, actor, rm, *EASY, "--max_steps", "30", "--actor_learning_rate", "3e-3",
-                 "--critic_learning_rate", "3e-3", "--kl_coef", "0.01")  # fmt: skip
+    # One-token answers: the reward is a contextual bandit, so the signal reaches the right token.
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "25", "--max_answer_seq_len", "1", "--actor_learning_rate", "3e-3",
+                 "--critic_learning_rate", "3e-3", "--kl_coef", "0.01", "--critic_model_name_or_path", actor,
+                 "--reward_model_name_or_path", str(rm))  # fmt: skip
     assert_ok(proc)
     rows = train_rows(out)
     first = sum(r["score_mean"] for r in rows[:5]) / 5
     last = sum(r["score_mean"] for r in rows[-5:]) / 5
-    assert last > first + 0.15, (first, last)
+    assert last > first + 0.2, (first, last)
     s = json.loads((out / "summary.json").read_text())
     for key in ("reward_start", "reward_end", "kl_end", "generation_tokens_per_sec", "generation_seconds",
                 "train_seconds", "wall_seconds"):  # fmt: skip
