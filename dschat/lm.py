@@ -18,7 +18,12 @@ def train_loader(examples: list, *, batch_size: int, seed: int, collate, accumul
         len(examples), batch_size=batch_size, rank=dist.rank(), world=dist.world_size(), seed=seed,
         accumulation=accumulation,
     )  # fmt: skip
-    return DataLoader(examples, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True)
+    # A private generator: creating a DataLoader iterator draws a seed, and drawing it from the global
+    # RNG would shift the sampling RNG of step 3 between an uninterrupted and a resumed run.
+    return DataLoader(
+        examples, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
 
 
 def eval_batches(examples: list, *, batch_size: int, collate) -> list[tuple[dict, torch.Tensor]]:
