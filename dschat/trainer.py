@@ -24,6 +24,8 @@ from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoin
 from dschat.models.lora import inject_lora
 from dschat.utils import dist
 from dschat.utils.errors import UserError
+from dschat.utils.metrics import MetricsLogger, setup_logging
+from dschat.utils.run import clear_previous_run
 
 LOG = logging.getLogger("dschat")
 
@@ -186,3 +188,23 @@ class MetricWindow:
 
 def should_log(step: int, interval: int, total: int) -> bool:
     return step == total or (interval > 0 and step % interval == 0)
+
+
+def begin_outputs(run: RunArgs) -> logging.Logger:
+    """Once the inputs are known good: clear a run being overwritten, then log to OUTPUT_DIR/training.log.
+
+    Called after data and flags are validated, so bad input never leaves an output directory behind.
+    """
+    if run.overwrite:
+        clear_previous_run(run.output_dir)
+    dist.barrier()
+    return setup_logging(run.output_dir)
+
+
+def open_metrics(run: RunArgs, resolved: dict[str, Any]) -> MetricsLogger:
+    """metrics.jsonl (appended to on --resume), plus TensorBoard and W&B when asked for."""
+    return MetricsLogger(
+        run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
+        tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
+        run_name=Path(run.output_dir).name, append=run.resume,
+    )  # fmt: skip

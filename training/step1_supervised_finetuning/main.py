@@ -34,11 +34,10 @@ from dschat.losses import mean_token_nll
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
-from dschat.utils.metrics import MetricsLogger, setup_logging
+from dschat.utils.metrics import setup_logging
 from dschat.utils.run import (
     Stopwatch,
     check_output_dir,
-    clear_previous_run,
     save_resolved_config,
     write_summary,
 )
@@ -71,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = T.count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
     global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * world
 
-    if run.overwrite:
-        clear_previous_run(run.output_dir)
-    dist.barrier()
-    setup_logging(run.output_dir)
+    T.begin_outputs(run)
     resolved = {
         "step": 1,
         **C.to_dict(*args),
@@ -119,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
     state = T.resume_state(engine, run, global_batch)
     start_step = state.step
-    metrics = MetricsLogger(
-        run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
-        tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
-        run_name=Path(run.output_dir).name, append=run.resume,
-    )  # fmt: skip
+    metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict[str, float], dict[str, float] | None]:

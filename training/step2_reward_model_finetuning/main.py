@@ -35,11 +35,10 @@ from dschat.models.reward import ScalarHeadModel, load_reward_model
 from dschat.ranking import evaluate_ranking
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
-from dschat.utils.metrics import MetricsLogger, setup_logging
+from dschat.utils.metrics import setup_logging
 from dschat.utils.run import (
     Stopwatch,
     check_output_dir,
-    clear_previous_run,
     save_resolved_config,
     write_summary,
 )
@@ -78,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = T.count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
     global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * world
 
-    if run.overwrite:
-        clear_previous_run(run.output_dir)
-    dist.barrier()
-    setup_logging(run.output_dir)
+    T.begin_outputs(run)
     resolved = {
         "step": 2, **C.to_dict(*args), "resolved_model_path": model_path, "resolved_dtype": dtype,
         "world_size": world, "global_batch_size": global_batch, "total_steps": total_steps,
@@ -117,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
     state = T.resume_state(engine, run, global_batch)
     start_step = state.step
-    metrics = MetricsLogger(
-        run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
-        tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
-        run_name=Path(run.output_dir).name, append=run.resume,
-    )  # fmt: skip
+    metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
 
     def evaluate(step: int) -> dict[str, float]:

@@ -43,11 +43,10 @@ from dschat.rlhf.ppo import PPOHyper, PPOTrainer
 from dschat.rlhf.rewards import FunctionSource, RewardModelSource, SumSource
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
-from dschat.utils.metrics import MetricsLogger, setup_logging
+from dschat.utils.metrics import setup_logging
 from dschat.utils.run import (
     Stopwatch,
     check_output_dir,
-    clear_previous_run,
     save_resolved_config,
     write_summary,
 )
@@ -113,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         eng_args.reward_model_name_or_path or critic_args.model_name_or_path, "--reward_model_name_or_path"
     )
     tokenizer = load_tokenizer(
-        actor_path, trust_remote_code=actor_args.trust_remote_code, padding_side="left", flag="--actor_model_name_or_path"
+        actor_path,
+        trust_remote_code=actor_args.trust_remote_code,
+        padding_side="left",
+        flag="--actor_model_name_or_path",
     )
     reward_tok = load_tokenizer(
         reward_path, trust_remote_code=actor_args.trust_remote_code, flag="--reward_model_name_or_path"
@@ -149,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                     collate=SFTCollator(tokenizer.pad_token_id))  # fmt: skip
         unsup_iter = T.micro_batches(unsup_loader, T.TrainState(), num_epochs=10**9)
 
-    if run.overwrite:
-        clear_previous_run(run.output_dir)
-    dist.barrier()
-    setup_logging(run.output_dir)
+    T.begin_outputs(run)
     global_batch = ppo.per_device_generation_batch_size * world
     resolved = {
         "step": 3, "actor": C.to_dict(actor_args, actor_lora), "critic": C.to_dict(critic_args, critic_lora),
@@ -241,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if "kl_coef" in state.extra:
         kl_ctl.value = state.extra["kl_coef"]
     start_step = state.step
-    metrics = MetricsLogger(
-        run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
-        tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
-        run_name=Path(run.output_dir).name, append=run.resume,
-    )  # fmt: skip
+    metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
     held_out = prompts.eval_prompts[: ppo.eval_prompts]
 
