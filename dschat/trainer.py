@@ -17,15 +17,17 @@ from typing import Any
 
 import torch
 
-from dschat.config import DeepSpeedArgs, LoraArgs, OptimArgs, RunArgs
+from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
+from dschat.lm import eval_batches, train_loader
+from dschat.models.loading import load_tokenizer, resolve
 from dschat.models.lora import inject_lora
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import MetricsLogger, setup_logging
-from dschat.utils.run import clear_previous_run
+from dschat.utils.run import check_output_dir, clear_previous_run
 
 LOG = logging.getLogger("dschat")
 
@@ -208,3 +210,46 @@ def open_metrics(run: RunArgs, resolved: dict[str, Any]) -> MetricsLogger:
         tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
         run_name=Path(run.output_dir).name, append=run.resume,
     )  # fmt: skip
+
+
+@dataclass
+class StepSetup:
+    """What steps 1 and 2 know after their common start: the process group is up, the model found."""
+
+    log: logging.Logger
+    dtype: str  # resolved: fp32 | fp16 | bf16
+    world: int
+    model_path: str  # a directory (built-in models are materialised)
+    tokenizer: Any
+
+
+def setup_step(model: ModelArgs, run: RunArgs) -> StepSetup:
+    """Check the output directory, start torch.distributed, resolve dtype and model, load the tokenizer."""
+    log = setup_logging(None)
+    check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
+    engine_core.init_distributed()
+    dtype = engine_core.resolve_dtype(model.dtype)
+    torch.manual_seed(run.seed)
+    model_path = resolve(model.model_name_or_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=model.trust_remote_code)
+    return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer)
+
+
+@dataclass
+class Batches:
+    loader: Any  # resumable, rank-sharded training DataLoader
+    evals: list  # this rank's (batch, weight) evaluation batches
+    total_steps: int  # optimizer steps of the run
+    global_batch: int  # samples per optimizer step over all ranks
+
+
+def make_batches(data, optim: OptimArgs, collate, seed: int) -> Batches:
+    """Training loader, evaluation batches and step counts of a prepared data set."""
+    loader = train_loader(
+        data.train, batch_size=optim.per_device_train_batch_size, seed=seed, collate=collate,
+        accumulation=optim.gradient_accumulation_steps,
+    )  # fmt: skip
+    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
+    total_steps = count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
+    global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * dist.world_size()
+    return Batches(loader, evals, total_steps, global_batch)

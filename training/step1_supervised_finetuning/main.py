@@ -29,15 +29,13 @@ from dschat.data.pipeline import prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.generation import task_accuracy
-from dschat.lm import eval_batches, evaluate_perplexity, train_loader
+from dschat.lm import evaluate_perplexity
 from dschat.losses import mean_token_nll
-from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
+from dschat.models.loading import count_parameters, load_causal_lm
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
-from dschat.utils.metrics import setup_logging
 from dschat.utils.run import (
     Stopwatch,
-    check_output_dir,
     save_resolved_config,
     write_summary,
 )
@@ -50,25 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, lora_args, optim, ds_args, run = args
 
     # ---------------------------------------------------------------- 1. setup
-    log = setup_logging(None)
-    check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
-    engine_core.init_distributed()
-    dtype = engine_core.resolve_dtype(model_args.dtype)
-    world = dist.world_size()
-    torch.manual_seed(run.seed)
-    model_path = resolve(model_args.model_name_or_path)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=model_args.trust_remote_code)
+    setup = T.setup_step(model_args, run)
+    log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data
     data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
     collate = SFTCollator(tokenizer.pad_token_id)
-    loader = train_loader(
-        data.train, batch_size=optim.per_device_train_batch_size, seed=run.seed, collate=collate,
-        accumulation=optim.gradient_accumulation_steps,
-    )  # fmt: skip
-    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
-    total_steps = T.count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
-    global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * world
+    batches = T.make_batches(data, optim, collate, run.seed)
+    loader, evals, total_steps, global_batch = (
+        batches.loader,
+        batches.evals,
+        batches.total_steps,
+        batches.global_batch,
+    )
 
     T.begin_outputs(run)
     resolved = {
