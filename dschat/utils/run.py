@@ -56,9 +56,26 @@ def save_resolved_config(output_dir: str, config: dict[str, Any]) -> None:
 
 
 def write_summary(output_dir: str, summary: dict[str, Any]) -> None:
-    """Written last and atomically: its presence is what marks a run as finished."""
+    """Written last and atomically: its presence is what marks a run as finished. Rank 0's peak memory
+    (:func:`peak_memory`) is added to every summary."""
     if dist.is_main():
-        atomic_write_json(Path(output_dir) / SUMMARY, summary)
+        atomic_write_json(Path(output_dir) / SUMMARY, {**summary, **peak_memory()})
+
+
+def peak_memory() -> dict[str, int]:
+    """This process's peak resident set size (``peak_rss_bytes``, Linux ``ru_maxrss``) and, on a GPU,
+    the peak of torch's allocator (``peak_gpu_allocated_bytes``) and of its reserved pool."""
+    import resource
+    import sys
+
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"peak_rss_bytes": int(rss if sys.platform == "darwin" else rss * 1024)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_gpu_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["peak_gpu_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    return out
 
 
 class Stopwatch:
