@@ -113,3 +113,106 @@ def load_causal_lm(
 def count_parameters(model: torch.nn.Module) -> int:
     """Parameter count that also works for ZeRO-3 partitioned parameters (``ds_numel``)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+# ---------------------------------------------------------------- models for the inference tools
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_lora_adapter(path: str) -> bool:
+    """True for a peft adapter directory (``adapter_config.json``, no full model weights needed)."""
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def inference_dtype(name: str, device: str, flag: str = "--dtype") -> torch.dtype:
+    """``auto`` -> bf16 (fp16 without bf16) on a GPU, fp32 on CPU; fp16 on CPU is refused."""
+    cuda = device.startswith("cuda")
+    if name == "auto":
+        if not cuda:
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name == "fp16" and not cuda:
+        raise UserError(f"{flag} fp16: half precision needs a GPU here (use bf16 or fp32 on CPU)")
+    try:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    except KeyError:
+        raise UserError(f"{flag} {name}: choose auto, fp32, bf16 or fp16") from None
+
+
+def _check_model_dir(path: str, flag: str) -> None:
+    """One line for the usual mistakes: a file, a step directory holding models, a reward model."""
+    from dschat.models.reward import has_value_head  # reward imports this module
+
+    if os.path.isfile(path):
+        raise UserError(f"{flag} {path}: is a file, not a model directory")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        inside = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "config.json")))
+        hint = f" (model directories inside: {', '.join(inside)})" if inside else ""
+        raise UserError(f"{flag} {path}: no config.json, not a model directory{hint}")
+    if has_value_head(path):
+        raise UserError(
+            f"{flag} {path}: is a reward model (sequence classification), not a language model that generates"
+        )
+
+
+def load_for_generation(
+    name_or_path: str,
+    *,
+    base_model: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    flag: str = "--path",
+):
+    """``(model, tokenizer)`` ready to generate: a causal LM by name/path/``builtin:NAME``, or a peft LoRA
+    adapter directory, whose base (``base_model`` or the adapter's ``base_model_name_or_path``) is loaded
+    and the adapter merged in. The model is in eval mode on ``device`` with the KV cache on; the
+    tokenizer pads on the left (batched generation)."""
+    import json
+
+    path = resolve(name_or_path, flag)
+    adapter = is_lora_adapter(path)
+    if adapter:
+        try:
+            with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
+                adapter_cfg = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{flag} {path}: unreadable {ADAPTER_CONFIG} ({exc})") from None
+        base = base_model or adapter_cfg.get("base_model_name_or_path")
+        if not base:
+            raise UserError(
+                f"{flag} {path}: a LoRA adapter that does not name its base model; pass --base_model"
+            )
+        base_path = resolve(base, "--base_model")
+        where = f"{flag} {path}: the LoRA adapter's base model"
+        try:
+            if os.path.exists(base_path):
+                _check_model_dir(base_path, where)
+            load_config(base_path, trust_remote_code=trust_remote_code, flag=where)
+        except UserError as exc:
+            raise UserError(f"{exc}; pass --base_model PATH") from None
+        has_tok = any(
+            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+        )
+        tokenizer = load_tokenizer(path if has_tok else base_path, trust_remote_code=trust_remote_code,
+                                   padding_side="left", flag=flag)  # fmt: skip
+        model = load_causal_lm(base_path, tokenizer=tokenizer, dtype=dtype,
+                               trust_remote_code=trust_remote_code, flag=where)  # fmt: skip
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"{flag} {path}: the LoRA adapter does not fit base model {base} ({first})"
+            ) from None
+    else:
+        if os.path.exists(path):
+            _check_model_dir(path, flag)
+        load_config(path, trust_remote_code=trust_remote_code, flag=flag)  # its error names the path
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="left", flag=flag)
+        model = load_causal_lm(path, tokenizer=tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
+                               flag=flag)  # fmt: skip
+    model.config.use_cache = True
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,336 @@
+"""Conversation logic of the chat and prompt-comparison tools: prompt format, history, reply cutting.
+
+A conversation is a list of Hugging Face style messages, ``{"role": "user" | "assistant",
+"content": str}``. It is rendered either in the Human/Assistant form that dschat trains on (the
+built-in tasks and the HH-RLHF data sets)::
+
+    "\\n\\nHuman: hi\\n\\nAssistant: hello\\n\\nHuman: 2 + 2?\\n\\nAssistant:"
+
+or with the tokenizer's chat template. A model trained on the first form keeps writing the dialogue
+after its answer ("\\n\\nHuman: ..."): :func:`cut_reply` and the streaming :class:`StopFilter` end the
+reply where that invented turn starts.
+
+Everything here is pure Python except :class:`ReplyStream`, which runs ``model.generate`` in a
+background thread and yields the reply's text as it is generated::
+
+    stream = ReplyStream(model, tokenizer, input_ids, {"max_new_tokens": 64}, fmt.stop_strings)
+    for piece in stream:
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dschat.tasks import ASSISTANT, HUMAN
+from dschat.utils.errors import UserError
+
+Message = dict[str, str]
+
+HUMAN_ASSISTANT = "human-assistant"
+CHAT_TEMPLATE = "chat-template"
+FORMATS = ("auto", HUMAN_ASSISTANT, CHAT_TEMPLATE)
+
+# Where a Human/Assistant model starts writing the next turn itself. The single-newline forms catch a
+# model that is sloppy about the blank line; the double-newline forms come first so that a cut at
+# "\n\nHuman:" does not leave a stray newline in the reply.
+TURN_STOPS = ("\n\nHuman:", "\n\nAssistant:", "\nHuman:", "\nAssistant:")
+
+
+def render_human_assistant(messages: list[Message]) -> str:
+    """``"\\n\\nHuman: u1\\n\\nAssistant: a1 ... \\n\\nHuman: uN\\n\\nAssistant:"`` (training format).
+
+    Assistant turns get the single space that training responses start with (``" 432"``).
+    """
+    parts = []
+    for m in messages:
+        if m["role"] == "user":
+            parts.append(HUMAN + m["content"])
+        elif m["role"] == "assistant":
+            parts.append(ASSISTANT + " " + m["content"])
+        else:
+            raise ValueError(f"unknown role {m['role']!r}")
+    return "".join(parts) + ASSISTANT
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a conversation becomes model input, and where a reply ends.
+
+    ``add_special_tokens``: whether tokenizing the rendered text adds BOS etc. (a chat template
+    writes them into the text itself, the Human/Assistant form relies on the tokenizer, as in training).
+    """
+
+    name: str
+    render: Callable[[list[Message]], str]
+    add_special_tokens: bool
+    stop_strings: tuple[str, ...]
+
+
+def chat_format(tokenizer, choice: str = "auto", flag: str = "--format") -> ChatFormat:
+    """The prompt format for ``tokenizer``: ``auto`` = its chat template if it has one, else Human/Assistant."""
+    if choice not in FORMATS:
+        raise UserError(f"{flag} {choice}: choose one of {', '.join(FORMATS)}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if choice == CHAT_TEMPLATE and not has_template:
+        raise UserError(f"{flag} {CHAT_TEMPLATE}: this tokenizer has no chat template")
+    if choice == CHAT_TEMPLATE or (choice == "auto" and has_template):
+        return ChatFormat(
+            CHAT_TEMPLATE,
+            lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+            stop_strings=(),
+        )
+    return ChatFormat(
+        HUMAN_ASSISTANT, render_human_assistant, add_special_tokens=True, stop_strings=TURN_STOPS
+    )
+
+
+def is_rendered_prompt(text: str) -> bool:
+    """True for a prompt already in Human/Assistant form (it ends with the ``Assistant:`` cue)."""
+    return text.rstrip().endswith("Assistant:") and "Human:" in text
+
+
+def prompt_text(question: str, fmt: ChatFormat) -> str:
+    """A one-turn prompt for ``question``, used verbatim when it is already a rendered dialogue."""
+    if is_rendered_prompt(question):
+        return question
+    return fmt.render([{"role": "user", "content": question}])
+
+
+def fit_history(
+    messages: list[Message], count_tokens: Callable[[list[Message]], int], budget: int
+) -> tuple[list[Message], int]:
+    """Drop the oldest turns until ``count_tokens(kept) <= budget``; returns ``(kept, n_dropped)``.
+
+    Turns are dropped up to the next user message, so the kept history always starts with a user turn;
+    the last message is always kept, even when it alone is over the budget (the caller then cuts the
+    start of its token ids, see :func:`keep_last_tokens`).
+    """
+    start = 0
+    while start < len(messages) - 1 and count_tokens(messages[start:]) > budget:
+        start += 1
+        while start < len(messages) - 1 and messages[start]["role"] != "user":
+            start += 1
+    return messages[start:], start
+
+
+def keep_last_tokens(ids: list[int], budget: int, bos_id: int | None = None) -> list[int]:
+    """The last ``budget`` tokens of ``ids``, keeping a leading BOS in place (``budget >= 1``)."""
+    if len(ids) <= budget:
+        return list(ids)
+    if bos_id is not None and ids and ids[0] == bos_id and budget > 1:
+        return [ids[0], *ids[len(ids) - budget + 1 :]]
+    return list(ids[len(ids) - budget :])
+
+
+def cut_reply(text: str, stops: tuple[str, ...] = TURN_STOPS) -> str:
+    """``text`` up to the first stop string (the start of an invented turn), trailing space removed."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut].rstrip()
+
+
+class StopFilter:
+    """Streaming form of :func:`cut_reply`: feed text pieces, get back the part that is safe to show.
+
+    A piece's tail that could be the start of a stop string is held back until the next piece shows
+    whether it is one; after a stop string nothing more comes out. Joining every returned piece and
+    :meth:`flush` gives ``text[:first stop]``, whatever the split into pieces. ``lstrip`` drops the
+    reply's leading whitespace (training responses start with a space).
+    """
+
+    def __init__(self, stops: tuple[str, ...] = TURN_STOPS, *, lstrip: bool = True) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+        self.stopped = False
+        self.started = not lstrip
+
+    def _emit(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        return text
+
+    def push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        buf = self.pending + piece
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.pending = True, ""
+            return self._emit(buf[: min(hits)])
+        hold = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return self._emit(buf[: len(buf) - hold])
+
+    def flush(self) -> str:
+        """The held-back tail once the text has ended without a stop string."""
+        out, self.pending = self.pending, ""
+        return "" if self.stopped else self._emit(out)
+
+
+class _TokenQueueStreamer:
+    """``generate`` streamer that queues the decoded text of every new token (not word by word).
+
+    Text is decoded from all tokens so far and the new suffix queued, except while it ends in an
+    incomplete UTF-8 character (decoded as U+FFFD), which waits for its remaining bytes.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.ids: list[int] = []
+        self.shown = 0
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate first passes the prompt
+            self.prompt_seen = True
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd") and len(text) > self.shown:
+            self.queue.put(text[self.shown :])
+            self.shown = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.shown:
+            self.queue.put(text[self.shown :])
+            self.shown = len(text)
+        self.queue.put(None)
+
+
+class _StopOnEvent:
+    """Stopping criterion: end generation once ``event`` is set (a stop string was seen, or Ctrl-C)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.full(
+            (input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device
+        )
+
+
+class ReplyStream:
+    """One reply, generated in a background thread and iterated as text pieces cut at a stop string.
+
+    ``input_ids`` is ``(1, T)`` on the model's device; ``generate_kwargs`` go to ``model.generate``
+    (``max_new_tokens``, ``do_sample``, ...). Iterating yields the shown pieces; afterwards ``text``
+    is the whole reply and ``ended`` says why it ended: ``"stop"`` (the model began an invented turn),
+    ``"end"`` (EOS or ``max_new_tokens``) or ``"cancelled"`` (:meth:`cancel`, e.g. on Ctrl-C).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        input_ids: torch.Tensor,
+        generate_kwargs: dict[str, Any],
+        stops: tuple[str, ...] = TURN_STOPS,
+    ) -> None:
+        from transformers import StoppingCriteriaList
+
+        self.text = ""
+        self.ended: str | None = None
+        self._event = threading.Event()
+        self._error: list[BaseException] = []
+        self._streamer = _TokenQueueStreamer(tokenizer)
+        self._filter = StopFilter(stops)
+        kwargs = {
+            **generate_kwargs,
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "streamer": self._streamer,
+            "stopping_criteria": StoppingCriteriaList([_StopOnEvent(self._event)]),
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    model.generate(**kwargs)
+            except BaseException as exc:  # re-raised in the reading thread
+                self._error.append(exc)
+                self._streamer.queue.put(None)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:  # a timeout keeps the wait interruptible by Ctrl-C everywhere
+                piece = self._streamer.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if piece is None:
+                break
+            shown = self._filter.push(piece)
+            if self._filter.stopped:
+                self._event.set()  # stop generating the invented turn
+            if shown:
+                self.text += shown
+                yield shown
+            if self._filter.stopped:
+                break
+        if not self._filter.stopped:
+            tail = self._filter.flush()
+            if tail:
+                self.text += tail
+                yield tail
+        self._finish("stop" if self._filter.stopped else "end")
+        if self._error:
+            raise self._error[0]
+
+    def cancel(self) -> None:
+        """Stop generating (the text shown so far stays in ``text``)."""
+        self._finish("cancelled")
+
+    def _finish(self, why: str) -> None:
+        self._event.set()
+        self._thread.join()
+        if self.ended is None:
+            self.ended = why
+        self.text = self.text.rstrip()
+
+
+class Conversation:
+    """The history of one chat and the model input for its next turn, within a token budget.
+
+    ``budget`` is the most prompt tokens the model may get (its context minus the reply's
+    ``max_new_tokens``). :meth:`prompt_ids` drops the oldest turns that do not fit, and cuts the start
+    of a single message that alone is too long.
+    """
+
+    def __init__(self, tokenizer, fmt: ChatFormat, budget: int) -> None:
+        if budget < 1:
+            raise ValueError("budget must be at least one token")
+        self.tokenizer, self.fmt, self.budget = tokenizer, fmt, budget
+        self.messages: list[Message] = []
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def encode(self, messages: list[Message]) -> list[int]:
+        text = self.fmt.render(messages)
+        return self.tokenizer(text, add_special_tokens=self.fmt.add_special_tokens)["input_ids"]
+
+    def prompt_ids(self, user_text: str) -> tuple[list[int], int, bool]:
+        """``(ids, turns_dropped, message_cut)`` for the history plus ``user_text``; dropped turns are
+        forgotten for good, so the history the model sees is the history that is kept."""
+        msgs = [*self.messages, {"role": "user", "content": user_text}]
+        kept, dropped = fit_history(msgs, lambda m: len(self.encode(m)), self.budget)
+        self.messages = kept[:-1]
+        ids = self.encode(kept)
+        cut = len(ids) > self.budget
+        return keep_last_tokens(ids, self.budget, self.tokenizer.bos_token_id), dropped, cut
+
+    def add_exchange(self, user_text: str, reply: str) -> None:
+        self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]

@@ -1,0 +1,165 @@
+"""Decoding strategies for the inference tools: greedy, sampling, beam search and contrastive search.
+
+:class:`DecodeOptions` holds the flags (checked with their names) and turns them into
+``model.generate`` arguments; :func:`generate_replies` runs a list of prompts through any of the
+strategies in left-padded batches and cuts each reply where the model starts an invented turn.
+
+Contrastive search (Su et al., 2022, "A Contrastive Framework for Neural Text Generation") is
+implemented here: transformers 5 moved it out of ``generate`` into the hub repository
+``transformers-community/contrastive-search``, which would need a download and remote code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dschat.chat import TURN_STOPS, cut_reply
+from dschat.utils.errors import UserError
+
+STRATEGIES = ("greedy", "sample", "beam", "contrastive")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode. ``top_k`` is the sampling cut-off (0 = off) and contrastive search's candidate count."""
+
+    strategy: str = "greedy"
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_beams: int = 4
+    penalty_alpha: float = 0.6
+    repetition_penalty: float = 1.0
+
+    def validate(self) -> DecodeOptions:
+        """Raise :class:`UserError` naming the flag of the first out-of-range option."""
+        checks = [
+            (self.strategy in STRATEGIES, f"--decoding {self.strategy}: choose one of {', '.join(STRATEGIES)}"),
+            (self.max_new_tokens >= 1, f"--max_new_tokens {self.max_new_tokens}: must be at least 1"),
+            (self.temperature > 0, f"--temperature {self.temperature}: must be > 0 (use greedy decoding for 0)"),
+            (0 < self.top_p <= 1, f"--top_p {self.top_p}: must be in (0, 1]"),
+            (self.top_k >= 0, f"--top_k {self.top_k}: must be >= 0 (0 turns it off)"),
+            (self.num_beams >= 1, f"--num_beams {self.num_beams}: must be at least 1"),
+            (0 <= self.penalty_alpha <= 1, f"--penalty_alpha {self.penalty_alpha}: must be in [0, 1]"),
+            (self.repetition_penalty > 0, f"--repetition_penalty {self.repetition_penalty}: must be > 0"),
+            (
+                self.strategy != "contrastive" or self.top_k >= 2,
+                f"--top_k {self.top_k}: contrastive search compares top_k >= 2 candidates (e.g. --top_k 4)",
+            ),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+        return self
+
+    def generate_kwargs(self) -> dict:
+        """Arguments for ``model.generate`` (greedy, sample, beam); contrastive search does not use it."""
+        kw: dict = {"max_new_tokens": self.max_new_tokens, "repetition_penalty": self.repetition_penalty}
+        if self.strategy == "sample":
+            kw.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        elif self.strategy == "beam":
+            kw.update(do_sample=False, num_beams=self.num_beams, early_stopping=True)
+        else:
+            kw.update(do_sample=False, num_beams=1)
+        if not kw.get("do_sample"):  # the model's own sampling defaults would only warn
+            kw.update(temperature=None, top_p=None, top_k=None)
+        return kw
+
+
+def context_length(model: torch.nn.Module, tokenizer) -> int:
+    """Tokens the model can attend to: its position limit, or the tokenizer's limit when that is smaller."""
+    limits = [
+        getattr(model.config, "max_position_embeddings", None),
+        getattr(tokenizer, "model_max_length", None),
+    ]
+    usable = [int(x) for x in limits if isinstance(x, int) and 0 < x < 10**7]
+    return min(usable) if usable else 2048
+
+
+def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    out = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        out.add(tokenizer.eos_token_id)
+    return out
+
+
+def contrastive_pick(
+    top_probs: torch.Tensor, cand_hidden: torch.Tensor, context_hidden: torch.Tensor, alpha: float
+) -> int:
+    """Index of the candidate maximising ``(1 - alpha) p(v) - alpha max_j cos(h_v, h_j)``.
+
+    ``top_probs (k,)`` model probabilities of the k candidates, ``cand_hidden (k, H)`` last-layer hidden
+    state of each candidate appended to the text, ``context_hidden (T, H)`` those of the text so far.
+    The second term (degeneration penalty) punishes a token whose representation repeats the context.
+    """
+    sim = F.cosine_similarity(cand_hidden[:, None, :].float(), context_hidden[None, :, :].float(), dim=-1)
+    score = (1 - alpha) * top_probs.float() - alpha * sim.max(dim=1).values
+    return int(score.argmax())
+
+
+@torch.no_grad()
+def contrastive_search(
+    model: torch.nn.Module, prompt_ids: list[int], opts: DecodeOptions, stop_ids: set[int]
+) -> list[int]:
+    """New token ids for one prompt by contrastive search (``opts.top_k`` candidates, ``opts.penalty_alpha``).
+
+    Each step runs the model on the k candidate continuations without a KV cache (k x T tokens), so it
+    is meant for comparing short answers, not for long texts.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    context = out.hidden_states[-1][0]  # (T, H)
+    logits = out.logits[0, -1]
+    new: list[int] = []
+    for _ in range(opts.max_new_tokens):
+        probs = logits.float().softmax(-1)
+        top_probs, top_ids = probs.topk(opts.top_k)
+        cand = torch.cat([ids.expand(opts.top_k, -1), top_ids[:, None]], dim=1)  # (k, T+1)
+        o = model(input_ids=cand, output_hidden_states=True, use_cache=False)
+        best = contrastive_pick(top_probs, o.hidden_states[-1][:, -1], context, opts.penalty_alpha)
+        ids, context, logits = cand[best : best + 1], o.hidden_states[-1][best], o.logits[best, -1]
+        new.append(int(top_ids[best]))
+        if new[-1] in stop_ids:
+            break
+    return new
+
+
+@torch.no_grad()
+def generate_replies(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    opts: DecodeOptions,
+    *,
+    batch_size: int = 8,
+    stops: tuple[str, ...] = TURN_STOPS,
+) -> list[str]:
+    """Replies (text after each prompt, cut at an invented turn, leading space kept) for token-id prompts.
+
+    Prompts are left-padded into batches of ``batch_size`` for greedy, sampling and beam search, and run
+    one at a time for contrastive search. Special tokens (EOS, padding) are not part of the text.
+    """
+    device = next(model.parameters()).device
+    model.eval()
+    replies: list[list[int]] = []
+    if opts.strategy == "contrastive":
+        stop_ids = eos_ids(model, tokenizer)
+        replies = [contrastive_search(model, p, opts, stop_ids) for p in prompt_ids]
+    else:
+        pad = tokenizer.pad_token_id
+        for s in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[s : s + batch_size]
+            width = max(len(p) for p in chunk)
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            seq = model.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=pad,
+                                 **opts.generate_kwargs())  # fmt: skip
+            replies.extend(seq[:, width:].tolist())
+    texts = tokenizer.batch_decode(replies, skip_special_tokens=True)
+    return [cut_reply(t, stops) for t in texts]

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Chat with a model in the terminal: multi-turn, streamed, in the prompt format it was trained with.
+
+    python inference/chat.py --path output/step3/actor          # any step's model, HF name, builtin:NAME
+    python inference/chat.py --path my-lora-adapter --base_model meta-llama/Llama-3.2-1B
+    python inference/chat.py --path output/step1 --prompt "What is 2 + 3?" --greedy   # answer once
+    printf 'What is 2 + 3?\\nSort: dog cat owl\\n' | python inference/chat.py --path output/step1
+
+Type a message and press Enter. ``clear`` (or ``/reset``) forgets the conversation; ``quit``, ``exit``
+or Ctrl-D leave; Ctrl-C stops the reply being written. When stdin is not a terminal every line is a
+message and only the replies are printed, one per message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from dschat.chat import FORMATS, Conversation, ReplyStream, chat_format
+from dschat.config import ArgumentParser
+from dschat.decoding import DecodeOptions, context_length
+from dschat.models.loading import count_parameters, inference_dtype, load_for_generation
+from dschat.utils.errors import UserError, run_cli
+
+RESET = {"clear", "/clear", "/reset"}
+QUIT = {"quit", "exit", "/quit", "/exit"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ArgumentParser(prog="chat.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--path", "--model_name_or_path", dest="path", required=True,
+                   help="model directory (any step's output), HF name, builtin:NAME, or a peft LoRA adapter")  # fmt: skip
+    p.add_argument("--base_model", help="base model of a LoRA adapter (default: the one its config names)")
+    p.add_argument("--prompt", help="answer this one message and exit")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top_p", type=float, default=0.9)
+    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="prompt format: the tokenizer's chat template if it has one (auto), else Human/Assistant")  # fmt: skip
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="auto: bf16 (or fp16) on a GPU, fp32 on CPU")  # fmt: skip
+    p.add_argument("--seed", type=int, help="seed of the sampling (default: a different reply each run)")
+    p.add_argument("--trust_remote_code", action="store_true")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.prompt is not None and not args.prompt.strip():
+        p.error("--prompt: the message is empty")
+    return args
+
+
+class Chat:
+    """One conversation with a loaded model; ``say`` streams a reply to ``out``."""
+
+    def __init__(self, model, tokenizer, args: argparse.Namespace, out=sys.stdout) -> None:
+        self.model, self.tokenizer, self.out = model, tokenizer, out
+        self.fmt = chat_format(tokenizer, args.format)
+        strategy = "greedy" if args.greedy else "sample"
+        self.opts = DecodeOptions(strategy=strategy, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  repetition_penalty=args.repetition_penalty).validate()  # fmt: skip
+        context = context_length(model, tokenizer)
+        if args.max_new_tokens >= context:
+            raise UserError(
+                f"--max_new_tokens {args.max_new_tokens}: must be below the model's context ({context})"
+            )
+        self.conversation = Conversation(tokenizer, self.fmt, context - args.max_new_tokens)
+
+    def note(self, text: str) -> None:
+        print(f"({text})", file=self.out if self.out.isatty() else sys.stderr, flush=True)
+
+    def say(self, message: str, label: str = "") -> str:
+        """Stream the reply to ``message``; Ctrl-C stops the reply and keeps what was written."""
+        ids, dropped, cut = self.conversation.prompt_ids(message)
+        if dropped:
+            self.note(f"the {dropped} oldest message(s) no longer fit the model's context and were forgotten")
+        if cut:
+            self.note("the message is longer than the model's context; its beginning was cut")
+        input_ids = torch.tensor([ids], device=self.model.device)
+        stream = ReplyStream(
+            self.model, self.tokenizer, input_ids, self.opts.generate_kwargs(), self.fmt.stop_strings
+        )
+        self.out.write(label)
+        self.out.flush()
+        try:
+            for piece in stream:
+                self.out.write(piece)
+                self.out.flush()
+        except KeyboardInterrupt:
+            stream.cancel()
+            self.out.write(" [stopped]")
+        self.out.write("\n")
+        self.out.flush()
+        self.conversation.add_exchange(message, stream.text)
+        return stream.text
+
+    def handle(self, line: str, label: str = "") -> bool:
+        """Act on one line of input; False when the user asked to leave."""
+        text = line.strip()
+        if text.lower() in QUIT:
+            return False
+        if text.lower() in RESET:
+            self.conversation.reset()
+            self.note("conversation cleared")
+        elif text:
+            self.say(text, label)
+        return True
+
+
+def interactive(chat: Chat) -> None:
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    print("Type a message. 'clear' forgets the conversation; 'quit' or Ctrl-D leaves; Ctrl-C stops a reply.")
+    while True:
+        try:
+            line = input("\nHuman: ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print("\n(type 'quit' or press Ctrl-D to leave)")
+            continue
+        if not chat.handle(line, label="\nAssistant: "):
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # no generation-config chatter between the turns
+    hf_logging.disable_progress_bar()
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    dtype = inference_dtype(args.dtype, args.device)
+    start = time.perf_counter()
+    model, tokenizer = load_for_generation(args.path, base_model=args.base_model, device=args.device, dtype=dtype,
+                                           trust_remote_code=args.trust_remote_code)  # fmt: skip
+    chat = Chat(model, tokenizer, args)
+    tty = sys.stdin.isatty() and args.prompt is None
+    if tty:
+        print(f"{args.path}: {type(model).__name__}, {count_parameters(model) / 1e6:.1f}M parameters, "
+              f"{args.device} {str(dtype).removeprefix('torch.')}, {chat.fmt.name} format "
+              f"(loaded in {time.perf_counter() - start:.1f} s)")  # fmt: skip
+        interactive(chat)
+    elif args.prompt is not None:
+        chat.say(args.prompt)
+    else:
+        for line in sys.stdin:
+            if not chat.handle(line):
+                break
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
