@@ -24,6 +24,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     do_sample: bool = True
+    min_new_tokens: int = 0  # EOS is forbidden before this many new tokens (benchmarks force full length)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,10 @@ class PlainGenerator:
             if was_training:
                 module.train()
 
+    def stats(self) -> dict[str, float]:
+        """Generator-specific summary entries (the hybrid engine reports its switches here)."""
+        return {}
+
     @torch.no_grad()
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig | None = None
@@ -54,6 +59,8 @@ class PlainGenerator:
         """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their EOS)."""
         s = sampling or self.sampling
         kwargs = {"do_sample": s.do_sample, "max_new_tokens": s.max_new_tokens}
+        if s.min_new_tokens:
+            kwargs["min_new_tokens"] = s.min_new_tokens
         if s.do_sample:
             kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         return self.engine.module.generate(

@@ -1,0 +1,338 @@
+"""The hybrid engine: fast generation for PPO from an actor trained under any ZeRO stage.
+
+    generator = HybridGenerator(actor_engine, tokenizer, sampling, zero3=True)
+    with generator.generation_mode() as gen:      # gather -> inference copy (LoRA merged)
+        sequences = gen.generate(input_ids, attention_mask)   # (B, P) -> (B, P + n)
+    # back to training: the engine's weights, optimizer state and ZeRO partitions are untouched
+
+Plain ``generate`` on a ZeRO-3 module gathers every layer's weights again for every new token. Here
+the partitioned weights are gathered once per round (``deepspeed.zero.GatheredParameters``, all at
+once or ``gather_layers`` decoder blocks at a time) into an *inference copy*: a plain transformers
+model of the same config, built once without ZeRO-3 hooks, in the training dtype, with LoRA merged
+(``W + scaling * B @ A`` computed into the copy; the training module is only read). Each rank then
+generates alone with a KV cache (transformers ``StaticCache``), so no rank waits for another.
+
+Options (the step-3 flags): ``tp_size`` (``--inference_tp_size``): K ranks hold 1/K of every attention
+and MLP matrix and generate their combined prompts together; ``gather_layers``
+(``--tp_gather_partition_size``); ``release_cache`` (``--release_inference_cache``): free the copy
+and the KV cache after each round; ``unpin`` (``--unpin_actor_parameters``): no copy at all, generate
+on the training module itself (ZeRO-3 gathers each layer per token: least memory, slowest).
+Architectures outside :data:`dschat.models.inference_copy.PLANS` fall back to
+:class:`~dschat.rlhf.generation.PlainGenerator` with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+from dschat.models.inference_copy import InferenceCopy, TPGroup, UnsupportedModel, plan_for
+from dschat.rlhf.fast_decode import decode
+from dschat.rlhf.generation import PlainGenerator, SamplingConfig, position_ids_from_mask
+from dschat.utils import dist
+from dschat.utils.errors import UserError
+
+LOG = logging.getLogger("dschat")
+
+
+@contextlib.contextmanager
+def gather_zero3(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Full values of the ZeRO-3 partitioned ``params`` on every rank inside the block (collective);
+    other parameters are already whole."""
+    z3 = [p for p in params if hasattr(p, "ds_id")]
+    if not z3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(z3, modifier_rank=None):
+        yield
+
+
+def tp_groups(tp_size: int) -> TPGroup:
+    """Split the world into consecutive groups of ``tp_size`` ranks (collective: every rank creates
+    every group); this rank's place in its own."""
+    world, rank = dist.world_size(), dist.rank()
+    if tp_size == 1:
+        return TPGroup()
+    if world % tp_size:
+        raise UserError(f"--inference_tp_size {tp_size} must divide the number of ranks ({world})")
+    import torch.distributed as tdist
+
+    mine = TPGroup()
+    for first in range(0, world, tp_size):
+        ranks = list(range(first, first + tp_size))
+        group = tdist.new_group(ranks)
+        if rank in ranks:
+            mine = TPGroup(rank=rank - first, size=tp_size, group=group)
+            mine.leader = first  # type: ignore[attr-defined]
+    return mine
+
+
+class HybridGenerator:
+    """Same interface as :class:`PlainGenerator`: ``with g.generation_mode() as gen: gen.generate(...)``.
+
+    ``dtype`` is the inference copy's dtype (default: the training parameters' dtype).
+    ``measure_logprobs``: on the first ``generate`` call, score the generated tokens with the training
+    forward too and record the largest |log-prob difference| (reported by :meth:`stats`).
+    """
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        sampling: SamplingConfig,
+        *,
+        zero3: bool,
+        tp_size: int = 1,
+        gather_layers: int = 0,
+        release_cache: bool = False,
+        unpin: bool = False,
+        dtype: torch.dtype | None = None,
+        measure_logprobs: bool = True,
+        fast_attention: bool = True,
+        static_cache: bool = True,
+    ) -> None:
+        self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
+        self.gather_layers, self.release_cache, self.unpin = gather_layers, release_cache, unpin
+        self.static_cache = static_cache
+        self.fallback: PlainGenerator | None = None
+        self.fallback_reason: str | None = None
+        self.copy: InferenceCopy | None = None
+        self._model: torch.nn.Module | None = None
+        self._caches: dict[int, object] = {}
+        self._measure_pending = measure_logprobs
+        self._active = False
+        self.logprob_diff: dict[str, float] = {}
+        self.switches, self.switch_seconds, self.first_switch_seconds = 0, 0.0, 0.0
+        self.gather_peak_bytes, self.device_peak_bytes = 0, 0
+        if unpin and tp_size > 1:
+            raise UserError("--inference_tp_size > 1 needs an inference copy: drop --unpin_actor_parameters")
+        module = engine.module
+        try:
+            plan_for(module.get_base_model() if hasattr(module, "get_base_model") else module)
+        except UnsupportedModel as exc:
+            self._fall_back(str(exc))
+            return
+        self.tp = tp_groups(tp_size)
+        if unpin:
+            return
+        self.dtype = dtype or next(module.parameters()).dtype
+        try:
+            self.copy = InferenceCopy(module, dtype=self.dtype, device=engine.device, tp=self.tp,
+                                      fast_attention=fast_attention)  # fmt: skip
+        except UnsupportedModel as exc:
+            self._fall_back(str(exc))
+        except ValueError as exc:  # a head count or width that K does not divide
+            raise UserError(f"--inference_tp_size {tp_size}: {exc}") from None
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        self.fallback = PlainGenerator(self.engine, self.tokenizer, self.sampling, self.zero3)
+        if dist.is_main():
+            LOG.warning("hybrid engine: %s; generating with plain Hugging Face generate instead", reason)
+
+    # ------------------------------------------------------------------ switching
+    @contextlib.contextmanager
+    def generation_mode(self) -> Iterator[HybridGenerator | PlainGenerator]:
+        """Training -> generation -> training. Collective under ZeRO-3 (the weights are gathered)."""
+        if self.fallback is not None:
+            with self.fallback.generation_mode() as gen:
+                yield gen
+            return
+        module = self.engine.module
+        was_training = module.training
+        on_gpu = torch.cuda.is_available() and self.engine.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        if self.copy is None:  # unpinned: the training module itself, without dropout
+            module.eval()
+            self._model = module
+        else:
+            self.copy.allocate()
+            peak = self.copy.refill(gather_zero3, self.gather_layers)
+            self.gather_peak_bytes = max(self.gather_peak_bytes, peak)
+            self._model = self.copy.model
+        seconds = time.perf_counter() - t
+        if on_gpu:
+            self.device_peak_bytes = max(self.device_peak_bytes, torch.cuda.max_memory_allocated())
+        self.first_switch_seconds = self.first_switch_seconds or seconds
+        self.switches += 1
+        self.switch_seconds += seconds
+        self._active = True
+        try:
+            yield self
+        finally:
+            self._active = False
+            self._model = None
+            if self.copy is None and was_training:
+                module.train()
+            if self.release_cache:
+                self._caches.clear()
+                if self.copy is not None:
+                    self.copy.release()
+
+    # ------------------------------------------------------------------ generation
+    def _cache(self, model: torch.nn.Module, batch: int, length: int):
+        """A StaticCache for ``batch`` rows of at least ``length`` tokens, kept between rounds."""
+        if not self.static_cache:
+            return None
+        from transformers import StaticCache
+
+        cache = self._caches.get(batch)
+        if cache is None or cache.max_cache_len < length:
+            cache = StaticCache(config=model.config, max_cache_len=-(-length // 16) * 16)
+            self._caches[batch] = cache
+        else:
+            cache.reset()
+        return cache
+
+    def _tp_gather_prompts(
+        self, ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """All-gather the group's (B_r, P_r) prompts into one left-padded (sum B, max P) batch."""
+        import torch.distributed as tdist
+
+        g, k = self.tp.group, self.tp.size
+        size = torch.tensor([ids.shape[0], ids.shape[1]], device=ids.device)
+        sizes = [torch.zeros_like(size) for _ in range(k)]
+        tdist.all_gather(sizes, size, group=g)
+        sizes = [tuple(int(x) for x in s) for s in sizes]
+        bmax, pmax = max(s[0] for s in sizes), max(s[1] for s in sizes)
+        pad = self.tokenizer.pad_token_id
+
+        def padded(x: torch.Tensor, value: int) -> torch.Tensor:
+            out = x.new_full((bmax, pmax), value)
+            out[: x.shape[0], pmax - x.shape[1] :] = x
+            return out
+
+        parts_ids = [torch.empty(bmax, pmax, dtype=ids.dtype, device=ids.device) for _ in range(k)]
+        parts_mask = [torch.empty(bmax, pmax, dtype=mask.dtype, device=ids.device) for _ in range(k)]
+        tdist.all_gather(parts_ids, padded(ids, pad), group=g)
+        tdist.all_gather(parts_mask, padded(mask, 0), group=g)
+        all_ids = torch.cat([p[: s[0]] for p, s in zip(parts_ids, sizes)])
+        all_mask = torch.cat([p[: s[0]] for p, s in zip(parts_mask, sizes)])
+        return all_ids, all_mask, sizes
+
+    def _tp_generator(self, device: torch.device) -> torch.Generator:
+        """One sampling RNG shared by the group: the leader draws a seed from its global RNG."""
+        import torch.distributed as tdist
+
+        seed = (
+            torch.randint(0, 2**62, (1,), device=device)
+            if self.tp.rank == 0
+            else torch.zeros(1, dtype=torch.long, device=device)
+        )
+        tdist.broadcast(seed, src=self.tp.leader, group=self.tp.group)  # type: ignore[attr-defined]
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed))
+        return gen
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig | None = None
+    ) -> torch.Tensor:
+        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their EOS)."""
+        if not self._active or self._model is None:
+            raise RuntimeError("HybridGenerator.generate() is only valid inside generation_mode()")
+        s = sampling or self.sampling
+        tok = self.tokenizer
+        ids, mask, sizes = input_ids, attention_mask, None
+        generator = None
+        if self.tp.size > 1:
+            ids, mask, sizes = self._tp_gather_prompts(input_ids, attention_mask)
+            if s.do_sample:
+                generator = self._tp_generator(ids.device)
+        # ranks step together only when each forward is collective (the unpinned ZeRO-3 module)
+        lockstep = True if (self.copy is None and self.zero3 and dist.world_size() > 1) else None
+        out = decode(
+            self._model, ids, mask, s, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            cache=self._cache(self._model, ids.shape[0], ids.shape[1] + s.max_new_tokens),
+            generator=generator, lockstep=lockstep, return_logprobs=self._measure_pending,
+        )  # fmt: skip
+        seq, logprobs = out.sequences, out.logprobs
+        if sizes is not None:  # hand this rank its own rows, without the group's extra left padding
+            first = sum(b for b, _ in sizes[: self.tp.rank])
+            b, p = sizes[self.tp.rank]
+            cut = ids.shape[1] - p
+            seq = seq[first : first + b, cut:]
+            logprobs = logprobs[first : first + b] if logprobs is not None else None
+        if self._measure_pending:
+            self._measure_pending = False
+            self._measure(seq, attention_mask, logprobs, input_ids.shape[1])
+        return seq
+
+    def _measure(
+        self, seq: torch.Tensor, prompt_mask: torch.Tensor, gen_logprobs: torch.Tensor, p: int
+    ) -> None:
+        """Max and mean |log pi_generation - log pi_training| over the generated tokens (through EOS).
+
+        The training side is the engine's own forward (eval mode, the training dtype), as PPO uses it.
+        Collective under ZeRO-3: every rank measures on its first ``generate`` call.
+        """
+        resp = seq[:, p:]
+        eos = self.tokenizer.eos_token_id
+        is_eos = (resp == eos).long() if eos is not None else torch.zeros_like(resp)
+        valid = (is_eos.cumsum(1) - is_eos) == 0  # tokens up to and including the first EOS
+        mask = torch.cat([prompt_mask.long(), valid.long()], dim=1)
+        was_training = self.engine.module.training
+        self.engine.eval()
+        try:
+            logits = self.engine(
+                input_ids=seq, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+            ).logits
+        finally:
+            if was_training:
+                self.engine.train()
+        train_lp = (
+            torch.log_softmax(logits[:, p - 1 : -1].float(), dim=-1).gather(2, resp[..., None]).squeeze(2)
+        )
+        diff = (train_lp - gen_logprobs[:, : resp.shape[1]]).abs()[valid]
+        n = float(diff.numel())
+        mx = float(diff.max()) if n else 0.0
+        total, count = dist.all_reduce_sum([float(diff.sum()), n])
+        self.logprob_diff = {
+            "generation_logprob_max_diff": _all_max(mx),
+            "generation_logprob_mean_diff": total / max(count, 1.0),
+            "generation_logprob_tokens": count,
+        }
+        if dist.is_main():
+            LOG.info("hybrid engine: generation vs training log-probs of %d tokens: max |diff| %.2e, mean %.2e",
+                     int(count), self.logprob_diff["generation_logprob_max_diff"],
+                     self.logprob_diff["generation_logprob_mean_diff"])  # fmt: skip
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, float | int | str | bool | None]:
+        """Summary entries: switches, their time and memory, the log-prob check, the fallback."""
+        if self.fallback is not None:
+            return {"hybrid_engine": False, "hybrid_fallback_reason": self.fallback_reason}
+        out: dict[str, float | int | str | bool | None] = {
+            "hybrid_engine": True,
+            "inference_tp_size": self.tp.size,
+            "hybrid_mode": "unpinned" if self.copy is None else "inference_copy",
+            "hybrid_switches": self.switches,
+            "hybrid_switch_seconds": self.switch_seconds,
+            "hybrid_first_switch_seconds": self.first_switch_seconds,
+            **self.logprob_diff,
+        }
+        if self.copy is not None:
+            out["hybrid_inference_copy_mb"] = self.copy.copy_bytes / 2**20
+            out["hybrid_gather_peak_mb"] = self.gather_peak_bytes / 2**20
+        if self.device_peak_bytes:
+            out["hybrid_switch_device_peak_mb"] = self.device_peak_bytes / 2**20
+        return out
+
+
+def _all_max(x: float) -> float:
+    if not dist.is_initialized() or dist.world_size() == 1:
+        return x
+    import torch.distributed as tdist
+
+    t = torch.tensor([x], dtype=torch.float64, device=dist.default_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return float(t)

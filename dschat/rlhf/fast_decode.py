@@ -1,0 +1,145 @@
+"""Token-by-token generation with a KV cache, following :class:`SamplingConfig` the way Hugging Face
+``generate`` does (same filters in the same order, same ``torch.multinomial`` draw, rows padded after
+their EOS), without ``generate``'s per-step machinery. Used by the hybrid engine on its inference copy.
+
+    out = decode(model, input_ids, attention_mask, sampling, eos_token_id=2, pad_token_id=0)
+    out.sequences  # (B, P + n)
+
+No deepspeed here; ``torch.distributed`` only for ranks that must step together (``lockstep``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from dschat.rlhf.generation import SamplingConfig, position_ids_from_mask
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) on (B, V) logits; removed entries become -inf.
+
+    Hugging Face's warpers, in their order: ``top_k`` keeps every token whose logit is at least the
+    k-th largest (ties stay), ``top_p`` drops the lowest-probability tokens whose cumulative
+    probability is at most ``1 - top_p`` and always keeps the most likely one. 0 / 1.0 switch off.
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k and top_k > 0:
+        k = min(top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1.0 - top_p)
+        drop_sorted[..., -1:] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_tokens(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(B, V) float logits -> (B,) token ids: argmax, or one draw from the filtered distribution."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+@dataclass
+class DecodeOutput:
+    sequences: torch.Tensor  # (B, P + n): prompt, then new tokens, pad after each row's EOS
+    logprobs: torch.Tensor | None  # (B, n) log-softmax of the raw logits at the chosen tokens (0 after EOS)
+    new_tokens: int  # n
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@torch.no_grad()
+def decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sampling: SamplingConfig,
+    *,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    cache=None,
+    generator: torch.Generator | None = None,
+    lockstep=None,
+    return_logprobs: bool = False,
+) -> DecodeOutput:
+    """Generate up to ``sampling.max_new_tokens`` tokens for (B, P) left-padded prompts.
+
+    ``cache`` is a transformers ``Cache`` sized for at least P + max_new_tokens (None: a dynamic one).
+    Positions skip left padding exactly as the training forward computes them. A row stops at its
+    EOS and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
+    group, or ``True`` for the default group) keeps several ranks stepping together until all of them
+    are done (needed when each forward is collective, e.g. a ZeRO-3 module); a rank that is done
+    keeps stepping without appending, like ``generate(synced_gpus=True)``. ``sampling.min_new_tokens``
+    forbids EOS before that many tokens, as Hugging Face's ``min_new_tokens``.
+    """
+    import torch.distributed as tdist
+
+    b = input_ids.shape[0]
+    device = input_ids.device
+    mask = attention_mask.to(device=device, dtype=torch.long)
+    positions = position_ids_from_mask(mask)
+    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, **extra)  # fmt: skip
+    cache = out.past_key_values
+    logits = out.logits[:, -1, :].float()
+    pos = positions[:, -1:]
+    unfinished = torch.ones(b, dtype=torch.bool, device=device)
+    tokens: list[torch.Tensor] = []
+    scores: list[torch.Tensor] = []
+    peer_done = False
+    group = None if lockstep is True else lockstep
+    for step in range(sampling.max_new_tokens):
+        if not peer_done:
+            step_logits = logits
+            if eos_token_id is not None and step < sampling.min_new_tokens:
+                step_logits = logits.clone()
+                step_logits[:, eos_token_id] = float("-inf")
+            tok = next_tokens(step_logits, sampling, generator)
+            if return_logprobs:
+                lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None]).squeeze(1)
+                scores.append(torch.where(unfinished, lp, torch.zeros_like(lp)))
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad_token_id))
+            tokens.append(tok)
+            if eos_token_id is not None:
+                unfinished &= tok != eos_token_id
+        done = peer_done or not bool(unfinished.any())
+        if lockstep is not None and lockstep is not False:
+            flag = torch.tensor([0.0 if done else 1.0], device=device)
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)
+            peer_done, done = done, float(flag) == 0.0
+        if done or step == sampling.max_new_tokens - 1:
+            break
+        feed = (
+            tokens[-1] if not peer_done else torch.full((b,), pad_token_id, device=device, dtype=torch.long)
+        )
+        mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+        pos = pos + 1
+        out = model(input_ids=feed[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True)  # fmt: skip
+        logits = out.logits[:, -1, :].float()
+    new = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
+    return DecodeOutput(
+        sequences=torch.cat([input_ids, new.to(input_ids.dtype)], dim=1),
+        logprobs=torch.stack(scores, dim=1) if scores else None,
+        new_tokens=new.shape[1],
+    )
