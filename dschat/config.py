@@ -157,6 +157,11 @@ class RunArgs:
     )
     enable_wandb: bool = opt(False, "log to Weights & Biases (WANDB_MODE=offline works without network)")
     wandb_project: str = opt("dschat", "W&B project name")
+    node_local_storage: bool = opt(
+        False,
+        "no shared filesystem: every node writes its ranks' checkpoint shards, the exported model and "
+        "summary.json to its own OUTPUT_DIR (DeepSpeed's use_node_local_storage)",
+    )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         for name in ("eval_interval", "save_steps", "log_interval", "eval_generation_samples"):

@@ -8,7 +8,8 @@ Layout of ``root`` (``OUTPUT_DIR/checkpoints``)::
 
 A save goes to ``.tmp-stepN/`` first; only when every rank has finished does rank 0 rename it and
 then update ``latest``. A run killed mid-save therefore leaves ``latest`` naming the previous,
-complete checkpoint.
+complete checkpoint. With ``--node_local_storage`` every node keeps this layout on its own disk (its
+ranks' shards, written by DeepSpeed by local rank), managed by the node's local rank 0.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
     """
     root = Path(root)
     tag, tmp_tag = f"step{step}", f".tmp-step{step}"
-    if dist.is_main():
+    if dist.is_node_writer():
         shutil.rmtree(root / tmp_tag, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -56,7 +57,7 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
     }
     torch.save(rng, root / tmp_tag / f"rng_rank{dist.rank()}.pt")
     dist.barrier()
-    if dist.is_main():
+    if dist.is_node_writer():
         replace_dir(root / tmp_tag, root / tag)
         atomic_write_text(root / "latest", tag + "\n")
         steps = sorted(int(m[1]) for p in root.iterdir() if (m := TAG_RE.match(p.name)) and p.is_dir())
@@ -104,14 +105,15 @@ def _is_zero3_param(p: torch.nn.Parameter) -> bool:
 
 
 def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full (unpartitioned) state dict on rank 0 as CPU tensors; None on other ranks.
+    """The full (unpartitioned) state dict as CPU tensors on the writing rank (rank 0, or every node's
+    local rank 0 with node-local storage); None on other ranks.
 
     ZeRO-3 parameters are gathered one at a time, so peak extra memory is one parameter, not the model.
     """
     import deepspeed
 
     out: dict[str, torch.Tensor] = {}
-    main = dist.is_main()
+    main = dist.is_node_writer()
     for name, p in module.named_parameters():
         if _is_zero3_param(p):
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
@@ -149,8 +151,8 @@ def export_hf_model(
 
 def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | None, tokenizer, out_dir: str | Path,
                    *, extra_files: dict[str, str] | None = None) -> None:  # fmt: skip
-    """Rank 0: write ``state`` (a full state dict of ``module``'s structure) as a merged HF model."""
-    if dist.is_main():
+    """The writing rank: write ``state`` (a full state dict of ``module``'s structure) as a merged HF model."""
+    if dist.is_node_writer():
         base, lora_cfg = unwrap_peft(module)
         config = copy.deepcopy(base.config)
         config.use_cache = True

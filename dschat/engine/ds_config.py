@@ -17,8 +17,12 @@ def train_ds_config(
     stage3_param_persistence_threshold: float = 1e4,
     stage3_max_live_parameters: float = 3e7,
     stage3_prefetch_bucket_size: float = 3e7,
+    node_local_storage: bool = False,
 ) -> dict[str, Any]:
     """The config of a trained engine. ``dtype`` is the resolved one: ``fp32``, ``fp16`` or ``bf16``.
+
+    ``node_local_storage``: DeepSpeed writes checkpoints by local rather than global rank, so that every
+    node's own disk holds what its ranks need to resume (clusters without a shared filesystem).
 
     ``train_batch_size`` is stated explicitly (micro x accumulation x world) so DeepSpeed checks it.
     """
@@ -41,7 +45,7 @@ def train_ds_config(
                 "memory_efficient_linear": False,
             }
         )
-    return {
+    cfg: dict[str, Any] = {
         "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -53,6 +57,9 @@ def train_ds_config(
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if node_local_storage:
+        cfg["checkpoint"] = {"use_node_local_storage": True}
+    return cfg
 
 
 def eval_ds_config(

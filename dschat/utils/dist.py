@@ -29,6 +29,25 @@ def is_main() -> bool:
     return rank() == 0
 
 
+_NODE_LOCAL_STORAGE = False
+
+
+def set_node_local_storage(enabled: bool) -> None:
+    """Set once per process from ``--node_local_storage`` (by ``trainer.begin_outputs``)."""
+    global _NODE_LOCAL_STORAGE
+    _NODE_LOCAL_STORAGE = enabled
+
+
+def node_local_storage() -> bool:
+    return _NODE_LOCAL_STORAGE
+
+
+def is_node_writer() -> bool:
+    """The rank that writes shared files (checkpoint directories, exported models, summaries): rank 0,
+    or with node-local storage each node's local rank 0 (every node has its own output directory)."""
+    return local_rank() == 0 if _NODE_LOCAL_STORAGE else is_main()
+
+
 def barrier() -> None:
     if is_initialized():
         torch_dist.barrier()

@@ -38,7 +38,7 @@ def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "-
 
 def clear_previous_run(path: str) -> None:
     """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics."""
-    if not dist.is_main():
+    if not dist.is_node_writer():
         return
     p = Path(path)
     (p / SUMMARY).unlink(missing_ok=True)
@@ -51,14 +51,14 @@ def clear_previous_run(path: str) -> None:
 def save_resolved_config(output_dir: str, config: dict[str, Any]) -> None:
     text = json.dumps(config, indent=2, sort_keys=True, default=str)
     LOG.info("resolved configuration:\n%s", text)
-    if dist.is_main():
+    if dist.is_node_writer():
         atomic_write_json(Path(output_dir) / RESOLVED_CONFIG, config)
 
 
 def write_summary(output_dir: str, summary: dict[str, Any]) -> None:
     """Written last and atomically: its presence is what marks a run as finished. Rank 0's peak memory
-    (:func:`peak_memory`) is added to every summary."""
-    if dist.is_main():
+    (:func:`peak_memory`) is added to every summary. With node-local storage every node writes one."""
+    if dist.is_node_writer():
         atomic_write_json(Path(output_dir) / SUMMARY, {**summary, **peak_memory()})
 
 
