@@ -57,6 +57,7 @@ def train_ds_config(optim: OptimArgs, ds: DeepSpeedArgs, dtype: str) -> dict[str
         world_size=dist.world_size(),
         offload=ds.offload,
         max_grad_norm=optim.max_grad_norm,
+        node_local_storage=dist.node_local_storage(),  # set by begin_outputs from --node_local_storage
     )
 
 
@@ -146,9 +147,15 @@ def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
 
 def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
     """Micro-batches from ``state.epoch`` / ``state.batch_in_epoch`` on, advancing ``state`` as it goes."""
+    # test hook: rank DSCHAT_TEST_KILL_RANK dies (no clean-up, like a crash or an OOM kill) once
+    # DSCHAT_TEST_KILL_AT_STEP optimizer steps are done; the launcher must then end the whole job
+    kill_rank = os.environ.get("DSCHAT_TEST_KILL_RANK")
+    kill_at = int(os.environ.get("DSCHAT_TEST_KILL_AT_STEP", "0"))
     while state.epoch < num_epochs:
         loader.sampler.set_epoch(state.epoch, state.batch_in_epoch)
         for batch in loader:
+            if kill_rank is not None and state.step >= kill_at and dist.rank() == int(kill_rank):
+                os._exit(13)
             state.batch_in_epoch += 1
             yield batch
         state.epoch += 1
@@ -196,7 +203,9 @@ def begin_outputs(run: RunArgs) -> logging.Logger:
     """Once the inputs are known good: clear a run being overwritten, then log to OUTPUT_DIR/training.log.
 
     Called after data and flags are validated, so bad input never leaves an output directory behind.
+    Also records ``--node_local_storage`` for the process (which ranks write files, the DeepSpeed config).
     """
+    dist.set_node_local_storage(run.node_local_storage)
     if run.overwrite:
         clear_previous_run(run.output_dir)
     dist.barrier()

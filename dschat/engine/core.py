@@ -19,8 +19,13 @@ from dschat.utils.errors import UserError
 LOG = logging.getLogger("dschat")
 
 
-def init_distributed(timeout_minutes: int = 30) -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); safe to call twice."""
+def init_distributed(timeout_minutes: float | None = None) -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on GPU); safe to call twice.
+
+    A collective that waits longer than the timeout (default 30 minutes; ``DSCHAT_DIST_TIMEOUT`` in
+    seconds, which ``train.py --dist-timeout`` sets) raises instead of hanging for ever, e.g. when a
+    peer rank hangs. A peer that dies is noticed at once (its sockets close) and the launcher ends the job.
+    """
     import datetime
 
     import deepspeed
@@ -38,6 +43,8 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         if local > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if timeout_minutes is None:
+        timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 

@@ -29,4 +29,14 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    except BaseException as exc:
+        # Several ranks interleave their output: say which one failed (the traceback follows).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(exc, SystemExit):
+            rank = os.environ.get("RANK", "?")
+            print(
+                f"error: rank {rank} failed: {type(exc).__name__}: {str(exc)[:300]}",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise
     sys.exit(code or 0)
