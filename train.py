@@ -275,7 +275,37 @@ def main(argv: list[str] | None = None) -> int:
             )
             return code if 0 < code < 128 else 1
         print(f"==> step {n} done: {out_dir}", flush=True)
+    if not getattr(args, "dry_run", False):
+        for line in next_commands(args, steps, preset):
+            print(line, flush=True)
     return 0
+
+
+def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | None = None) -> list[str]:
+    """After a finished job: the commands that chat with its result and compare it with its start."""
+    out = Path(args.output_dir)
+    if 3 in steps:
+        result, start = out / "step3" / "actor", str(out / "step1")
+    elif 1 in steps:
+        result, start = out / "step1", args.actor_model or (preset or {}).get("model") or "builtin:tiny-llama"
+    else:
+        return []  # step 2 alone made a reward model: nothing to talk to
+    if (out / "step2" / "summary.json").exists():
+        reward = str(out / "step2")
+    else:
+        reward = args.reward_model if 3 in steps else None
+
+    def script(name: str) -> str:
+        rel = os.path.relpath(ROOT / "inference" / name)
+        return str(ROOT / "inference" / name) if rel.startswith("..") else rel
+
+    compare = ["python", script("prompt_eval.py"), "--model_name_or_path_baseline", start,
+               "--model_name_or_path_finetune", str(result), *(["--reward_model", reward] if reward else []),
+               "--output", str(out / f"prompt_eval_step{3 if 3 in steps else 1}")]  # fmt: skip
+    return [
+        f"==> talk to the result: {shlex.join(['python', script('chat.py'), '--path', str(result)])}",
+        f"==> compare it with its starting model: {shlex.join(compare)}",
+    ]
 
 
 if __name__ == "__main__":

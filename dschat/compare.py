@@ -1,0 +1,130 @@
+"""Comparing two models' answers to a prompt set (``inference/prompt_eval.py``): prompts, verdicts, reports.
+
+Pure Python: where prompts come from (the built-in tasks' held-out prompts or a file), the verifier's
+verdict and the reward-model win rate, the side-by-side terminal layout and the Markdown report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from dschat import tasks
+from dschat.chat import is_rendered_prompt
+from dschat.data.sources import BUILTIN_SEED
+from dschat.utils.errors import UserError
+
+
+def builtin_prompts(n: int) -> list[str]:
+    """``n`` questions of the built-in tasks' held-out set (the one steps 1-3 evaluate on), tasks in turn."""
+    names = list(tasks.TASKS)
+    per_task = math.ceil(n / len(names))
+    examples = tasks.generate(names, per_task, BUILTIN_SEED + 1, held_out=True)
+    by_task = [[tasks.last_question(e.prompt) for e in examples if e.task == t] for t in names]
+    interleaved = [q for group in zip_longest(*by_task) for q in group if q is not None]
+    return interleaved[:n]
+
+
+def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:
+    """Prompts from a ``.jsonl`` file (one object per line with a string field ``prompt``) or a text file
+    (one prompt per line; blank lines are skipped). A bad line is a :class:`UserError` naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{flag} {path}: no such file")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{flag} {path}: not UTF-8 text ({exc.reason})") from None
+    prompts: list[str] = []
+    jsonl = p.suffix == ".jsonl"
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            prompts.append(line.replace("\\n", "\n"))
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{no}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise UserError(f"{path}:{no}: expected an object with a field 'prompt'")
+        if not isinstance(row["prompt"], str):
+            raise UserError(
+                f"{path}:{no}: field 'prompt' must be a string, got {type(row['prompt']).__name__}"
+            )
+        if not row["prompt"].strip():
+            raise UserError(f"{path}:{no}: field 'prompt' is empty")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise UserError(f"{flag} {path}: no prompts in the file")
+    return prompts
+
+
+def verdict(question: str, reply: str) -> bool | None:
+    """The built-in verifier's verdict on ``reply`` (None when no built-in task knows the question)."""
+    return tasks.verify(question if is_rendered_prompt(question) else tasks.make_prompt(question), reply)
+
+
+def task_name(question: str) -> str | None:
+    return tasks.task_of(question if is_rendered_prompt(question) else tasks.make_prompt(question))
+
+
+def accuracy(verdicts: list[bool | None]) -> float | None:
+    """Fraction right among the verdicts that exist (None when there are none)."""
+    known = [v for v in verdicts if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def win_rate(finetune: list[float], baseline: list[float]) -> dict[str, float]:
+    """How often ``finetune`` scores above ``baseline``, prompt by prompt; a tie counts half."""
+    if len(finetune) != len(baseline) or not finetune:
+        raise ValueError("need two equally long, non-empty score lists")
+    wins = sum(f > b for f, b in zip(finetune, baseline))
+    ties = sum(f == b for f, b in zip(finetune, baseline))
+    n = len(finetune)
+    return {"win_rate": (wins + 0.5 * ties) / n, "wins": wins, "ties": ties, "losses": n - wins - ties}
+
+
+def side_by_side(left: str, right: str, width: int, sep: str = " | ") -> list[str]:
+    """Two texts wrapped into columns of equal width, as lines of at most ``width`` characters."""
+    col = max(8, (width - len(sep)) // 2)
+
+    def wrap(text: str) -> list[str]:
+        return [w for para in text.split("\n") for w in (textwrap.wrap(para, col) or [""])]
+
+    return [f"{a:<{col}}{sep}{b}".rstrip() for a, b in zip_longest(wrap(left), wrap(right), fillvalue="")]
+
+
+def _cell(text: Any) -> str:
+    """A Markdown table cell: pipes escaped, line breaks as <br>."""
+    if text is None:
+        return ""
+    if isinstance(text, bool):
+        return "right" if text else "wrong"
+    if isinstance(text, float):
+        return f"{text:.4f}"
+    return str(text).strip().replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
+
+
+def markdown_report(settings: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The comparison as Markdown: settings, summary and one table row per prompt."""
+    out = ["# Prompt comparison: baseline vs fine-tuned", ""]
+    out += [f"- {k}: `{v}`" for k, v in settings.items()]
+    out += ["", "## Summary", "", "| metric | value |", "| --- | --- |"]
+    out += [f"| {k} | {_cell(v)} |" for k, v in summary.items()]
+    cols = ["#", "prompt", "baseline", "fine-tuned"]
+    keys = ["index", "prompt", "baseline", "finetune"]
+    if any(r.get("baseline_correct") is not None for r in rows):
+        cols += ["baseline verdict", "fine-tuned verdict"]
+        keys += ["baseline_correct", "finetune_correct"]
+    if any(r.get("baseline_reward") is not None for r in rows):
+        cols += ["baseline reward", "fine-tuned reward"]
+        keys += ["baseline_reward", "finetune_reward"]
+    out += ["", "## Answers", "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    out += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(out) + "\n"

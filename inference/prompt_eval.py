@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""Compare a baseline and a fine-tuned model on the same prompts, side by side.
+
+    python inference/prompt_eval.py --model_name_or_path_baseline output/step1 \\
+        --model_name_or_path_finetune output/step3/actor --reward_model output/step2 --output results/ppo
+    python inference/prompt_eval.py --model_name_or_path_baseline builtin:tiny-llama \\
+        --model_name_or_path_finetune output/step1 --prompts_file prompts.txt --decoding beam --num_beams 4
+
+Prompts are the built-in tasks' held-out questions (``--num_prompts``) or ``--prompts_file``: JSONL with
+a field ``prompt``, or text with one prompt per line (``\\n`` in a line is a line break). A prompt is
+rendered in each model's format (see ``inference/chat.py --format``) unless it already is a
+Human/Assistant dialogue ending in ``Assistant:``. On built-in task prompts the verifier's accuracy of
+each model is printed; ``--reward_model`` adds each answer's reward and the fine-tuned model's win
+rate over the baseline (a tie counts half). ``--output PATH`` writes ``PATH.md`` and ``PATH.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from dschat import compare
+from dschat.chat import FORMATS, chat_format, keep_last_tokens, prompt_text
+from dschat.config import ArgumentParser
+from dschat.decoding import STRATEGIES, DecodeOptions, context_length, generate_replies
+from dschat.models.loading import inference_dtype, load_for_generation, load_tokenizer, resolve
+from dschat.models.reward import load_reward_model
+from dschat.scoring import score_texts
+from dschat.utils.errors import UserError, run_cli
+from dschat.utils.io import atomic_write_text
+
+SIDES = ("baseline", "finetune")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ArgumentParser(prog="prompt_eval.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model_name_or_path_baseline", required=True, help="model before fine-tuning (or any model)"
+    )
+    p.add_argument("--model_name_or_path_finetune", required=True, help="model after fine-tuning")
+    p.add_argument("--prompts_file", help="JSONL (field 'prompt') or text file, one prompt per line")
+    p.add_argument(
+        "--num_prompts", type=int, default=12, help="built-in held-out prompts to use without --prompts_file"
+    )
+    p.add_argument("--decoding", choices=STRATEGIES, default="greedy")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--num_beams", type=int, default=4, help="beam search width")
+    p.add_argument(
+        "--top_k",
+        type=int,
+        help="sampling: k most likely tokens (default 0 = all); contrastive: candidates (default 4)",
+    )
+    p.add_argument("--top_p", type=float, default=1.0, help="sampling: nucleus probability")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument(
+        "--penalty_alpha",
+        type=float,
+        default=0.6,
+        help="contrastive search: weight of the degeneration penalty",
+    )
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--reward_model", help="reward model (step-2 output) to score every answer")
+    p.add_argument("--output", help="write PATH.md (report) and PATH.jsonl (one row per prompt)")
+    p.add_argument("--format", choices=FORMATS, default="auto", help="prompt format (see chat.py --help)")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument("--trust_remote_code", action="store_true")
+    args = p.parse_args(argv)  # fmt: skip
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.num_prompts < 1:
+        p.error(f"--num_prompts {args.num_prompts}: must be at least 1")
+    if args.batch_size < 1:
+        p.error(f"--batch_size {args.batch_size}: must be at least 1")
+    return args
+
+
+def free(*objs) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args) -> tuple[list[str], int]:
+    """One model's replies to every question (loaded, used, freed); and how many prompts were cut to fit."""
+    model, tokenizer = load_for_generation(path, device=args.device, dtype=inference_dtype(args.dtype, args.device),
+                                           trust_remote_code=args.trust_remote_code, flag=flag)  # fmt: skip
+    fmt = chat_format(tokenizer, args.format)
+    budget = context_length(model, tokenizer) - opts.max_new_tokens
+    if budget < 1:
+        raise UserError(f"--max_new_tokens {opts.max_new_tokens}: leaves no room for a prompt in {path}")
+    ids = [
+        tokenizer(prompt_text(q, fmt), add_special_tokens=fmt.add_special_tokens)["input_ids"]
+        for q in questions
+    ]
+    cut = sum(len(i) > budget for i in ids)
+    ids = [keep_last_tokens(i, budget, tokenizer.bos_token_id) for i in ids]
+    torch.manual_seed(args.seed)
+    replies = generate_replies(
+        model, tokenizer, ids, opts, batch_size=args.batch_size, stops=fmt.stop_strings
+    )
+    free(model, tokenizer)
+    return replies, cut
+
+
+def rewards(questions: list[str], replies: dict[str, list[str]], args) -> dict[str, list[float]]:
+    path = resolve(args.reward_model, "--reward_model")
+    tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code, flag="--reward_model")
+    model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
+                              require_trained_head=True, flag="--reward_model").to(args.device)  # fmt: skip
+    fmt = chat_format(tokenizer, args.format)
+    prompts = [prompt_text(q, fmt) for q in questions]
+    out = {side: score_texts(model, tokenizer, prompts, replies[side], batch_size=args.batch_size,
+                             device=args.device).tolist() for side in SIDES}  # fmt: skip
+    free(model, tokenizer)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    top_k = args.top_k if args.top_k is not None else (4 if args.decoding == "contrastive" else 0)
+    opts = DecodeOptions(strategy=args.decoding, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, top_k=top_k, num_beams=args.num_beams, penalty_alpha=args.penalty_alpha,
+                         repetition_penalty=args.repetition_penalty).validate()  # fmt: skip
+    questions = (
+        compare.read_prompts(args.prompts_file)
+        if args.prompts_file
+        else compare.builtin_prompts(args.num_prompts)
+    )
+    if args.reward_model:  # fail on a bad reward model before minutes of generation
+        from dschat.models.reward import has_value_head
+
+        path = resolve(args.reward_model, "--reward_model")
+        if not has_value_head(path):
+            raise UserError(f"--reward_model {args.reward_model}: not a trained reward model (no config.json of a "
+                            "1-label sequence-classification model; pass the step-2 output directory)")  # fmt: skip
+    models = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
+    replies: dict[str, list[str]] = {}
+    for side in SIDES:
+        print(f"==> {side}: {models[side]} ({len(questions)} prompts, {args.decoding})", flush=True)
+        replies[side], cut = answer(models[side], f"--model_name_or_path_{side}", questions, opts, args)
+        if cut:
+            print(f"    {cut} prompt(s) longer than the context kept only their end", flush=True)
+    scores = rewards(questions, replies, args) if args.reward_model else None
+
+    rows = []
+    for i, q in enumerate(questions):
+        row = {"index": i + 1, "prompt": q, "task": compare.task_name(q)}
+        for side in SIDES:
+            row[side] = replies[side][i]
+            row[f"{side}_correct"] = compare.verdict(q, replies[side][i])
+            row[f"{side}_reward"] = scores[side][i] if scores else None
+        rows.append(row)
+    summary = summarize(rows, scores, len(questions))
+    print_side_by_side(rows)
+    print_summary(summary)
+    if args.output:
+        write_reports(args, models, opts, summary, rows)
+    return 0
+
+
+def summarize(rows: list[dict], scores: dict[str, list[float]] | None, n: int) -> dict:
+    summary: dict = {"prompts": n}
+    task_rows = sum(r["task"] is not None for r in rows)
+    if task_rows:
+        summary["task_prompts"] = task_rows
+        for side in SIDES:
+            summary[f"{side}_accuracy"] = compare.accuracy([r[f"{side}_correct"] for r in rows])
+    if scores:
+        for side in SIDES:
+            summary[f"{side}_mean_reward"] = sum(scores[side]) / n
+        summary.update(compare.win_rate(scores["finetune"], scores["baseline"]))
+    return summary
+
+
+def print_side_by_side(rows: list[dict]) -> None:
+    width = shutil.get_terminal_size((120, 24)).columns
+    for r in rows:
+        print(
+            f"\n[{r['index']}/{len(rows)}] {r['prompt'].strip()}" + (f"   ({r['task']})" if r["task"] else "")
+        )
+        notes = {}
+        for side in SIDES:
+            bits = [] if r[f"{side}_reward"] is None else [f"reward {r[f'{side}_reward']:.3f}"]
+            if r[f"{side}_correct"] is not None:
+                bits.append("right" if r[f"{side}_correct"] else "wrong")
+            notes[side] = ", ".join(bits)
+        lines = compare.side_by_side("BASELINE", "FINE-TUNED", width - 2)
+        lines += compare.side_by_side(
+            r["baseline"].strip() or "(empty)", r["finetune"].strip() or "(empty)", width - 2
+        )
+        if any(notes.values()):
+            lines += compare.side_by_side(f"[{notes['baseline']}]", f"[{notes['finetune']}]", width - 2)
+        print("\n".join("  " + line for line in lines))
+
+
+def print_summary(s: dict) -> None:
+    print(f"\n==> {s['prompts']} prompts")
+    if "task_prompts" in s:
+        print(f"    verifier accuracy on {s['task_prompts']} built-in task prompts: "
+              f"baseline {s['baseline_accuracy']:.3f}, fine-tuned {s['finetune_accuracy']:.3f}")  # fmt: skip
+    if "win_rate" in s:
+        print(
+            f"    mean reward: baseline {s['baseline_mean_reward']:.4f}, fine-tuned {s['finetune_mean_reward']:.4f}"
+        )
+        print(f"    fine-tuned win rate over baseline: {s['win_rate']:.3f} "
+              f"({s['wins']} wins, {s['ties']} ties, {s['losses']} losses)")  # fmt: skip
+
+
+def write_reports(args, models: dict, opts: DecodeOptions, summary: dict, rows: list[dict]) -> None:
+    stem = args.output.removesuffix(".md").removesuffix(".jsonl")
+    settings = {"baseline": models["baseline"], "fine-tuned": models["finetune"],
+                "prompts": args.prompts_file or f"built-in held-out ({args.num_prompts})",
+                "decoding": opts.strategy, "max_new_tokens": opts.max_new_tokens,
+                "reward model": args.reward_model or "none", "seed": args.seed}  # fmt: skip
+    if opts.strategy == "sample":
+        settings.update(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k)
+    elif opts.strategy == "beam":
+        settings.update(num_beams=opts.num_beams)
+    elif opts.strategy == "contrastive":
+        settings.update(top_k=opts.top_k, penalty_alpha=opts.penalty_alpha)
+    atomic_write_text(f"{stem}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(f"{stem}.md", compare.markdown_report(settings, summary, rows))
+    print(f"==> wrote {stem}.md and {stem}.jsonl")
+
+
+if __name__ == "__main__":
+    run_cli(main)
