@@ -6,7 +6,7 @@ embeddings give each character of a chain its own basis direction and its output
 direction to the next character, so greedy (and, with logits near 80, practically any sampling)
 continuation of a prompt ending in ``:`` spells the chain out: ``chain_model(d, " 579", end="eos")``
 answers every Human/Assistant prompt with `` 579`` and then EOS. ``end="cycle"`` makes the last
-character lead back to the first, so the reply only ends at ``--max_new_tokens``.
+character lead back to ``:``, so the reply repeats ``chain + ":"`` until ``--max_new_tokens``.
 
 A *sign reward model* scores a text by its last token: +8 if it is ``plus``, -8 if ``minus``,
 roughly standard normal otherwise (same zeroed layers, score head along one embedding direction).
@@ -37,7 +37,7 @@ def _silent_layers(model) -> None:
 
 
 def chain_model(out_dir: str | Path, chain: str, *, end: str = "eos") -> Path:
-    """Save a causal LM that continues ``...:`` with ``chain`` (then EOS, or the chain again)."""
+    """Save a causal LM that continues ``...:`` with ``chain`` (then EOS, or ``:`` and the chain again)."""
     from transformers import LlamaForCausalLM
 
     assert end in ("eos", "cycle")
@@ -54,8 +54,8 @@ def chain_model(out_dir: str | Path, chain: str, *, end: str = "eos") -> Path:
     for i, tid in enumerate(ids):
         emb[tid] = 0.0
         emb[tid, i] = SCALE
-    for i, tid in enumerate(ids):
-        nxt = ids[i + 1] if i + 1 < len(ids) else (tokenizer.eos_token_id if end == "eos" else ids[1])
+    for i in range(len(ids)):
+        nxt = ids[i + 1] if i + 1 < len(ids) else (tokenizer.eos_token_id if end == "eos" else ids[0])
         head[nxt, i] = SCALE
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)

@@ -1,0 +1,98 @@
+"""Decoding options, contrastive search, and batched replies against unbatched generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dschat.decoding import DecodeOptions, contrastive_pick, contrastive_search, generate_replies
+from dschat.models.builtin import build_config, build_tokenizer
+from dschat.utils.errors import UserError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"strategy": "nucleus"}, "--decoding nucleus"),
+        ({"max_new_tokens": 0}, "--max_new_tokens 0"),
+        ({"strategy": "sample", "temperature": 0.0}, "--temperature 0.0"),
+        ({"top_p": 1.5}, "--top_p 1.5"),
+        ({"top_k": -1}, "--top_k -1"),
+        ({"num_beams": 0}, "--num_beams 0"),
+        ({"penalty_alpha": 1.5}, "--penalty_alpha 1.5"),
+        ({"repetition_penalty": 0.0}, "--repetition_penalty 0.0"),
+        ({"strategy": "contrastive", "top_k": 1}, "--top_k 1: contrastive"),
+    ],
+)
+def test_bad_options_name_their_flag(kwargs, flag):
+    with pytest.raises(UserError, match=flag):
+        DecodeOptions(**kwargs).validate()
+
+
+def test_generate_kwargs():
+    greedy = DecodeOptions().generate_kwargs()
+    assert greedy["do_sample"] is False and greedy["num_beams"] == 1 and greedy["top_k"] is None
+    sample = DecodeOptions("sample", temperature=0.7, top_p=0.9, top_k=5).generate_kwargs()
+    assert (sample["do_sample"], sample["temperature"], sample["top_p"], sample["top_k"]) == (
+        True,
+        0.7,
+        0.9,
+        5,
+    )
+    beam = DecodeOptions("beam", num_beams=3).generate_kwargs()
+    assert beam["num_beams"] == 3 and beam["do_sample"] is False
+
+
+def test_contrastive_pick_by_hand():
+    probs = torch.tensor([0.6, 0.4])
+    cand = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # candidate 0 repeats the context, candidate 1 does not
+    context = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    # max cosine: candidate 0 -> 1, candidate 1 -> 1/sqrt(2)
+    # alpha 0.5: 0.5*0.6 - 0.5*1 = -0.2  vs  0.5*0.4 - 0.5*0.7071 = -0.1536 -> candidate 1
+    assert contrastive_pick(probs, cand, context, 0.5) == 1
+    # alpha 0.1: 0.9*0.6 - 0.1 = 0.44  vs  0.9*0.4 - 0.0707 = 0.289 -> candidate 0
+    assert contrastive_pick(probs, cand, context, 0.1) == 0
+    assert contrastive_pick(probs, cand, context, 0.0) == 0  # plain greedy
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from transformers import LlamaForCausalLM
+
+    tok = build_tokenizer()
+    tok.padding_side = "left"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(build_config("micro-llama", len(tok))).eval(), tok
+
+
+PROMPTS = [
+    "\n\nHuman: What is 2 + 3?\n\nAssistant:",
+    "\n\nHuman: hi\n\nAssistant:",
+    "\n\nHuman: Sort: b a\n\nAssistant:",
+]
+
+
+def unbatched_greedy(model, tok, prompt: str, n: int) -> list[int]:
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_contrastive_search_without_penalty_is_greedy(lm):
+    model, tok = lm
+    opts = DecodeOptions("contrastive", max_new_tokens=6, top_k=3, penalty_alpha=0.0)
+    for p in PROMPTS:
+        ids = tok(p)["input_ids"]
+        assert contrastive_search(model, ids, opts, stop_ids=set()) == unbatched_greedy(model, tok, p, 6)
+
+
+def test_batched_replies_equal_one_by_one(lm):
+    """Left padding must not change a greedy reply: batch of 3 prompts of different lengths."""
+    model, tok = lm
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    batched = generate_replies(model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=())
+    single = [
+        tok.decode(unbatched_greedy(model, tok, p, 6), skip_special_tokens=True).rstrip() for p in PROMPTS
+    ]
+    assert batched == single

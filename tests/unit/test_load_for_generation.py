@@ -1,0 +1,85 @@
+"""Loading a model-or-adapter path for the inference tools, and the one-line errors of bad paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dschat.models.loading import inference_dtype, load_for_generation
+from dschat.utils.errors import UserError
+from tests.tiny_chat_models import chain_model, lora_adapter, sign_reward_model
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from transformers import LlamaForCausalLM
+
+    from dschat.models.builtin import build_config, build_tokenizer
+
+    d = tmp_path_factory.mktemp("base")
+    tok = build_tokenizer()
+    torch.manual_seed(1)
+    LlamaForCausalLM(build_config("micro-llama", len(tok))).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_adapter_is_loaded_on_its_base_and_merged(base_dir, tmp_path):
+    """Logits of the loaded adapter == those of peft's unmerged base + adapter, and != the base's."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    adapter = lora_adapter(tmp_path / "adapter", base_dir)
+    model, tok = load_for_generation(str(adapter))
+    assert tok.padding_side == "left" and model.config.use_cache and not model.training
+    assert not hasattr(model, "peft_config")  # merged into a plain model
+    ids = torch.tensor([tok("\n\nHuman: hi\n\nAssistant:")["input_ids"]])
+    reference = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_dir), adapter).eval()
+    base = LlamaForCausalLM.from_pretrained(base_dir).eval()
+    with torch.no_grad():
+        got, want, plain = (m(input_ids=ids).logits for m in (model, reference, base))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-3
+
+
+def test_adapter_without_its_base(base_dir, tmp_path):
+    adapter = lora_adapter(tmp_path / "adapter", base_dir)
+    cfg_path = adapter / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(tmp_path / "moved-away")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"adapter's base model .*moved-away.*pass --base_model PATH"):
+        load_for_generation(str(adapter))
+    model, _ = load_for_generation(str(adapter), base_model=str(base_dir))  # the way out the error names
+    assert model is not None
+    cfg["base_model_name_or_path"] = None
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="does not name its base model; pass --base_model"):
+        load_for_generation(str(adapter))
+
+
+def test_paths_that_are_not_generating_models(tmp_path):
+    step3 = tmp_path / "step3"
+    chain_model(step3 / "actor", " 1")
+    with pytest.raises(
+        UserError, match=r"no config.json, not a model directory \(model directories inside: actor\)"
+    ):
+        load_for_generation(str(step3))
+    with pytest.raises(UserError, match="is a reward model"):
+        load_for_generation(str(sign_reward_model(tmp_path / "rm")))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="is a file, not a model directory"):
+        load_for_generation(str(tmp_path / "notes.txt"))
+    with pytest.raises(UserError, match="--path /no/such/model: neither a local model directory"):
+        load_for_generation("/no/such/model")
+    with pytest.raises(UserError, match="--path builtin:nope: unknown built-in model"):
+        load_for_generation("builtin:nope")
+
+
+def test_inference_dtype():
+    assert inference_dtype("auto", "cpu") == torch.float32
+    assert inference_dtype("bf16", "cpu") == torch.bfloat16
+    with pytest.raises(UserError, match="--dtype fp16: half precision needs a GPU"):
+        inference_dtype("fp16", "cpu")

@@ -1,0 +1,60 @@
+"""The commands train.py prints after a finished job: chat with the result, compare it with its start."""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def train():
+    spec = importlib.util.spec_from_file_location("dschat_train_py", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def commands(train, argv: list[str], preset: dict | None = None) -> tuple[list[str], list[str]]:
+    args, _ = train.parse_args(argv)
+    chat, cmp = train.next_commands(args, train.steps_of(args), preset)
+    return shlex.split(chat.split(": ", 1)[1]), shlex.split(cmp.split(": ", 1)[1])
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_after_all_three_steps(train, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    (out / "step2").mkdir(parents=True)
+    (out / "step2" / "summary.json").write_text("{}")
+    chat, cmp = commands(train, ["--output-dir", str(out)])
+    assert chat == ["python", "inference/chat.py", "--path", str(out / "step3" / "actor")]
+    assert cmp[:2] == ["python", "inference/prompt_eval.py"]
+    assert flag(cmp, "--model_name_or_path_baseline") == str(out / "step1")
+    assert flag(cmp, "--model_name_or_path_finetune") == str(out / "step3" / "actor")
+    assert flag(cmp, "--reward_model") == str(out / "step2")
+
+
+def test_after_step_one_only(train, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # elsewhere: the scripts are named by absolute path
+    chat, cmp = commands(train, ["--step", "1", "--output-dir", "out", "--actor-model", "org/base-model"])
+    assert chat == ["python", str(ROOT / "inference" / "chat.py"), "--path", "out/step1"]
+    assert flag(cmp, "--model_name_or_path_baseline") == "org/base-model"
+    assert flag(cmp, "--model_name_or_path_finetune") == "out/step1"
+    assert flag(cmp, "--reward_model") is None  # no step-2 model in out/
+    _, cmp = commands(train, ["--step", "1", "--output-dir", "out"], preset={"model": "builtin:tiny-llama"})
+    assert flag(cmp, "--model_name_or_path_baseline") == "builtin:tiny-llama"
+
+
+def test_nothing_to_talk_to_after_step_two_alone(train, tmp_path):
+    args, _ = train.parse_args(["--step", "2", "--output-dir", str(tmp_path)])
+    assert train.next_commands(args, train.steps_of(args), {}) == []
