@@ -14,6 +14,8 @@ PURE = [
     "dschat.data.split",
     "dschat.tasks",
     "dschat.engine.ds_config",
+    "dschat.memory",
+    "dschat.planning",
 ]
 
 

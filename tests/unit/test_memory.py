@@ -1,0 +1,235 @@
+"""dschat.memory against values computed by hand for a small config, and parameter counts against the
+models transformers builds (on the meta device: no memory, no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dschat import memory as M
+from dschat import planning as P
+from dschat.utils.errors import UserError
+
+# A small Llama-style config worked through by hand below: vocab 100, hidden 8, 2 layers, 2 query heads
+# and 1 key/value head of size 4, SwiGLU MLP of 16, untied head.
+SMALL = {"model_type": "llama", "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
+
+
+@pytest.fixture
+def small() -> M.ModelShape:
+    return M.shape_from_config(SMALL)
+
+
+def test_parameter_counts_by_hand(small):
+    # per layer: q 8x8=64, k 8x4=32, v 32, o 64, gate/up/down 3 x 128 = 384, two RMSNorms 16 -> 592
+    assert small.layer_params() == 592
+    # embedding 800 + 2 layers 1184 + final norm 8 + LM head 800
+    assert small.parameters("lm") == 2792
+    # a reward model replaces the LM head by one output: 800 + 1184 + 8 + 8
+    assert small.parameters("score") == 2000
+    assert small.largest_layer_params() == 800  # the embedding
+    # LoRA rank 2 on all 7 Linears: 2 x (16 + 12 + 12 + 16 + 24 + 24 + 24) = 256 per layer
+    assert small.lora_params(2) == 512
+
+
+def test_model_states_by_hand_bf16(small):
+    p, largest = small.parameters(), small.largest_layer_params()
+    hw = dict(gpus_per_node=2, nodes=2)  # N = 4 devices
+
+    def states(stage, offload):
+        return M.trained_states(p, largest, M.Choice(stage, offload, False), 2, **hw)
+
+    assert states(0, False) == (33504, 20 * 2792)  # cpu: 2792 x 4 bytes x 2 GPUs x 1.5 while loading
+    assert states(2, False) == (33504, 2 * 2792 + 18 * 2792 // 4)  # 5584 + 12564
+    assert states(1, False) == states(2, False)  # DeepSpeed's estimator treats stages 1 and 2 alike
+    assert states(2, True) == (67008, 5584)  # cpu: 2792 x max(4 x 4, 16) x 1.5
+    assert states(3, False) == (9600, 4 * 800 + 18 * 2792 // 4)  # cpu: largest layer x 4 x 2 x 1.5
+    assert states(3, True) == (37692, 3200)  # cpu: 2792 x 18 / 2 nodes x 1.5
+
+
+def test_model_states_by_hand_fp32(small):
+    p, largest = small.parameters(), small.largest_layer_params()
+
+    def dev(stage):
+        return M.trained_states(p, largest, M.Choice(stage, False, False), 4, 2, 2)[1]
+
+    assert dev(0) == 16 * 2792  # params 4 + grads 4 + Adam 8
+    assert dev(2) == 4 * 2792 + 12 * 2792 // 4
+    assert dev(3) == 3200 + 16 * 2792 // 4
+
+
+def test_frozen_states(small):
+    p, largest = small.parameters(), small.largest_layer_params()
+    assert M.frozen_states(p, largest, 0, False, 2, 2, 2) == (0, 2 * 2792)
+    assert M.frozen_states(p, largest, 3, False, 2, 2, 2) == (0, 2 * 800 + 2 * 2792 // 4)
+    assert M.frozen_states(p, largest, 3, True, 2, 2, 2) == (int(2792 * 2 / 2 * 1.5), 2 * 800)
+
+
+def test_activations_by_hand(small):
+    # per token and layer: 4h + 2q + 2kv + 4f = 32 + 16 + 8 + 64 = 120 values; b=2, s=3, bf16
+    assert M.layer_activation_bytes(small, 2, 3, 2) == 2 * 2 * 3 * 120
+    final_norm = 2 * 2 * 2 * 3 * 8
+    logits = 2 * 3 * 100 * (2 + 4 + 4)
+    assert M.activation_bytes(small, 2, 3, 2, checkpointing=False) == 2 * 1440 + final_norm + logits
+    # checkpointing keeps each layer's input (2 x 2*2*3*8) and recomputes one layer at a time
+    assert M.activation_bytes(small, 2, 3, 2, checkpointing=True) == 2 * 96 + 1440 + final_norm + logits
+    # fp32: no separate fp32 copy of the logits
+    assert M.logits_bytes(small, 2, 3, 4) == 2 * 3 * 100 * 8
+    # keys and values: 2 x layers x b x s x kv_dim x bytes
+    assert M.kv_cache_bytes(small, 2, 3, 2) == 2 * 2 * 2 * 3 * 4 * 2
+
+
+def test_train_estimate_adds_its_parts(small):
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=10 * M.GIB)
+    work = M.TrainWorkload(small, batch=2, seq=3, dtype_bytes=2)
+    e = M.estimate_train(work, M.Choice(0, False, False), hw)
+    assert e.parts == {"model states": 20 * 2792, "activations": 9072, "runtime": M.GPU_RUNTIME_BYTES}
+    assert e.device == sum(e.parts.values())
+    # a reward model sees chosen and rejected together: activations of 2b sequences, no vocabulary logits
+    rm = M.estimate_train(M.TrainWorkload(small, 2, 3, 2, head="score"), M.Choice(0, False, False), hw)
+    assert (
+        rm.parts["activations"]
+        == 2 * M.layer_activation_bytes(small, 4, 3, 2) + 2 * 2 * 4 * 3 * 8 + 4 * 4 * 3
+    )
+
+
+def test_lora_only_trains_the_adapter(small):
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    work = M.TrainWorkload(small, 2, 3, 2, lora_dim=2, only_lora=True)
+    e = M.estimate_train(work, M.Choice(0, False, False), hw)
+    assert e.parts["model states"] == 20 * 512 + 2 * 2792  # adapter fully trained, base frozen in bf16
+
+
+def test_rlhf_estimate_counts_four_models_and_the_largest_phase(small):
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    work = M.RLHFWorkload(small, small, generation_batch=4, training_batch=2, prompt_len=2, answer_len=1,
+                          dtype_bytes=2)  # fmt: skip
+    e = M.estimate_rlhf(work, M.Choice(0, False, False), hw)
+    assert e.parts["actor states"] == 20 * 2792 and e.parts["critic states"] == 20 * 2000
+    assert e.parts["reference"] == 2 * 2792 and e.parts["reward model"] == 2 * 2000
+    phases = [
+        M.kv_cache_bytes(small, 4, 3, 2),
+        M.forward_only_bytes(small, 4, 3, 2),
+        M.activation_bytes(small, 2, 3, 2, False, "lm"),
+        M.activation_bytes(small, 2, 3, 2, False, "score"),
+    ]
+    [value] = [v for k, v in e.parts.items() if k.startswith("activations")]
+    assert value == max(phases)
+    shared = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, reference=False, reward_model=False),
+                             M.Choice(0, False, False), hw)  # fmt: skip
+    assert "reference" not in shared.parts and "reward model" not in shared.parts
+
+
+def test_plan_picks_the_first_choice_that_fits(small):
+    work = M.TrainWorkload(small, 2, 3, 2)
+    sizes = {c: M.estimate_train(work, c, M.Hardware(1, on_gpu=True)).device for c in M.CANDIDATES}
+    # a GPU just big enough for ZeRO-0 with checkpointing (not without): that is the pick
+    need = sizes[M.Choice(0, False, True)]
+    assert need < sizes[M.Choice(0, False, False)]
+    hw = M.Hardware(1, on_gpu=True, device_bytes=int(need / M.FIT_FRACTION) + 1)
+    est = [M.estimate_train(work, c, hw) for c in P.ordered_choices({}, on_gpu=True, devices=1)]
+    chosen, reason = M.plan(est, hw)
+    assert chosen.choice == M.Choice(0, False, True) and "fits" in reason
+    # explicit flags restrict the choices: with ZeRO-3 fixed the pick has stage 3
+    est3 = [M.estimate_train(work, c, hw) for c in P.ordered_choices({"zero_stage": 3}, on_gpu=True)]
+    assert all(e.choice.zero_stage == 3 for e in est3)
+    # nothing fits: the smallest, and the reason says so
+    tiny = M.Hardware(1, on_gpu=True, device_bytes=1000)
+    chosen, reason = M.plan([M.estimate_train(work, c, tiny) for c in M.CANDIDATES], tiny)
+    assert chosen.device == min(M.estimate_train(work, c, tiny).device for c in M.CANDIDATES)
+    assert reason.startswith("nothing fits")
+
+
+def test_cpu_plans_share_the_node_ram_and_skip_offload():
+    assert all(not c.offload for c in P.ordered_choices({}, on_gpu=False))
+    assert any(c.offload for c in P.ordered_choices({"offload": True}, on_gpu=False))
+    # one device: ZeRO 1-3 partition nothing, so only stage 0 and the offload choices are weighed
+    assert {c.zero_stage for c in P.ordered_choices({}, on_gpu=True, devices=1) if not c.offload} == {0}
+    hw = M.Hardware(gpus_per_node=4, on_gpu=False, cpu_node_bytes=8 * M.GIB)
+    assert hw.per_process_budget == 2 * M.GIB
+
+
+def test_choice_flags_leave_explicit_flags_alone():
+    c = M.Choice(3, True, True)
+    assert P.choice_flags(1, c, []) == ["--zero_stage", "3", "--offload", "--gradient_checkpointing"]
+    assert P.choice_flags(1, c, ["--zero_stage", "3", "--offload"]) == ["--gradient_checkpointing"]
+    assert P.choice_flags(3, c, ["--critic_zero_stage", "3"]) == [
+        "--actor_zero_stage", "3", "--offload", "--offload_reference_model", "--offload_reward_model",
+        "--actor_gradient_checkpointing", "--critic_gradient_checkpointing",
+    ]  # fmt: skip
+    assert P.fixed_choice(3, ["--actor_zero_stage=2", "--offload"]) == {"zero_stage": 2, "offload": True}
+    assert P.given(["--zero_stage", "1", "--zero_stage", "2"], "--zero_stage") == "2"  # argparse: last wins
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SMALL,
+        {**SMALL, "model_type": "qwen2", "tie_word_embeddings": True},
+        {**SMALL, "model_type": "mistral", "num_key_value_heads": 2},
+        {
+            "model_type": "opt",
+            "vocab_size": 100,
+            "hidden_size": 16,
+            "ffn_dim": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 32,
+            "word_embed_proj_dim": 8,
+            "do_layer_norm_before": False,
+        },
+        {
+            "model_type": "opt",
+            "vocab_size": 100,
+            "hidden_size": 16,
+            "ffn_dim": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 32,
+        },
+        {"model_type": "gpt2", "vocab_size": 100, "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 32},
+    ],
+    ids=["llama", "qwen2-tied", "mistral", "opt-350m-like", "opt", "gpt2"],
+)
+def test_counts_match_the_models_transformers_builds(cfg):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = transformers.CONFIG_MAPPING[cfg["model_type"]](
+        **{k: v for k, v in cfg.items() if k != "model_type"}
+    )
+    config.num_labels = 1
+    shape = M.shape_from_config(config.to_dict())
+    for cls, head in ((AutoModelForCausalLM, "lm"), (AutoModelForSequenceClassification, "score")):
+        with torch.device("meta"):
+            model = cls.from_config(config)
+        total = sum({id(p): p.numel() for p in model.parameters()}.values())
+        assert shape.parameters(head) == total, head
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        assert shape.largest_layer_params(head) == largest
+
+
+def test_known_configs_give_the_published_sizes():
+    assert M.shape_from_config(M.KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"]).parameters() == 6_738_415_616
+    assert M.shape_from_config(M.KNOWN_CONFIGS["facebook/opt-1.3b"]).parameters() == 1_315_758_080
+
+
+def test_config_sources(tmp_path):
+    import json
+
+    cfg, where = M.load_model_config("facebook/OPT-1.3b")
+    assert cfg["hidden_size"] == 2048 and "table" in where
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    cfg, where = M.load_model_config(str(tmp_path))
+    assert cfg == SMALL and where.endswith("config.json")
+    cfg, _ = M.load_model_config("builtin:micro-llama")
+    assert cfg["hidden_size"] == 64
+    with pytest.raises(
+        UserError, match="--actor-model no-such-org/no-such-model: no config available offline"
+    ):
+        M.load_model_config("no-such-org/no-such-model", "--actor-model")
+    with pytest.raises(UserError, match="unknown built-in model"):
+        M.load_model_config("builtin:nope")
+    with pytest.raises(UserError, match="no 'hidden_size'"):
+        M.shape_from_config({"model_type": "llama", "vocab_size": 3})
