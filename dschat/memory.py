@@ -29,7 +29,7 @@ What is counted (bytes; ``P`` parameters, ``N`` devices in all, ``w`` bytes of t
   training activations.
 * A fixed runtime overhead per process: the CUDA context and allocator slack on a GPU
   (:data:`GPU_RUNTIME_BYTES`, assumed), the Python + torch + transformers + DeepSpeed process on a CPU
-  (:data:`CPU_RUNTIME_BYTES`, measured with ``/proc/self/status`` after ``init_distributed``).
+  (:data:`CPU_RUNTIME_BYTES`, the measured peak RSS of a step-1 run of a model with almost no weights).
 
 Checked against measured peak RSS on CPU in README ("Memory planning"). The GPU numbers follow the same
 formulas but were not checked on a GPU.
@@ -46,9 +46,9 @@ from dschat.utils.errors import UserError
 
 GIB = 1024**3
 GPU_RUNTIME_BYTES = 1 * GIB  # CUDA context, cuBLAS workspace, caching-allocator slack (assumed, not measured)
-CPU_RUNTIME_BYTES = int(
-    0.75 * GIB
-)  # interpreter + torch + transformers + deepspeed + gloo (measured, README)
+# interpreter + torch + transformers + deepspeed + data pipeline: the peak RSS of a step-1 run of
+# builtin:micro-llama (0.14M parameters, so nearly nothing else), measured (README, bench/bench_memory.py)
+CPU_RUNTIME_BYTES = int(0.55 * GIB)
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default headroom on CPU memory
 FIT_FRACTION = 0.9  # a choice fits when its estimate is at most this share of the memory available
 
