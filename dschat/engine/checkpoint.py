@@ -176,6 +176,10 @@ def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | Non
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
         try:
+            if dist.rank() != 0 and hasattr(skeleton, "should_save_on_this_rank"):
+                # transformers writes only on global rank 0 while torch.distributed is up; with node-local
+                # storage every node's local rank 0 writes its own copy of this (unpartitioned) skeleton
+                skeleton.should_save_on_this_rank = lambda is_main_process: is_main_process
             skeleton.save_pretrained(tmp, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
