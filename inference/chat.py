@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Chat:
     """One conversation with a loaded model; ``say`` streams a reply to ``out``."""
 
-    def __init__(self, model, tokenizer, args: argparse.Namespace, out=sys.stdout) -> None:
-        self.model, self.tokenizer, self.out = model, tokenizer, out
+    def __init__(self, model, tokenizer, args: argparse.Namespace, out=None) -> None:
+        self.model, self.tokenizer, self.out = model, tokenizer, out or sys.stdout
         self.fmt = chat_format(tokenizer, args.format)
         strategy = "greedy" if args.greedy else "sample"
         self.opts = DecodeOptions(strategy=strategy, max_new_tokens=args.max_new_tokens,

@@ -1,0 +1,163 @@
+"""``inference/chat.py`` as a person uses it: in a pseudo-terminal, with --prompt, and reading stdin.
+
+The models answer in known ways (tests/tiny_chat_models.py): ``right`` says " 579" and stops, ``turns``
+says " 0123456789" and then invents a "\\nHuman:" turn, ``endless`` never stops on its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pexpect
+import pytest
+
+from dschat.utils.errors import UserError
+from tests.conftest import ROOT, run_cmd
+from tests.integration.helpers import assert_ok, error_line
+
+CHAT = str(ROOT / "inference" / "chat.py")
+PROMPT = "Human: "
+FORGOT = "oldest message(s) no longer fit"
+
+
+def spawn(*args: str) -> pexpect.spawn:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return pexpect.spawn(sys.executable, [CHAT, *map(str, args)], env=env, cwd=str(ROOT), encoding="utf-8",
+                         timeout=90, dimensions=(40, 400))  # fmt: skip
+
+
+def test_two_turns_with_history_clear_and_quit(tiny):
+    # The model's context is 1024 tokens; 994 reserved for the reply leaves 30 for the prompt: one
+    # "hi" turn (24 tokens) fits, "hi" + reply + "hi" (51) does not, so the second turn must forget
+    # the first, which shows that the history is in the prompt; after `clear` nothing is forgotten.
+    child = spawn("--path", tiny.right, "--greedy", "--max_new_tokens", 994)
+    child.expect(PROMPT)
+    child.sendline("hi")
+    child.expect("Assistant: 579\r\n")
+    child.expect(PROMPT)
+    assert FORGOT not in child.before
+    child.sendline("hi")
+    child.expect("the 2 oldest message\\(s\\) no longer fit")
+    child.expect("Assistant: 579\r\n")
+    child.expect(PROMPT)
+    child.sendline("clear")
+    child.expect("conversation cleared")
+    child.expect(PROMPT)
+    child.sendline("hi")
+    child.expect("Assistant: 579\r\n")
+    child.expect(PROMPT)
+    assert FORGOT not in child.before
+    child.sendline("quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_streaming_ctrl_c_stops_the_reply_and_ctrl_d_leaves(tiny):
+    child = spawn("--path", tiny.endless, "--greedy", "--max_new_tokens", 150)
+    child.expect(PROMPT)
+    child.sendline("   ")  # an empty message: asked again, nothing generated
+    child.expect(PROMPT)
+    assert "Assistant" not in child.before
+    child.sendline("go")
+    child.expect("Assistant: 0123456789")
+    first_text = time.monotonic()
+    child.expect(PROMPT)
+    reply_end = time.monotonic()
+    reply = child.before.split("\r\n")[0]
+    assert reply.startswith("abcdefghijklmnopqrstuvwxyz: 0123456789") and len(reply) > 120
+    # 150 tokens take far longer than this: the text was on the screen long before the reply ended
+    assert reply_end - first_text > 0.2
+
+    child.sendline("again")
+    child.expect("Assistant: 0123")
+    child.sendintr()  # Ctrl-C while the reply is being written
+    child.expect(r" \[stopped\]")
+    assert len(child.before) < 120
+    child.expect(PROMPT)
+    child.sendintr()  # Ctrl-C at the prompt: a hint, not an exit
+    child.expect("Ctrl-D to leave")
+    child.expect(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None
+
+
+def test_prompt_answers_once_and_cuts_the_invented_turn(tiny):
+    proc = run_cmd(
+        [CHAT, "--path", str(tiny.turns), "--prompt", "hello", "--greedy", "--max_new_tokens", "40"]
+    )
+    assert_ok(proc)
+    # the model goes on with "\nHuman: 0123456789..."; the reply ends where that turn starts
+    assert proc.stdout == "0123456789\n"
+
+
+def test_stdin_messages_and_commands(tiny):
+    proc = subprocess.run(
+        [sys.executable, CHAT, "--path", str(tiny.right), "--greedy"],
+        input="hello\n\nclear\nWhat is 500 + 79?\nquit\nnever read\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert_ok(proc)
+    assert proc.stdout.splitlines() == ["579", "579"]
+    assert "(conversation cleared)" in proc.stderr
+
+
+def test_lora_adapter_without_its_base_is_one_line(tiny):
+    line = error_line(run_cmd([CHAT, "--path", str(tiny.adapter), "--prompt", "hi"]))
+    assert "deleted-base" in line and "pass --base_model" in line
+
+
+# The remaining cases call the entry's main() in this process (the one-line contract around a UserError
+# is run_cli's, shown by the subprocess test above): no interpreter start-up per case.
+@pytest.fixture(scope="module")
+def chat_main():
+    spec = importlib.util.spec_from_file_location("dschat_chat_cli", CHAT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_lora_adapter_with_base_model(tiny, chat_main, capsys):
+    assert (
+        chat_main(
+            ["--path", str(tiny.adapter), "--base_model", str(tiny.right), "--prompt", "hi", "--greedy"]
+        )
+        == 0
+    )
+    assert (
+        capsys.readouterr().out == "579\n"
+    )  # the adapter changes q/v projections, whose output this model ignores
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--path", "{root}/no-such-model"], "--path .*no-such-model: neither a local model directory"),
+        (["--path", "{root}"], "no config.json, not a model directory .*model directories inside: .*right"),
+        (["--path", "{reward}"], "is a reward model"),
+        (["--path", "{right}", "--max_new_tokens", "1024"], r"--max_new_tokens 1024: .* context \(1024\)"),
+        (["--path", "{right}", "--temperature", "0"], "--temperature 0.0: must be > 0"),
+    ],
+    ids=["missing", "step-dir", "reward-model", "no-room", "temperature"],
+)
+def test_bad_input(tiny, chat_main, args, message):
+    args = [a.format(root=tiny.root, reward=tiny.reward, right=tiny.right) for a in args]
+    with pytest.raises(UserError, match=message):
+        chat_main([*args, "--prompt", "hi"])
+
+
+def test_empty_prompt(tiny, chat_main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        chat_main(["--path", str(tiny.right), "--prompt", "  "])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "error: --prompt: the message is empty (see chat.py --help)\n"
