@@ -1,0 +1,113 @@
+"""``inference/prompt_eval.py``: two models with known answers, a reward model with known scores.
+
+``wrong`` answers " 578" and ``right`` " 579" to everything; the reward model gives +8 to a text ending
+in 9 and -8 to one ending in 8. So on "What is 500 + 79?" only the fine-tuned (``right``) model is
+correct, it wins every prompt on reward, and the reported numbers can be written down by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from dschat.utils.errors import UserError
+from tests.conftest import ROOT, run_cmd
+from tests.integration.helpers import assert_ok, error_line, read_jsonl
+
+PROMPT_EVAL = str(ROOT / "inference" / "prompt_eval.py")
+QUESTIONS = ["What is 500 + 79?", "Sort: cat dog fox", "Tell me a joke | with a pipe"]
+
+
+def test_side_by_side_reports_and_win_rate(tiny, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    out = tmp_path / "reports" / "cmp"
+    proc = run_cmd([PROMPT_EVAL, "--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                    str(tiny.right), "--prompts_file", str(prompts), "--reward_model", str(tiny.reward),
+                    "--output", str(out)])  # fmt: skip
+    assert_ok(proc)
+    assert "verifier accuracy on 2 built-in task prompts: baseline 0.000, fine-tuned 0.500" in proc.stdout
+    assert "fine-tuned win rate over baseline: 1.000 (3 wins, 0 ties, 0 losses)" in proc.stdout
+    assert proc.stdout.count("578") >= 3 and proc.stdout.count("579") >= 3
+
+    rows = read_jsonl(out.with_suffix(".jsonl"))
+    assert [r["prompt"] for r in rows] == QUESTIONS
+    assert {r["baseline"] for r in rows} == {" 578"} and {r["finetune"] for r in rows} == {" 579"}
+    assert [r["finetune_correct"] for r in rows] == [True, False, None]
+    assert [r["baseline_correct"] for r in rows] == [False, False, None]
+    for r in rows:
+        assert r["finetune_reward"] == pytest.approx(8.0, abs=1e-4)
+        assert r["baseline_reward"] == pytest.approx(-8.0, abs=1e-4)
+
+    md = out.with_suffix(".md").read_text()
+    table = md.split("## Answers")[1].strip().splitlines()
+    assert len(table) == 2 + len(QUESTIONS)
+    assert table[2].startswith("| 1 | What is 500 + 79? | 578 | 579 | wrong | right | -8.0000 | 8.0000 |")
+    assert "with a pipe" in table[4] and "\\|" in table[4]
+    assert "| win_rate | 1.0000 |" in md
+    assert not list(out.parent.glob(".*.tmp"))  # written through temporary files, none left behind
+
+
+def test_builtin_prompts_with_contrastive_search(tiny, tmp_path):
+    proc = run_cmd([PROMPT_EVAL, "--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                    str(tiny.right), "--num_prompts", "3", "--decoding", "contrastive", "--top_k", "3",
+                    "--penalty_alpha", "0"])  # fmt: skip
+    assert_ok(proc)
+    assert "[3/3]" in proc.stdout and "[4/" not in proc.stdout
+    # alpha 0 is greedy: the chain models answer as always, and no built-in question has answer 578/579
+    assert "verifier accuracy on 3 built-in task prompts: baseline 0.000, fine-tuned 0.000" in proc.stdout
+    assert proc.stdout.count("| 579") == 3
+    assert "win rate" not in proc.stdout
+
+
+def test_malformed_prompts_file_is_one_line(tiny, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 1 + 2?"}\n{"prompt": "unclosed\n')
+    proc = run_cmd([PROMPT_EVAL, "--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                    str(tiny.right), "--prompts_file", str(prompts)])  # fmt: skip
+    error_line(proc, f"{prompts}:2: not valid JSON")
+
+
+@pytest.fixture(scope="module")
+def eval_main():
+    spec = importlib.util.spec_from_file_location("dschat_prompt_eval_cli", PROMPT_EVAL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--reward_model", "{right}"], "--reward_model .*right: not a trained reward model"),
+        (
+            ["--model_name_or_path_finetune", "{root}/nothing"],
+            "--model_name_or_path_finetune .*nothing: neither",
+        ),
+        (
+            ["--model_name_or_path_baseline", "{reward}"],
+            "--model_name_or_path_baseline .*reward: is a reward model",
+        ),
+        (["--prompts_file", "{root}/none.txt"], "--prompts_file .*none.txt: no such file"),
+        (["--decoding", "contrastive", "--top_k", "1"], "--top_k 1: contrastive search compares"),
+        (["--max_new_tokens", "2000"], "--max_new_tokens 2000: leaves no room"),
+    ],
+    ids=[
+        "reward-not-reward",
+        "missing-model",
+        "reward-as-generator",
+        "missing-prompts",
+        "contrastive-k",
+        "no-room",
+    ],
+)
+def test_bad_input(tiny, eval_main, extra, message):
+    base = ["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune", str(tiny.right),
+            "--num_prompts", "1"]  # fmt: skip
+    extra = [a.format(root=tiny.root, reward=tiny.reward, right=tiny.right) for a in extra]
+    with pytest.raises(UserError, match=message):
+        eval_main([*base, *extra])
