@@ -80,12 +80,19 @@ def accuracy(verdicts: list[bool | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
-def win_rate(finetune: list[float], baseline: list[float]) -> dict[str, float]:
-    """How often ``finetune`` scores above ``baseline``, prompt by prompt; a tie counts half."""
+def win_rate(
+    finetune: list[float], baseline: list[float], same: list[bool] | None = None
+) -> dict[str, float]:
+    """How often ``finetune`` scores above ``baseline``, prompt by prompt; a tie counts half.
+
+    ``same[i]`` marks prompts where both answers are the same text: a tie whatever the scores (batches
+    padded differently can score one text a rounding error apart).
+    """
     if len(finetune) != len(baseline) or not finetune:
         raise ValueError("need two equally long, non-empty score lists")
-    wins = sum(f > b for f, b in zip(finetune, baseline))
-    ties = sum(f == b for f, b in zip(finetune, baseline))
+    same = same or [False] * len(finetune)
+    wins = sum(f > b and not s for f, b, s in zip(finetune, baseline, same))
+    ties = sum(f == b or s for f, b, s in zip(finetune, baseline, same))
     n = len(finetune)
     return {"win_rate": (wins + 0.5 * ties) / n, "wins": wins, "ties": ties, "losses": n - wins - ties}
 

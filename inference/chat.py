@@ -8,7 +8,8 @@
 
 Type a message and press Enter. ``clear`` (or ``/reset``) forgets the conversation; ``quit``, ``exit``
 or Ctrl-D leave; Ctrl-C stops the reply being written. When stdin is not a terminal every line is a
-message and only the replies are printed, one per message.
+message of one continuing conversation (a ``clear`` line starts a new one) and only the replies are
+printed, one per message.
 """
 
 from __future__ import annotations

@@ -186,7 +186,8 @@ def summarize(rows: list[dict], scores: dict[str, list[float]] | None, n: int) -
     if scores:
         for side in SIDES:
             summary[f"{side}_mean_reward"] = sum(scores[side]) / n
-        summary.update(compare.win_rate(scores["finetune"], scores["baseline"]))
+        same = [r["baseline"] == r["finetune"] for r in rows]
+        summary.update(compare.win_rate(scores["finetune"], scores["baseline"], same))
     return summary
 
 

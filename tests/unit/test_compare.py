@@ -63,6 +63,9 @@ def test_verdicts_and_accuracy():
 def test_win_rate_counts_ties_half():
     r = compare.win_rate([1.0, 2.0, 3.0, 5.0], [0.0, 2.0, 4.0, 1.0])
     assert r == {"win_rate": (2 + 0.5) / 4, "wins": 2, "ties": 1, "losses": 1}
+    # the same answer is a tie even when its two scores differ by a rounding error
+    r = compare.win_rate([1.0, 2.0 + 1e-7], [0.0, 2.0], same=[False, True])
+    assert r == {"win_rate": 0.75, "wins": 1, "ties": 1, "losses": 0}
     with pytest.raises(ValueError):
         compare.win_rate([], [])
 
