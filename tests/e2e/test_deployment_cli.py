@@ -1,0 +1,270 @@
+"""train.py's deployment, preset and memory-planning options as a user types them (no training runs:
+--dry-run and --estimate-memory), the preset files, and the SLURM / Kubernetes files."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+from tests.integration.helpers import assert_ok, error_line, train_py
+
+PRESETS = sorted((ROOT / "configs" / "presets").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def train():
+    import train as module  # ROOT is on sys.path (the tests package's parent)
+
+    return module
+
+
+def launch_line(stdout: str, step: int) -> list[str]:
+    line = next(x for x in stdout.splitlines() if x.startswith(f"==> step {step} ("))
+    return shlex.split(line.split(": ", 1)[1])
+
+
+def step_options(train, step: int, cmd: list[str]) -> dict:
+    """The step's options as its own parser reads the printed command."""
+    import dataclasses
+
+    entry = next(i for i, a in enumerate(cmd) if a.endswith("main.py"))
+    out = {}
+    for group in train.parse_step(step, cmd[entry + 1 :]):
+        out.update(dataclasses.asdict(group))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_preset_parses_through_every_step_parser(train, path):
+    from dschat import memory as M
+
+    preset = train.read_preset(path)
+    for n in (1, 2, 3):
+        groups = train.parse_step(n, train.preset_flags(preset, n))  # SystemExit(2) on a bad flag or value
+        assert groups
+    # its models plan offline, and --actor-model NAME with its deployment type selects this very file
+    for key in ("model", "reward_model"):
+        if preset.get(key):
+            M.shape_from_config(M.load_model_config(preset[key])[0])
+    if preset.get("deployment_type"):
+        found, _ = train.preset_for_model(preset["model"], preset["deployment_type"])
+        assert found == path
+
+
+def test_preset_implied_by_the_actor_model_and_overridden_by_flags(train, tmp_path):
+    proc = train_py("--dry-run", "--step", "1", "--actor-model", "facebook/opt-1.3b", "--actor-zero-stage", "2",
+                    "--output-dir", str(tmp_path), "--", "--max_seq_len", "256")  # fmt: skip
+    assert_ok(proc)
+    assert (
+        "==> preset opt-1.3b-single_gpu (implied by --actor-model facebook/opt-1.3b): deployment single_gpu"
+        in (proc.stdout)
+    )
+    opts = step_options(train, 1, launch_line(proc.stdout, 1))
+    # the preset's values, except where a flag of this command says otherwise
+    assert opts["lora_dim"] == 128 and opts["gradient_accumulation_steps"] == 8
+    assert opts["zero_stage"] == 2 and opts["max_seq_len"] == 256
+    assert opts["model_name_or_path"] == "facebook/opt-1.3b"
+    assert not (tmp_path / "step1").exists()
+
+    # the deployment type picks among a model's presets; --preset none turns presets off
+    proc = train_py("--dry-run", "--step", "1", "--actor-model", "facebook/opt-1.3b", "--deployment-type", "single_node",
+                    "--num-gpus", "2", "--output-dir", str(tmp_path))  # fmt: skip
+    assert_ok(proc)
+    assert "==> preset opt-1.3b-single_node" in proc.stdout
+    assert "deepspeed.launcher.runner" in " ".join(launch_line(proc.stdout, 1))
+    proc = train_py("--dry-run", "--step", "1", "--actor-model", "builtin:micro-llama", "--preset", "none",
+                    "--output-dir", str(tmp_path))  # fmt: skip
+    assert_ok(proc)
+    assert "==> preset" not in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def test_estimate_memory_prints_every_choice_and_the_pick(tmp_path):
+    from dschat import memory as M
+
+    proc = train_py("--estimate-memory", "--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type",
+                    "single_node", "--num-gpus", "4", "--device-memory", "80", "--cpu-memory", "512", "--",
+                    "--max_seq_len", "64", "--per_device_train_batch_size", "4", "--dtype", "bf16")  # fmt: skip
+    assert_ok(proc)
+    shape = M.shape_from_config(M.load_model_config("builtin:micro-llama")[0])
+    hw = M.Hardware(4, 1, True, 80 * M.GIB, 512 * M.GIB)
+    work = M.TrainWorkload(shape, 4, 64, 2)
+    rows = re.findall(r"^\s+(\d)\s+(yes|no)\s+(yes|no)\s+([\d.]+)\s+([\d.]+)\s+(yes|no)", proc.stdout, re.M)
+    assert len(rows) == len(M.CANDIDATES)
+    for stage, offload, ckpt, dev, cpu, fits in rows:
+        e = M.estimate_train(work, M.Choice(int(stage), offload == "yes", ckpt == "yes"), hw)
+        assert float(dev) == pytest.approx(e.device / M.GIB, abs=0.006)
+        assert float(cpu) == pytest.approx(e.cpu_node / M.GIB, abs=0.006)
+        assert fits == "yes"
+    assert "choice: ZeRO-0, no offload, gradient checkpointing off: the fastest that fits" in proc.stdout
+    assert "1 node x 4 GPUs (80.00 GiB each)" in proc.stdout
+
+
+def test_estimate_memory_of_step_3_from_the_built_in_table(tmp_path):
+    proc = train_py("--estimate-memory", "--step", "3", "--actor-model", "facebook/opt-13b", "--num-gpus", "8",
+                    "--device-memory", "80", "--output-dir", str(tmp_path))  # fmt: skip
+    assert_ok(proc)
+    assert "actor: facebook/opt-13b, 12.85B parameters" in proc.stdout
+    assert "critic: facebook/opt-350m, 331.2M parameters" in proc.stdout  # the preset's reward model
+    assert "fixed by your flags: zero_stage=3" in proc.stdout  # the preset's --actor_zero_stage 3
+    assert re.search(
+        r"actor states [\d.]+ \+ critic states [\d.]+ \+ reference [\d.]+ \+ reward model", proc.stdout
+    )
+
+
+def test_estimate_memory_of_an_unknown_offline_model_is_one_line():
+    error_line(train_py("--estimate-memory", "--step", "1", "--actor-model", "no-org/no-such-model"),
+               "--actor-model no-org/no-such-model", "offline")  # fmt: skip
+
+
+def test_the_plan_adds_what_fits_and_explicit_flags_win(train, tmp_path):
+    """llama-100m on a GPU just too small for ZeRO-0 without gradient checkpointing: the plan adds
+    --gradient_checkpointing; with --zero_stage 0 --offload... given by the user, theirs stand."""
+    from dschat import memory as M
+
+    shape = M.shape_from_config(M.load_model_config("builtin:llama-100m")[0])
+    work = M.TrainWorkload(shape, 16, 512, 2)
+    hw = M.Hardware(1, 1, True, None, None)
+    plain, ckpt = (M.estimate_train(work, M.Choice(0, False, g), hw).device for g in (False, True))
+    assert ckpt < plain
+    gib = f"{(ckpt / M.FIT_FRACTION + plain / M.FIT_FRACTION) / 2 / M.GIB:.3f}"  # between the two
+    common = ["--dry-run", "--step", "1", "--actor-model", "builtin:llama-100m", "--device-memory", gib,
+              "--cpu-memory", "64", "--output-dir", str(tmp_path), "--", "--dtype", "bf16",
+              "--per_device_train_batch_size", "16", "--max_seq_len", "512"]  # fmt: skip
+    proc = train_py(*common)
+    assert_ok(proc)
+    opts = step_options(train, 1, launch_line(proc.stdout, 1))
+    assert opts["gradient_checkpointing"] is True and opts["zero_stage"] == 0 and opts["offload"] is False
+    assert "==> memory plan, step 1: ZeRO-0, no offload, gradient checkpointing on, picked (adds --gradient_checkpointing)" in proc.stdout  # fmt: skip
+
+    proc = train_py(*common, "--zero_stage", "2", "--offload")
+    assert_ok(proc)
+    opts = step_options(train, 1, launch_line(proc.stdout, 1))
+    assert opts["zero_stage"] == 2 and opts["offload"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--actor-zero-stage", "2", "--", "--zero_stage", "3"], ["conflicting", "--actor-zero-stage 2", "--zero_stage 3"]),
+        (["--", "--zero_stage", "0", "--offload"], ["--offload", "--zero_stage"]),
+        (["--deployment-type", "multi_node", "--launcher", "torchrun"],
+         ["--nnodes", "--node-rank", "--master-addr", "--master-port"]),
+        (["--deployment-type", "multi_node", "--launcher", "torchrun", "--nnodes", "2", "--node-rank", "2",
+          "--master-addr", "10.0.0.1", "--master-port", "29500"], ["--node-rank 2"]),
+        (["--nnodes", "2"], ["--nnodes", "multi_node"]),
+        (["--deployment-type", "single_node", "--launcher", "openmpi"], ["--launcher", "multi_node"]),
+        (["--preset", "no-such-preset"], ["--preset no-such-preset", "builtin-tiny"]),
+        (["--device-memory", "0"], ["--device-memory"]),
+    ],
+    ids=["zero-stage-twice", "offload-zero0", "torchrun-missing", "node-rank-range", "nnodes-single-gpu",
+         "launcher-single-node", "unknown-preset", "device-memory-0"],
+)  # fmt: skip
+def test_bad_deployment_flags_are_one_line(tmp_path, args, needles):
+    proc = train_py(
+        "--step", "1", "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path), *args
+    )
+    error_line(proc, *needles)
+    assert not (tmp_path / "step1").exists()
+
+
+def test_bad_hostfile_and_preset_files_name_the_line_or_key(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# nodes\nnode-a slots=8\nnode-b eight\n")
+    error_line(train_py("--deployment-type", "multi_node", "--hostfile", str(hosts), "--output-dir", str(tmp_path)),
+               str(hosts), "line 3", "node-b eight")  # fmt: skip
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model: builtin:micro-llama\nstep4: {}\n")
+    error_line(train_py("--preset", str(preset), "--output-dir", str(tmp_path)), str(preset), "'step4'")
+
+
+def test_multi_node_commands(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a slots=2\nnode-b slots=2\n")
+    proc = train_py("--dry-run", "--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type",
+                    "multi_node", "--hostfile", str(hosts), "--launcher", "openmpi", "--launcher-args", "-x FOO=1",
+                    "--node-local-storage", "--output-dir", str(tmp_path))  # fmt: skip
+    assert_ok(proc)
+    cmd = launch_line(proc.stdout, 1)
+    i = cmd.index("deepspeed.launcher.runner")
+    assert cmd[i + 1 : i + 3] == ["--master_port", cmd[i + 2]]
+    assert cmd[i + 3 :][:6] == [
+        "--hostfile",
+        str(hosts),
+        "--launcher",
+        "openmpi",
+        "--launcher_args",
+        "-x FOO=1",
+    ]
+    assert "--node_local_storage" in cmd
+
+    proc = train_py("--dry-run", "--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type",
+                    "multi_node", "--launcher", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                    "10.0.0.1", "--master-port", "29500", "--num-gpus", "1", "--output-dir", str(tmp_path))  # fmt: skip
+    assert_ok(proc)
+    cmd = launch_line(proc.stdout, 1)
+    assert cmd[1:15] == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", "1",
+                         "--master_addr", "10.0.0.1", "--master_port", "29500", "--max_restarts", "0"]  # fmt: skip
+    assert cmd[15] == str(ROOT / "training/step1_supervised_finetuning/main.py")
+
+
+# ---------------------------------------------------------------------------------------------- cluster files
+def train_flags(command: str, env: dict[str, str]) -> list[str]:
+    """The train.py flags of a shell command line, with the given variables substituted."""
+    for k, v in env.items():
+        command = command.replace(f'"${k}"', v).replace(f"${k}", v)
+    words = shlex.split(command)
+    return words[words.index(next(w for w in words if w.endswith("train.py"))) + 1 :]
+
+
+def test_slurm_script_runs_train_py_once_per_node(train):
+    path = ROOT / "configs" / "slurm" / "train.sbatch"
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    text = path.read_text()
+    assert re.search(r"^#SBATCH --nodes=\d+", text, re.M) and "#SBATCH --ntasks-per-node=1" in text
+    body = text[text.index("srun ") :]
+    command = body[body.index("'") + 1 : body.rindex("'")].replace("\\\n", " ")
+    flags = train_flags(command, {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "MASTER_ADDR": "node-a",
+                                  "MASTER_PORT": "29500", "GPUS_PER_NODE": "8", "OUTPUT_DIR": "/shared/out",
+                                  "@": ""})  # fmt: skip
+    args, extra = train.parse_args(flags)
+    assert (args.deployment_type, args.launcher, args.nnodes, args.node_rank) == (
+        "multi_node",
+        "torchrun",
+        2,
+        1,
+    )
+    assert (
+        args.master_addr == "node-a" and args.num_gpus == 8 and args.output_dir == "/shared/out" and not extra
+    )
+    assert "--kill-on-bad-exit=1" in text
+
+
+def test_kubernetes_job_runs_train_py_once_per_node_on_a_shared_volume(train):
+    docs = list(yaml.safe_load_all((ROOT / "configs" / "k8s" / "train-job.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    job, svc = kinds["Job"], kinds["Service"]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    container = pod["containers"][0]
+    flags = train_flags(container["args"][0], {"JOB_COMPLETION_INDEX": "1"})
+    args, _ = train.parse_args(flags)
+    assert args.launcher == "torchrun" and args.nnodes == spec["completions"] and args.node_rank == 1
+    assert args.master_addr == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert str(args.master_port) in {str(p["port"]) for p in svc["spec"]["ports"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[args.output_dir])
+    claim = kinds["PersistentVolumeClaim"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert Path(container["workingDir"]).name == "dschat"
