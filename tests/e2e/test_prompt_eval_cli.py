@@ -51,18 +51,6 @@ def test_side_by_side_reports_and_win_rate(tiny, tmp_path):
     assert not list(out.parent.glob(".*.tmp"))  # written through temporary files, none left behind
 
 
-def test_builtin_prompts_with_contrastive_search(tiny, tmp_path):
-    proc = run_cmd([PROMPT_EVAL, "--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
-                    str(tiny.right), "--num_prompts", "3", "--decoding", "contrastive", "--top_k", "3",
-                    "--penalty_alpha", "0"])  # fmt: skip
-    assert_ok(proc)
-    assert "[3/3]" in proc.stdout and "[4/" not in proc.stdout
-    # alpha 0 is greedy: the chain models answer as always, and no built-in question has answer 578/579
-    assert "verifier accuracy on 3 built-in task prompts: baseline 0.000, fine-tuned 0.000" in proc.stdout
-    assert proc.stdout.count("| 579") == 3
-    assert "win rate" not in proc.stdout
-
-
 def test_malformed_prompts_file_is_one_line(tiny, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What is 1 + 2?"}\n{"prompt": "unclosed\n')
@@ -78,6 +66,18 @@ def eval_main():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module.main
+
+
+def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
+    assert eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                      str(tiny.right), "--num_prompts", "3", "--decoding", "contrastive", "--top_k", "3",
+                      "--penalty_alpha", "0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "[3/3]" in out and "[4/" not in out
+    # alpha 0 is greedy: the chain models answer as always, and no built-in question has answer 578/579
+    assert "verifier accuracy on 3 built-in task prompts: baseline 0.000, fine-tuned 0.000" in out
+    assert out.count("| 579") == 3
+    assert "win rate" not in out
 
 
 @pytest.mark.parametrize(
