@@ -10,7 +10,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 
 import pexpect
 import pytest
@@ -58,26 +57,20 @@ def test_two_turns_with_history_clear_and_quit(tiny):
 
 
 def test_streaming_ctrl_c_stops_the_reply_and_ctrl_d_leaves(tiny):
-    child = spawn("--path", tiny.endless, "--greedy", "--max_new_tokens", 150)
+    # The reply would run to 900 tokens. Its first characters are on the screen long before that, and
+    # Ctrl-C then ends it: without streaming nothing would show until all 900 were generated, and
+    # the Ctrl-C would land at the next prompt instead of stopping the reply.
+    child = spawn("--path", tiny.endless, "--greedy", "--max_new_tokens", 900)
     child.expect(PROMPT)
     child.sendline("   ")  # an empty message: asked again, nothing generated
     child.expect(PROMPT)
     assert "Assistant" not in child.before
     child.sendline("go")
-    child.expect("Assistant: 0123456789")
-    first_text = time.monotonic()
-    child.expect(PROMPT)
-    reply_end = time.monotonic()
-    reply = child.before.split("\r\n")[0]
-    assert reply.startswith("abcdefghijklmnopqrstuvwxyz: 0123456789") and len(reply) > 120
-    # 150 tokens take far longer than this: the text was on the screen long before the reply ended
-    assert reply_end - first_text > 0.2
-
-    child.sendline("again")
     child.expect("Assistant: 0123")
     child.sendintr()  # Ctrl-C while the reply is being written
     child.expect(r" \[stopped\]")
-    assert len(child.before) < 120
+    partial = child.before
+    assert len(partial) < 400 and "Ctrl-D to leave" not in partial
     child.expect(PROMPT)
     child.sendintr()  # Ctrl-C at the prompt: a hint, not an exit
     child.expect("Ctrl-D to leave")
