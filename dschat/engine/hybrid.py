@@ -104,7 +104,7 @@ class HybridGenerator:
         self.fallback_reason: str | None = None
         self.copy: InferenceCopy | None = None
         self._model: torch.nn.Module | None = None
-        self._caches: dict[int, object] = {}
+        self._caches: dict[int, tuple[object, int]] = {}  # batch -> (cache, length)
         self._measure_pending = measure_logprobs
         self._active = False
         self.logprob_diff: dict[str, float] = {}
@@ -184,10 +184,11 @@ class HybridGenerator:
             return None
         from transformers import StaticCache
 
-        cache = self._caches.get(batch)
-        if cache is None or cache.max_cache_len < length:
-            cache = StaticCache(config=model.config, max_cache_len=-(-length // 16) * 16)
-            self._caches[batch] = cache
+        cache, size = self._caches.get(batch, (None, 0))
+        if cache is None or size < length:
+            size = -(-length // 16) * 16
+            cache = StaticCache(config=model.config, max_cache_len=size)
+            self._caches[batch] = (cache, size)
         else:
             cache.reset()
         return cache

@@ -283,8 +283,9 @@ class InferenceCopy:
         if src is None:
             raise UnsupportedModel(f"parameter {pname} of {type(train_mod).__name__} is missing in training")
         shape = tuple(target.shape)
-        if spec.rank0_only and rank != 0:  # a row-parallel bias is added once, by group rank 0
-            return _Fill(target, [], lambda: torch.zeros(()), spec, chunk, shape)
+        if spec.rank0_only and rank != 0:  # a row-parallel bias is added once, by group rank 0; the
+            # source stays listed so that every rank gathers the same parameters (a collective)
+            return _Fill(target, [src], lambda: torch.zeros(()), spec, chunk, shape)
         if lora is None:
             return _Fill(target, [src], lambda: src.data, spec, chunk, shape)
         a, b, scaling, fan = lora

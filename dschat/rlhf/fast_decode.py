@@ -88,12 +88,14 @@ def decode(
     EOS and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
     group, or ``True`` for the default group) keeps several ranks stepping together until all of them
     are done (needed when each forward is collective, e.g. a ZeRO-3 module); a rank that is done
-    keeps stepping without appending, like ``generate(synced_gpus=True)``. ``sampling.min_new_tokens``
-    forbids EOS before that many tokens, as Hugging Face's ``min_new_tokens``.
+    keeps running forwards on a dummy token without appending, like ``generate(synced_gpus=True)``.
+    ``sampling.min_new_tokens`` forbids EOS before that many tokens (Hugging Face's ``min_new_tokens``).
     """
     import torch.distributed as tdist
 
     b = input_ids.shape[0]
+    if sampling.max_new_tokens < 1:
+        return DecodeOutput(input_ids, None, 0)
     device = input_ids.device
     mask = attention_mask.to(device=device, dtype=torch.long)
     positions = position_ids_from_mask(mask)
@@ -106,12 +108,13 @@ def decode(
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
     scores: list[torch.Tensor] = []
-    peer_done = False
+    synced = lockstep is not None and lockstep is not False
     group = None if lockstep is True else lockstep
-    for step in range(sampling.max_new_tokens):
-        if not peer_done:
+    this_done = False
+    while True:
+        if not this_done:
             step_logits = logits
-            if eos_token_id is not None and step < sampling.min_new_tokens:
+            if eos_token_id is not None and len(tokens) < sampling.min_new_tokens:
                 step_logits = logits.clone()
                 step_logits[:, eos_token_id] = float("-inf")
             tok = next_tokens(step_logits, sampling, generator)
@@ -122,19 +125,20 @@ def decode(
             tokens.append(tok)
             if eos_token_id is not None:
                 unfinished &= tok != eos_token_id
-        done = peer_done or not bool(unfinished.any())
-        if lockstep is not None and lockstep is not False:
-            flag = torch.tensor([0.0 if done else 1.0], device=device)
+            this_done = len(tokens) >= sampling.max_new_tokens or not bool(unfinished.any())
+        all_done = this_done
+        if synced:
+            flag = torch.tensor([0.0 if this_done else 1.0], device=device)
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)
-            peer_done, done = done, float(flag) == 0.0
-        if done or step == sampling.max_new_tokens - 1:
+            all_done = float(flag) == 0.0
+        if all_done:
             break
-        feed = (
-            tokens[-1] if not peer_done else torch.full((b,), pad_token_id, device=device, dtype=torch.long)
-        )
+        if this_done:  # a peer still generates: run the (collective) forward on a dummy token, no cache
+            model(input_ids=input_ids[:1, -1:], use_cache=False)
+            continue
         mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
         pos = pos + 1
-        out = model(input_ids=feed[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True)  # fmt: skip
         logits = out.logits[:, -1, :].float()
     new = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
