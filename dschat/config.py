@@ -202,8 +202,41 @@ class RLHFEngineArgs:
         False, "keep an exponential moving average of the actor, saved as OUTPUT_DIR/actor_ema"
     )
     ema_decay: float = opt(0.992, "EMA decay per PPO step")
+    enable_hybrid_engine: bool = opt(
+        False,
+        "generate from an inference copy of the actor gathered once per round (LoRA merged, KV cache) "
+        "instead of Hugging Face generate on the training module",
+    )
+    inference_tp_size: int = opt(
+        1,
+        "hybrid engine: K ranks split every attention/MLP matrix and generate together (K divides the ranks)",
+    )
+    tp_gather_partition_size: int = opt(
+        0,
+        "hybrid engine: gather this many decoder layers at a time into the inference copy (0 = all at once)",
+    )
+    release_inference_cache: bool = opt(
+        False,
+        "hybrid engine: free the inference copy and KV cache after each round (re-allocated next round)",
+    )
+    unpin_actor_parameters: bool = opt(
+        False, "hybrid engine: no inference copy, generate on the training module (ZeRO-3 gathers per token)"
+    )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.inference_tp_size < 1:
+            raise UserError(f"--inference_tp_size must be >= 1, got {self.inference_tp_size}")
+        if self.tp_gather_partition_size < 0:
+            raise UserError(f"--tp_gather_partition_size must be >= 0, got {self.tp_gather_partition_size}")
+        if not self.enable_hybrid_engine:
+            for name, used in (("inference_tp_size", self.inference_tp_size > 1),
+                               ("tp_gather_partition_size", self.tp_gather_partition_size > 0),
+                               ("release_inference_cache", self.release_inference_cache),
+                               ("unpin_actor_parameters", self.unpin_actor_parameters)):  # fmt: skip
+                if used:
+                    raise UserError(f"--{name} needs --enable_hybrid_engine")
+        if self.unpin_actor_parameters and self.inference_tp_size > 1:
+            raise UserError("--inference_tp_size > 1 needs the inference copy: drop --unpin_actor_parameters")
         for name in ("actor_zero_stage", "critic_zero_stage"):
             if getattr(self, name) not in (0, 1, 2, 3):
                 raise UserError(f"--{name} must be 0, 1, 2 or 3, got {getattr(self, name)}")
