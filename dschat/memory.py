@@ -496,6 +496,8 @@ class RLHFWorkload:
     only_lora: bool = False
     reference: bool = True  # False with --share_reference_with_actor
     reward_model: bool = True  # False with --reward_fn ... --reward_fn_mode replace
+    offload_reference: bool = False  # --offload_reference_model (with ZeRO-3)
+    offload_reward: bool = False  # --offload_reward_model (with ZeRO-3)
 
 
 def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
@@ -511,11 +513,13 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
         work.critic, "score", work.critic_lora_dim, work.only_lora, choice, w, hw
     )
     cpu += c
-    for present, name, shape, head in ((work.reference, "reference", work.actor, "lm"),
-                                       (work.reward_model, "reward model", work.critic, "score")):  # fmt: skip
+    for present, name, shape, head, off in (
+        (work.reference, "reference", work.actor, "lm", work.offload_reference),
+        (work.reward_model, "reward model", work.critic, "score", work.offload_reward),
+    ):
         if present:
             c, parts[name] = frozen_states(shape.parameters(head), shape.largest_layer_params(head), frozen_stage,
-                                           choice.offload, w, hw.gpus_per_node, hw.nodes)  # fmt: skip
+                                           choice.offload or off, w, hw.gpus_per_node, hw.nodes)  # fmt: skip
             cpu += c
     gc = choice.gradient_checkpointing
     phases = {

@@ -183,6 +183,7 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             critic_lora_dim=loras[1].lora_dim, only_lora=loras[0].only_optimize_lora,
             reference=not eng.share_reference_with_actor,
             reward_model=not (ppo.reward_fn and ppo.reward_fn_mode == "replace"),
+            offload_reference=eng.offload_reference_model, offload_reward=eng.offload_reward_model,
         )  # fmt: skip
         models = [actor, critic]
     fixed = fixed_choice(step, argv)

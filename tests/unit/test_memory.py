@@ -118,6 +118,12 @@ def test_rlhf_estimate_counts_four_models_and_the_largest_phase(small):
     shared = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, reference=False, reward_model=False),
                              M.Choice(0, False, False), hw)  # fmt: skip
     assert "reference" not in shared.parts and "reward model" not in shared.parts
+    # --offload_reference_model under ZeRO-3: the reference keeps only its largest layer on the device
+    z3 = M.Choice(3, False, False)
+    kept = M.estimate_rlhf(work, z3, hw)
+    moved = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, offload_reference=True), z3, hw)
+    assert kept.parts["reference"] == 2 * 800 + 2 * 2792 and moved.parts["reference"] == 2 * 800
+    assert moved.cpu_node == kept.cpu_node + int(2792 * 2 * 1.5)
 
 
 def test_plan_picks_the_first_choice_that_fits(small):
