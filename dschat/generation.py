@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 
 from dschat import tasks
+from dschat.rlhf.generation import SamplingConfig
 from dschat.utils import dist
 
 
@@ -20,10 +21,13 @@ def generate_texts(
     batch_size: int = 32,
     device: torch.device | str = "cpu",
     synced_gpus: bool = False,
+    generator=None,
 ) -> list[str]:
     """Greedy completions (text after the prompt) for ``prompts``, left-padded batches.
 
-    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done.
+    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done. ``generator``
+    (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of
+    ``model.generate``.
     """
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -33,15 +37,19 @@ def generate_texts(
     try:
         for s in range(0, len(prompts), batch_size):
             enc = tokenizer(prompts[s : s + batch_size], return_tensors="pt", padding=True).to(device)
-            seq = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                synced_gpus=synced_gpus,
-                use_cache=True,
-            )
+            if generator is not None:
+                greedy = SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
+                seq = generator.generate(enc["input_ids"], enc["attention_mask"], greedy)
+            else:
+                seq = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    synced_gpus=synced_gpus,
+                    use_cache=True,
+                )
             out.extend(tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     finally:
         tokenizer.padding_side = side
@@ -58,6 +66,7 @@ def task_accuracy(
     device,
     synced_gpus: bool = False,
     max_new_tokens: int = 24,
+    generator=None,
 ) -> dict[str, float] | None:
     """Verifier accuracy of greedy answers over the prompts a built-in task recognises (None if none does).
 
@@ -73,7 +82,13 @@ def task_accuracy(
     mine = (known + known[: per * world - len(known)])[rank * per : (rank + 1) * per]
     weights = [1.0 if rank * per + i < len(known) else 0.0 for i in range(len(mine))]
     answers = generate_texts(
-        model, tokenizer, mine, device=device, synced_gpus=synced_gpus, max_new_tokens=max_new_tokens
+        model,
+        tokenizer,
+        mine,
+        device=device,
+        synced_gpus=synced_gpus,
+        max_new_tokens=max_new_tokens,
+        generator=generator,
     )
     right: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)

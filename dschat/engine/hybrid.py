@@ -77,6 +77,8 @@ class HybridGenerator:
     """Same interface as :class:`PlainGenerator`: ``with g.generation_mode() as gen: gen.generate(...)``.
 
     ``dtype`` is the inference copy's dtype (default: the training parameters' dtype).
+    ``static_cache``: a transformers ``StaticCache`` kept between rounds (default: on GPUs only);
+    otherwise a dynamic cache per call.
     ``measure_logprobs``: on the first ``generate`` call, score the generated tokens with the training
     forward too and record the largest |log-prob difference| (reported by :meth:`stats`).
     """
@@ -95,11 +97,13 @@ class HybridGenerator:
         dtype: torch.dtype | None = None,
         measure_logprobs: bool = True,
         fast_attention: bool = True,
-        static_cache: bool = True,
+        static_cache: bool | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
         self.gather_layers, self.release_cache, self.unpin = gather_layers, release_cache, unpin
-        self.static_cache = static_cache
+        # StaticCache: allocated once and kept between rounds, compile-friendly. On CPU a dynamic cache
+        # decodes as fast (measured) and avoids StaticCache's first-use import of torch._dynamo (~2 s).
+        self.static_cache = engine.device.type == "cuda" if static_cache is None else static_cache
         self.fallback: PlainGenerator | None = None
         self.fallback_reason: str | None = None
         self.copy: InferenceCopy | None = None

@@ -32,6 +32,7 @@ from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import export_hf_model
+from dschat.engine.hybrid import HybridGenerator
 from dschat.generation import generate_texts, task_accuracy
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
@@ -222,7 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingConfig(
         max_new_tokens=ppo.max_answer_seq_len, temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k
     )
-    generator = PlainGenerator(actor, tokenizer, sampling, zero3=eng_args.actor_zero_stage == 3)
+    if eng_args.enable_hybrid_engine:
+        generator = HybridGenerator(actor, tokenizer, sampling, zero3=eng_args.actor_zero_stage == 3,
+                                    tp_size=eng_args.inference_tp_size, gather_layers=eng_args.tp_gather_partition_size,
+                                    release_cache=eng_args.release_inference_cache,
+                                    unpin=eng_args.unpin_actor_parameters)  # fmt: skip
+    else:
+        generator = PlainGenerator(actor, tokenizer, sampling, zero3=eng_args.actor_zero_stage == 3)
     hyper = PPOHyper(kl_coef=ppo.kl_coef, clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
                      cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
                      whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef)  # fmt: skip
@@ -252,17 +259,18 @@ def main(argv: list[str] | None = None) -> int:
             return out
         with sw("eval"):
             zero3 = eng_args.actor_zero_stage == 3
-            acc = task_accuracy(actor.module, tokenizer, held_out, device=actor.device, synced_gpus=zero3,
-                                max_new_tokens=ppo.max_answer_seq_len)  # fmt: skip
-            if acc:
-                out.update({f"true_{k}": v for k, v in acc.items()})
             # reward of greedy answers on (this rank's slice of) the held-out prompts
             per = -(-len(held_out) // world)
             mine = (held_out + held_out[: per * world - len(held_out)])[
                 dist.rank() * per : (dist.rank() + 1) * per
             ]
-            answers = generate_texts(actor.module, tokenizer, mine, device=actor.device, synced_gpus=zero3,
-                                     max_new_tokens=ppo.max_answer_seq_len)  # fmt: skip
+            with generator.generation_mode() as gen:  # the hybrid engine's fast path, or plain generate
+                acc = task_accuracy(actor.module, tokenizer, held_out, device=actor.device, synced_gpus=zero3,
+                                    max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
+                answers = generate_texts(actor.module, tokenizer, mine, device=actor.device, synced_gpus=zero3,
+                                         max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
+            if acc:
+                out.update({f"true_{k}": v for k, v in acc.items()})
             enc = reward_tok([p + a for p, a in zip(mine, answers)], return_tensors="pt", padding=True,
                              add_special_tokens=True).to(actor.device)  # fmt: skip
             scores = reward_source.score(mine, answers, enc["input_ids"], enc["attention_mask"])
@@ -387,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "resumed_from_step": start_step if run.resume else None,
     }
     summary.update({f"{k}_end": v for k, v in eval_end.items() if k.startswith("true_accuracy/")})
+    summary.update(generator.stats())  # hybrid engine: switches, memory, generation/training log-prob check
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: reward %s -> %s, true accuracy %s -> %s, KL %s; actor saved to %s", summary["reward_start"],

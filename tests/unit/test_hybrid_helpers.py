@@ -1,0 +1,266 @@
+"""Pure pieces of the hybrid engine: sampling filters, the KV-cache decode loop, tensor-parallel
+sharding plans, the LoRA merge, the inference copy on a plain model, and the step-3 flag checks.
+No deepspeed: the copy is filled with ``no_gather`` (the weights are already whole)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dschat import config as C
+from dschat.models.builtin import build_config
+from dschat.models.inference_copy import (
+    PLANS,
+    InferenceCopy,
+    ShardSpec,
+    UnsupportedModel,
+    local_shape,
+    merged_lora_weight,
+    no_gather,
+    shard,
+    shard_spec,
+)
+from dschat.rlhf.fast_decode import decode, filter_logits, next_tokens
+from dschat.rlhf.generation import SamplingConfig
+from dschat.utils.errors import UserError
+
+NEG = float("-inf")
+
+
+def tiny_llama(seed: int = 0, vocab: int = 64):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(build_config("micro-llama", vocab_size=vocab)).eval()
+
+
+# ---------------------------------------------------------------------------------------------- filters
+def test_temperature_divides_the_logits():
+    x = torch.tensor([[1.0, 2.0, 4.0]])
+    assert torch.equal(filter_logits(x, temperature=2.0), torch.tensor([[0.5, 1.0, 2.0]]))
+
+
+def test_top_k_keeps_the_k_largest_and_their_ties():
+    x = torch.tensor([[1.0, 4.0, 3.0, 3.0, 0.0]])
+    assert torch.equal(filter_logits(x, top_k=2), torch.tensor([[NEG, 4.0, 3.0, 3.0, NEG]]))
+    assert torch.equal(filter_logits(x, top_k=0), x)  # 0 = off
+    assert torch.equal(filter_logits(x, top_k=10), x)  # more than the vocabulary: all stay
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probabilities 0.5, 0.25, 0.125, 0.125 (logits are their logs)
+    x = torch.log(torch.tensor([[0.125, 0.5, 0.125, 0.25]]))
+    # p = 0.7: 0.5 alone is not enough, 0.5 + 0.25 is -> keep those two
+    out = filter_logits(x, top_p=0.7)
+    assert torch.isinf(out[0, [0, 2]]).all() and torch.isfinite(out[0, [1, 3]]).all()
+    # p = 0.5: the top token alone reaches it
+    out = filter_logits(x, top_p=0.5)
+    assert torch.isfinite(out[0]).tolist() == [False, True, False, False]
+    # a tiny p still keeps the most likely token
+    assert torch.isfinite(filter_logits(x, top_p=1e-6)[0]).sum() == 1
+
+
+def test_filters_apply_temperature_then_top_k_then_top_p():
+    x = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    # top_k=3 removes 0.1; renormalised 0.444, 0.333, 0.222; top_p=0.7 keeps 0.444 + 0.333
+    out = filter_logits(x, top_k=3, top_p=0.7)
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+
+
+def test_next_tokens_greedy_and_sampling_follow_the_config():
+    x = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+    assert next_tokens(x, SamplingConfig(max_new_tokens=1, do_sample=False)).tolist() == [1, 0]
+    g = torch.Generator().manual_seed(0)
+    # top_k=1 leaves one token per row: sampling must pick it
+    assert next_tokens(x, SamplingConfig(max_new_tokens=1, top_k=1), g).tolist() == [1, 0]
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+class Counter(nn.Module):
+    """A model whose next token is always (last token + 1) mod V; enough to check the loop's bookkeeping."""
+
+    def __init__(self, vocab: int = 10) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.positions: list[torch.Tensor] = []
+
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True
+    ):
+        self.positions.append(position_ids)
+        logits = nn.functional.one_hot((input_ids + 1) % self.vocab, self.vocab).float() * 10
+        return type("Out", (), {"logits": logits, "past_key_values": past_key_values})()
+
+
+def test_decode_stops_rows_at_eos_and_pads_after_it():
+    model = Counter()
+    ids = torch.tensor([[0, 3], [0, 6], [1, 1]])
+    mask = torch.tensor([[0, 1], [1, 1], [1, 1]])  # row 0 is left-padded
+    out = decode(model, ids, mask, SamplingConfig(max_new_tokens=6, do_sample=False), eos_token_id=7,
+                 pad_token_id=0, return_logprobs=True)  # fmt: skip
+    # row 0: 4 5 6 7(eos) then pad; row 1: 7(eos) at once; row 2: 2 3 4 5 6 7 (stops with the last row)
+    assert out.sequences[:, 2:].tolist() == [[4, 5, 6, 7, 0, 0], [7, 0, 0, 0, 0, 0], [2, 3, 4, 5, 6, 7]]
+    assert out.new_tokens == 6
+    # positions skip left padding: row 0's prompt token sits at position 0, its first new token at 1
+    assert model.positions[0].tolist() == [[0, 0], [0, 1], [0, 1]]
+    assert model.positions[1].tolist() == [[1], [2], [2]]
+    # log-probs of the chosen tokens (certain here: ~0), zero after EOS
+    assert out.logprobs.shape == (3, 6)
+    assert out.logprobs[1, 1:].eq(0).all() and out.logprobs.abs().max() < 1e-3
+
+
+def test_decode_stops_when_every_row_is_done_and_honours_min_new_tokens():
+    ids, mask = torch.tensor([[5]]), torch.tensor([[1]])
+    out = decode(
+        Counter(),
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=8, do_sample=False),
+        eos_token_id=7,
+        pad_token_id=0,
+    )
+    assert out.sequences.tolist() == [[5, 6, 7]]  # EOS after two tokens ends the loop
+    forced = SamplingConfig(max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    out = decode(Counter(), ids, mask, forced, eos_token_id=7, pad_token_id=0)
+    assert out.new_tokens == 4 and 7 not in out.sequences[0, 1:].tolist()
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_decode_equals_hugging_face_generate(do_sample):
+    """Same tokens as ``generate`` on the same model: greedy, and sampled from the same seed with every
+    filter on (the draw is the same ``torch.multinomial`` over the same filtered distribution)."""
+    model = tiny_llama()
+    ids = torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2], [0, 4, 4, 6, 1]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [1]])).long()
+    s = SamplingConfig(max_new_tokens=10, do_sample=do_sample, temperature=0.7, top_k=12, top_p=0.9)
+    torch.manual_seed(3)
+    ours = decode(model, ids, mask, s, eos_token_id=2, pad_token_id=0).sequences
+    kw = dict(temperature=0.7, top_k=12, top_p=0.9) if do_sample else {}
+    torch.manual_seed(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=do_sample,
+                         pad_token_id=0, eos_token_id=2, **kw)  # fmt: skip
+    assert torch.equal(ours, ref)
+
+
+# ---------------------------------------------------------------------------------------------- sharding
+def test_shard_cuts_equal_parts_and_fused_blocks_separately():
+    full = torch.arange(24).view(6, 4)
+    assert shard(full, ShardSpec(0), 1, 2).tolist() == full[3:].tolist()
+    assert shard(full, ShardSpec(1), 0, 2).tolist() == full[:, :2].tolist()
+    # three fused blocks (q|k|v) of two rows each: rank 0 gets the first row of every block
+    assert shard(full, ShardSpec(0, blocks=3), 0, 2).tolist() == full[[0, 2, 4]].tolist()
+    assert shard(full, ShardSpec(None), 1, 2) is full
+    assert local_shape(full.shape, ShardSpec(0, blocks=3), 2) == (3, 4)
+    with pytest.raises(ValueError):
+        shard(full, ShardSpec(0, blocks=3), 0, 4)
+
+
+def test_shard_specs_follow_megatron_splits():
+    llama, gpt2 = PLANS["llama"], PLANS["gpt2"]
+    assert shard_spec("model.layers.3.self_attn.q_proj.weight", llama, 2) == ShardSpec(0)
+    assert shard_spec("model.layers.0.mlp.down_proj.weight", llama, 2) == ShardSpec(1)
+    assert shard_spec("model.layers.0.mlp.down_proj.bias", llama, 2) == ShardSpec(None, rank0_only=True)
+    assert shard_spec("model.layers.0.input_layernorm.weight", llama, 2) == ShardSpec(None)
+    assert shard_spec("model.embed_tokens.weight", llama, 2) == ShardSpec(None)
+    assert shard_spec("model.layers.3.self_attn.q_proj.weight", llama, 1) == ShardSpec(None)
+    # Conv1D stores (in, out): column split on dim 1, q|k|v fused; its bias is split like the output
+    assert shard_spec("transformer.h.1.attn.c_attn.weight", gpt2, 2) == ShardSpec(1, blocks=3)
+    assert shard_spec("transformer.h.1.attn.c_attn.bias", gpt2, 2) == ShardSpec(0, blocks=3)
+    assert shard_spec("transformer.h.1.mlp.c_proj.weight", gpt2, 2) == ShardSpec(0)
+
+
+def test_column_then_row_parallel_mlp_sums_to_the_full_mlp():
+    """Llama MLP down(silu(gate x) * up x): the ranks' partial outputs add up to the unsplit output."""
+    torch.manual_seed(0)
+    mlp = tiny_llama().model.layers[0].mlp
+    x = torch.randn(3, 64)
+    full = mlp(x)
+    plan, size = PLANS["llama"], 2
+    total = torch.zeros_like(full)
+    for r in range(size):
+        w = {n: shard(getattr(mlp, n).weight, shard_spec(f"model.layers.0.mlp.{n}.weight", plan, size), r, size)
+             for n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+        h = nn.functional.silu(x @ w["gate_proj"].T) * (x @ w["up_proj"].T)
+        total += h @ w["down_proj"].T
+    assert torch.allclose(total, full, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA merge
+def test_merged_lora_weight_gives_the_adapter_forward():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6))
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["0"]))
+    layer = model.base_model.model[0]
+    nn.init.normal_(layer.lora_B["default"].weight)
+    x = torch.randn(5, 8)
+    w = merged_lora_weight(layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight,
+                           layer.scaling["default"])  # fmt: skip
+    assert layer.scaling["default"] == 2.0
+    assert torch.allclose(nn.functional.linear(x, w, layer.base_layer.bias), model(x), atol=1e-6)
+    # fan_in_fan_out (Conv1D weights stored as (in, out)): the delta is transposed
+    wt = merged_lora_weight(layer.base_layer.weight.T, layer.lora_A["default"].weight,
+                            layer.lora_B["default"].weight, 2.0, fan_in_fan_out=True)  # fmt: skip
+    assert torch.allclose(wt, w.T)
+
+
+# ---------------------------------------------------------------------------------------------- the copy
+def test_inference_copy_of_a_lora_model_matches_it_and_leaves_it_untouched():
+    from dschat.models.lora import inject_lora
+
+    model = inject_lora(tiny_llama(), dim=4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.05)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    copy = InferenceCopy(model, dtype=torch.float32, device=torch.device("cpu"))
+    assert not any("lora" in n for n, _ in copy.model.named_parameters())
+    copy.refill(no_gather)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        assert torch.allclose(copy.model(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # chunked gathering: the non-block parameters, then one group per decoder block (2 blocks)
+    chunks = copy.chunks(1)
+    assert len(chunks) == 3 and sum(len(c) for c in chunks) == len(copy.fills)
+    copy.release()
+    assert sum(p.numel() for p in copy.model.parameters()) == 0
+    copy.allocate()
+    copy.refill(no_gather, layers_per_chunk=1)
+    with torch.no_grad():
+        assert torch.allclose(copy.model(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_an_architecture_without_a_plan_is_unsupported():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    with pytest.raises(UnsupportedModel, match="gpt_neox"):
+        InferenceCopy(neox, dtype=torch.float32, device=torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------- flags
+def engine_args(*flags: str) -> C.RLHFEngineArgs:
+    parser = C.ArgumentParser(prog="step3")
+    C.add_group(parser, C.RLHFEngineArgs)
+    return C.from_namespace(C.RLHFEngineArgs, parser.parse_args(list(flags)))
+
+
+def test_hybrid_flags_parse_and_validate():
+    a = engine_args("--enable_hybrid_engine", "--inference_tp_size", "2", "--tp_gather_partition_size", "4",
+                    "--release_inference_cache")  # fmt: skip
+    assert (a.enable_hybrid_engine, a.inference_tp_size, a.tp_gather_partition_size) == (True, 2, 4)
+    assert engine_args().inference_tp_size == 1 and engine_args().tp_gather_partition_size == 0
+    for flags, needle in (
+        (["--inference_tp_size", "2"], "--inference_tp_size needs --enable_hybrid_engine"),
+        (["--release_inference_cache"], "--release_inference_cache needs --enable_hybrid_engine"),
+        (["--unpin_actor_parameters"], "--unpin_actor_parameters needs --enable_hybrid_engine"),
+        (["--enable_hybrid_engine", "--inference_tp_size", "0"], "--inference_tp_size must be >= 1"),
+        (["--enable_hybrid_engine", "--tp_gather_partition_size", "-1"], "--tp_gather_partition_size"),
+        (["--enable_hybrid_engine", "--unpin_actor_parameters", "--inference_tp_size", "2"], "--unpin_actor_parameters"),
+    ):  # fmt: skip
+        with pytest.raises(UserError, match=needle):
+            engine_args(*flags)
