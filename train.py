@@ -457,7 +457,7 @@ class RankWatch:
         self._stop.set()
         m = self.ROOT_CAUSE.search(self.tail)
         if m:
-            return f"rank {int(m[1])} failed first (exit code {int(m[2])}, torchrun's report above)"
+            return f"torchrun on this node reports rank {int(m[1])} failed first (exit code {int(m[2])})"
         if self.first is not None:
             return f"rank {self.first[0]} (pid {self.first[1]}) ended first; the launcher then stopped the other ranks"
         return ""

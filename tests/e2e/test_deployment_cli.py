@@ -215,6 +215,36 @@ def test_multi_node_commands(tmp_path):
     assert cmd[15] == str(ROOT / "training/step1_supervised_finetuning/main.py")
 
 
+def test_rank_watch_names_the_rank_that_ended_first(train):
+    """The launcher's spawn lines map pids to ranks; the first process to end is the failed rank."""
+    import sys
+    import time
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dies = subprocess.Popen([sys.executable, "-c", "raise SystemExit(13)"])
+    try:
+        watch = train.RankWatch()
+        for rank, p in ((0, alive), (1, dies)):
+            watch.feed(f"[INFO] [launch.py:256:main] process {p.pid} spawned with command: ['python', '-u', "
+                       f"'main.py', '--local_rank={rank}', '--output_dir', 'x']\n".encode())  # fmt: skip
+        deadline = time.monotonic() + 30
+        while watch.first is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (
+            watch.report()
+            == f"rank 1 (pid {dies.pid}) ended first; the launcher then stopped the other ranks"
+        )
+    finally:
+        alive.kill()
+        alive.wait()
+        dies.wait()
+    torchrun = train.RankWatch()
+    torchrun.feed(b"Failures:\n  <NO_OTHER_FAILURES>\n------\nRoot Cause (first observed failure):\n[0]:\n"
+                  b"  time      : 2026-01-01_00:00:00\n  host      : node-b\n  rank      : 3 (local_rank: 1)\n"
+                  b"  exitcode  : 13 (pid: 4242)\n")  # fmt: skip
+    assert torchrun.report() == "torchrun on this node reports rank 3 failed first (exit code 13)"
+
+
 # ---------------------------------------------------------------------------------------------- cluster files
 def train_flags(command: str, env: dict[str, str]) -> list[str]:
     """The train.py flags of a shell command line, with the given variables substituted."""
