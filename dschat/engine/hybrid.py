@@ -150,21 +150,16 @@ class HybridGenerator:
             return
         module = self.engine.module
         was_training = module.training
-        on_gpu = torch.cuda.is_available() and self.engine.device.type == "cuda"
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         if self.copy is None:  # unpinned: the training module itself, without dropout
             module.eval()
             self._model = module
         else:
             self.copy.allocate()
-            peak = self.copy.refill(gather_zero3, self.gather_layers)
+            peak = self.copy.refill(gather_zero3, self.gather_layers, probe=self._probe_device_memory)
             self.gather_peak_bytes = max(self.gather_peak_bytes, peak)
             self._model = self.copy.model
         seconds = time.perf_counter() - t
-        if on_gpu:
-            self.device_peak_bytes = max(self.device_peak_bytes, torch.cuda.max_memory_allocated())
         self.first_switch_seconds = self.first_switch_seconds or seconds
         self.switches += 1
         self.switch_seconds += seconds
@@ -180,6 +175,14 @@ class HybridGenerator:
                 self._caches.clear()
                 if self.copy is not None:
                     self.copy.release()
+
+    def _probe_device_memory(self) -> None:
+        """Called while a chunk is gathered: the device memory in use then (not the process-wide peak
+        counter, which other reports own and must not be reset here)."""
+        if self.engine.device.type == "cuda":
+            self.device_peak_bytes = max(
+                self.device_peak_bytes, torch.cuda.memory_allocated(self.engine.device)
+            )
 
     # ------------------------------------------------------------------ generation
     def _cache(self, model: torch.nn.Module, batch: int, length: int):

@@ -344,18 +344,22 @@ class InferenceCopy:
         self,
         gather: Callable[[list[nn.Parameter]], contextlib.AbstractContextManager],
         layers_per_chunk: int = 0,
+        probe: Callable[[], None] | None = None,
     ) -> int:
         """Copy the training weights (LoRA merged, this rank's TP slice) into the copy.
 
         ``gather(params)`` must make the full values of ``params`` readable inside its block (ZeRO-3:
         ``deepspeed.zero.GatheredParameters``; otherwise a no-op). Returns the largest number of bytes
-        of full training parameters held at once (the gathering's peak).
+        of full training parameters held at once (the gathering's peak). ``probe()`` is called while
+        each chunk is gathered (to read device memory at the peak).
         """
         peak = 0
         for chunk in self.chunks(layers_per_chunk):
             sources = list({id(p): p for f in chunk for p in f.sources}.values())
             with gather(sources):
                 peak = max(peak, sum(_full_numel(p) * p.element_size() for p in sources))
+                if probe is not None:
+                    probe()
                 for f in chunk:
                     if f.spec.rank0_only and self.tp.rank != 0:
                         f.target.zero_()

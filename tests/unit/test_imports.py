@@ -16,6 +16,8 @@ PURE = [
     "dschat.engine.ds_config",
     "dschat.memory",
     "dschat.planning",
+    "dschat.rlhf.fast_decode",
+    "dschat.models.inference_copy",
 ]
 
 
