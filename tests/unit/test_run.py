@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -103,9 +104,15 @@ def test_clear_previous_run_only_on_rank_0(tmp_path, monkeypatch):
 
 def test_summary_and_config_files(tmp_path):
     run.save_resolved_config(str(tmp_path), {"b": 2, "a": 1})
+    status = Path("/proc/self/status").read_text().splitlines()
+    rss_before = int(next(x for x in status if x.startswith("VmRSS")).split()[1]) * 1024
     run.write_summary(str(tmp_path), {"loss": 0.5})
     assert json.loads((tmp_path / "dschat_config.json").read_text()) == {"a": 1, "b": 2}
-    assert json.loads((tmp_path / "summary.json").read_text()) == {"loss": 0.5}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # the process's peak RSS is added (the kernel updates its high-water mark lazily, so compare loosely
+    # with the resident size just before)
+    assert 0.5 * rss_before <= summary.pop("peak_rss_bytes") <= 4 * rss_before
+    assert summary == {"loss": 0.5}
     with pytest.raises(UserError, match="holds a finished run"):
         check_output_dir(str(tmp_path), overwrite=False, resume=False)
 
