@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dschat.models.inference_copy import InferenceCopy, TPGroup, UnsupportedModel, plan_for
+from dschat.models.inference_copy import InferenceCopy, TPGroup, UnsupportedModel, fp32_kv_cache, plan_for
 from dschat.rlhf.fast_decode import decode
 from dschat.rlhf.generation import PlainGenerator, SamplingConfig, position_ids_from_mask
 from dschat.utils import dist
@@ -188,6 +188,14 @@ class HybridGenerator:
     def _cache(self, model: torch.nn.Module, batch: int, length: int):
         """A StaticCache for ``batch`` rows of at least ``length`` tokens, kept between rounds."""
         if not self.static_cache:
+            copy = self.copy
+            if (
+                copy is not None
+                and copy.fast_attention
+                and copy.device.type == "cpu"
+                and copy.dtype != torch.float32
+            ):
+                return fp32_kv_cache(model.config)
             return None
         from transformers import StaticCache
 

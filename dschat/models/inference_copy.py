@@ -224,7 +224,8 @@ class InferenceCopy:
                     )
         with torch.device("meta"):
             model = type(base)(config)
-        if fast_attention and getattr(config, "_attn_implementation", None) == "sdpa":
+        self.fast_attention = fast_attention and getattr(config, "_attn_implementation", None) == "sdpa"
+        if self.fast_attention:
             register_fast_attention()
             model.config._attn_implementation = FAST_ATTENTION
         self.model = model.eval()
@@ -404,6 +405,24 @@ def _fast_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                                               **kwargs)  # fmt: skip
         return out.to(query.dtype), weights
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+_FP32_CACHE: type | None = None
+
+
+def fp32_kv_cache(config):
+    """A dynamic KV cache that keeps keys and values in fp32. With :func:`_fast_sdpa` on CPU each new
+    key/value is cast once when it is stored, instead of the whole cache being cast at every step."""
+    global _FP32_CACHE
+    if _FP32_CACHE is None:
+        from transformers import DynamicCache
+
+        class Fp32DynamicCache(DynamicCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                return super().update(key_states.float(), value_states.float(), layer_idx, *args, **kwargs)
+
+        _FP32_CACHE = Fp32DynamicCache
+    return _FP32_CACHE(config=config)
 
 
 def register_fast_attention() -> None:
