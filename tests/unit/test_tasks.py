@@ -26,7 +26,7 @@ def test_generate_depends_on_the_seed():
 
 def test_generate_counts_and_order():
     out = generate(None, 5, seed=0)
-    assert [e.task for e in out] == ["add"] * 5 + ["sort"] * 5 + ["reverse"] * 5
+    assert [e.task for e in out] == ["sort"] * 5 + ["reverse"] * 5  # the default tasks
     assert [e.task for e in generate(["reverse", "add"], 3, seed=0)] == ["reverse"] * 3 + ["add"] * 3
 
 
@@ -47,9 +47,9 @@ def test_exclude_is_respected():
     first = generate(None, 50, seed=1)
     excluded = {e.prompt for e in first[:25]} | {e.prompt for e in first[60:90]}
     again = generate(None, 50, seed=1, exclude=excluded)
-    assert len(again) == 150
+    assert len(again) == 100
     assert not excluded & {e.prompt for e in again}
-    assert [e.task for e in again] == ["add"] * 50 + ["sort"] * 50 + ["reverse"] * 50
+    assert [e.task for e in again] == ["sort"] * 50 + ["reverse"] * 50
 
 
 def test_exclude_held_out_from_other_seed():
@@ -118,8 +118,9 @@ def test_clean_response(response, expected):
 
 
 def test_resolve_tasks():
-    assert [t.name for t in tasks.resolve_tasks(None)] == ["add", "sort", "reverse"]
-    assert [t.name for t in tasks.resolve_tasks([])] == ["add", "sort", "reverse"]
+    assert [t.name for t in tasks.resolve_tasks(None)] == ["sort", "reverse"]
+    assert [t.name for t in tasks.resolve_tasks([])] == ["sort", "reverse"]
+    assert [t.name for t in tasks.resolve_tasks(["add", "sort"])] == ["add", "sort"]
     with pytest.raises(KeyError, match="unknown built-in task 'mul'; known: add, sort, reverse"):
         tasks.resolve_tasks(["add", "mul"])
 
@@ -132,24 +133,53 @@ def _wrong(name: str, question: str) -> set[str]:
 
 def test_addition_wrong_answers():
     # 47 + 85 = 132; digit-wise without carry: 0+0, 4+8, 7+5 -> 0, 2, 2 -> 22
-    assert _wrong("add", "What is 47 + 85?") == {"22", "133", "131", "142", "122", "232"}
+    # (+ the last digit repeated: too long)
+    assert _wrong("add", "What is 47 + 85?") == {"22", "133", "131", "142", "122", "232", "1322"}
     # 5 + 5 = 10; no carry -> 0 (also 10 - 10)
-    assert _wrong("add", "What is 5 + 5?") == {"0", "9", "11", "20", "110"}
+    assert _wrong("add", "What is 5 + 5?") == {"0", "9", "11", "20", "110", "100"}
     # 12 + 3 = 15 has no carry: the no-carry answer is the right one and is left out
-    assert _wrong("add", "What is 12 + 3?") == {"16", "14", "25", "5", "115"}
+    assert _wrong("add", "What is 12 + 3?") == {"16", "14", "25", "5", "115", "155"}
+
+
+def test_addition_questions_add_one_digit_to_a_number_below_1000():
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = map(int, TASKS["add"].pattern.match(TASKS["add"].question(rng)).groups())
+        assert min(a, b) < 10 and max(a, b) < 1000
+
+
+def _split_extra_word(wrong: set[str], words: list[str]) -> set[str]:
+    """Remove the one 'extra word' answer (sorted input + one word of WORDS not in it) and check it."""
+    extra = [w for w in wrong if len(w.split()) == len(words) + 1]
+    assert len(extra) == 1
+    added = set(extra[0].split()) - set(words)
+    assert len(added) == 1 and added <= set(tasks.WORDS)
+    assert extra[0].split() == sorted(extra[0].split())
+    return wrong - set(extra)
 
 
 def test_sort_wrong_answers():
-    assert _wrong("sort", "Sort: pear apple fox") == {
-        "fox apple pear",
+    wrong = _wrong("sort", "Sort: pear apple fox")
+    assert _split_extra_word(wrong, ["pear", "apple", "fox"]) == {
+        "fox apple pear",  # neighbours swapped
         "apple pear fox",
-        "pear apple fox",
+        "pear apple fox",  # the input order
+        "apple fox",  # a word short
     }
     # already sorted input: the input itself is the right answer and is left out
-    assert _wrong("sort", "Sort: ant bee cat") == {"bee ant cat", "ant cat bee"}
+    wrong = _wrong("sort", "Sort: ant bee cat")
+    assert _split_extra_word(wrong, ["ant", "bee", "cat"]) == {"bee ant cat", "ant cat bee", "ant bee"}
+
+
+def test_wrong_answers_are_shorter_and_longer_so_length_does_not_decide():
+    for name in ("sort", "reverse"):
+        rows = generate([name], 500, seed=4)
+        longer = sum(len(e.rejected) > len(e.chosen) for e in rows)
+        shorter = sum(len(e.rejected) < len(e.chosen) for e in rows)
+        assert longer > 50 and shorter > 50, (name, longer, shorter)
 
 
 def test_reverse_wrong_answers():
-    assert _wrong("reverse", "Reverse: abc") == {"abc", "bca", "cab", "cb"}
+    assert _wrong("reverse", "Reverse: abc") == {"abc", "bca", "cab", "cb", "cbaa"}
     # palindrome: the input is the right answer; swapping equal letters too
-    assert _wrong("reverse", "Reverse: aba") == {"baa", "aab", "ab"}
+    assert _wrong("reverse", "Reverse: aba") == {"baa", "aab", "ab", "abaa"}
