@@ -258,6 +258,10 @@ class PPOArgs:
     )
     generation_batches: int = opt(1, "generation rounds collected before the PPO epochs over them")
     ppo_epochs: int = opt(1, "passes of PPO updates over each collected batch")
+    freezing_actor_steps: int = opt(
+        0,
+        "first generation rounds in which only the critic learns, so its values settle before they steer the actor",
+    )
     num_train_epochs: int = opt(1, "passes over the prompt set")
     max_steps: int = opt(0, "stop after this many generation rounds (0 = all epochs)")
     max_prompt_seq_len: int = opt(256, "longest prompt in tokens; longer prompts are dropped and counted")
@@ -306,7 +310,14 @@ class PPOArgs:
                 f"--per_device_training_batch_size {self.per_device_training_batch_size} must divide the generated batch "
                 f"(--per_device_generation_batch_size x --generation_batches = {collected})"
             )
-        for name in ("kl_coef", "clip_reward_value", "cliprange", "cliprange_value", "unsup_coef"):
+        for name in (
+            "kl_coef",
+            "clip_reward_value",
+            "cliprange",
+            "cliprange_value",
+            "unsup_coef",
+            "freezing_actor_steps",
+        ):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:

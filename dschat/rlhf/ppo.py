@@ -134,28 +134,18 @@ class PPOTrainer:
         return exp, stats
 
     # ------------------------------------------------------------------ 2. PPO update
-    def train(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
-        """One clipped PPO update of actor and critic on a minibatch of experience."""
+    def train(
+        self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None = None, *, train_actor: bool = True
+    ) -> dict[str, float]:
+        """One clipped PPO update of actor and critic on a minibatch of experience.
+
+        ``train_actor=False`` updates the critic alone (``--freezing_actor_steps``).
+        """
         h = self.hyper
+        out: dict[str, float] = {}
         with self._timed("train"):
-            # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)
-            self.actor.train()
-            logits = self._logits(self.actor, exp.sequences, exp.attention_mask)
-            logprobs = M.logprobs_of(logits, exp.sequences)
-            pg_loss, pg_stats = M.policy_loss(
-                logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange
-            )
-            actor_loss = pg_loss
-            out = {}
-            if unsup_batch is not None and h.unsup_coef > 0:
-                lm_logits = self.actor(
-                    input_ids=unsup_batch["input_ids"], attention_mask=unsup_batch["attention_mask"]
-                ).logits
-                ptx, _ = mean_token_nll(lm_logits, unsup_batch["labels"])
-                actor_loss = actor_loss + h.unsup_coef * ptx
-                out["ptx_loss"] = float(ptx.detach())
-            self.actor.backward(actor_loss)
-            self.actor.step()
+            if train_actor:
+                out.update(self._train_actor(exp, unsup_batch))
             # 2b. critic: clipped value regression towards the GAE returns
             self.critic.train()
             values = self.critic(exp.sequences, exp.attention_mask)[:, :-1]
@@ -166,11 +156,37 @@ class PPOTrainer:
             self.critic.step()
         out.update(
             {
-                "policy_loss": float(pg_loss.detach()),
                 "value_loss": float(v_loss.detach()),
+                "value_clip_fraction": float(v_stats["value_clip_fraction"]),
+            }
+        )
+        return out
+
+    def _train_actor(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)
+        h = self.hyper
+        self.actor.train()
+        logits = self._logits(self.actor, exp.sequences, exp.attention_mask)
+        logprobs = M.logprobs_of(logits, exp.sequences)
+        pg_loss, pg_stats = M.policy_loss(
+            logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange
+        )
+        actor_loss = pg_loss
+        out: dict[str, float] = {}
+        if unsup_batch is not None and h.unsup_coef > 0:
+            lm_logits = self.actor(
+                input_ids=unsup_batch["input_ids"], attention_mask=unsup_batch["attention_mask"]
+            ).logits
+            ptx, _ = mean_token_nll(lm_logits, unsup_batch["labels"])
+            actor_loss = actor_loss + h.unsup_coef * ptx
+            out["ptx_loss"] = float(ptx.detach())
+        self.actor.backward(actor_loss)
+        self.actor.step()
+        out.update(
+            {
+                "policy_loss": float(pg_loss.detach()),
                 "clip_fraction": float(pg_stats["clip_fraction"]),
                 "approx_kl": float(pg_stats["approx_kl"]),
-                "value_clip_fraction": float(v_stats["value_clip_fraction"]),
             }
         )
         return out

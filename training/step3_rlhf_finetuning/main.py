@@ -309,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                     unsup = None
                     if unsup_iter is not None:
                         unsup = {k: v.to(actor.device) for k, v in next(unsup_iter).items()}
-                    window.add(updates=1, **trainer.train(collected.slice(s, s + mb), unsup))
+                    train_actor = state.step > ppo.freezing_actor_steps
+                    stats = trainer.train(collected.slice(s, s + mb), unsup, train_actor=train_actor)
+                    window.add(updates=1, actor_updates=float(train_actor), **stats)
                     if ema is not None:
                         ema.update(actor.module)
         window.add(round_seconds=time.perf_counter() - t0)
@@ -327,17 +329,12 @@ def main(argv: list[str] | None = None) -> int:
                 "train_seconds": trainer.timing["train"],
             }  # fmt: skip
             if w.get("updates"):
-                u = w["updates"]
-                for k in (
-                    "policy_loss",
-                    "value_loss",
-                    "clip_fraction",
-                    "approx_kl",
-                    "value_clip_fraction",
-                    "ptx_loss",
-                ):
+                u, ua = w["updates"], max(w.get("actor_updates", 0.0), 1.0)
+                for k in ("value_loss", "value_clip_fraction"):
+                    row[k] = w[k] / u
+                for k in ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss"):  # actor updates only
                     if k in w:
-                        row[k] = w[k] / u
+                        row[k] = w[k] / ua
             kl_ctl.update(row["kl_to_reference"], n_steps=int(rows))
             first_round = first_round or row
             last_round = row
