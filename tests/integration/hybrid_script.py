@@ -118,7 +118,9 @@ def single(workdir: Path) -> None:
         ref = reference(engine, tok, workdir, f"ref-{stage}-{lora}")
         engine.train()
         before = snapshot(engine)
-        gen = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3)
+        gen = HybridGenerator(
+            engine, tok, GREEDY, zero3=stage == 3, static_cache=True
+        )  # reused, reset per round
         with gen.generation_mode() as g:
             ours = g.generate(enc["input_ids"], enc["attention_mask"])
         with gen.generation_mode() as g:  # a second round refills the kept copy
@@ -134,7 +136,9 @@ def single(workdir: Path) -> None:
         bf16 = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3, dtype=torch.bfloat16)
         with bf16.generation_mode() as g:
             g.generate(enc["input_ids"], enc["attention_mask"])
-        released = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3, gather_layers=1, release_cache=True)
+        released = HybridGenerator(
+            engine, tok, GREEDY, zero3=stage == 3, gather_layers=1, release_cache=True, static_cache=True
+        )  # the GPU default, exercised here on CPU
         with released.generation_mode() as g:
             chunked = g.generate(enc["input_ids"], enc["attention_mask"])
         unpinned = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3, unpin=True)
