@@ -68,8 +68,7 @@ def tp_groups(tp_size: int) -> TPGroup:
         ranks = list(range(first, first + tp_size))
         group = tdist.new_group(ranks)
         if rank in ranks:
-            mine = TPGroup(rank=rank - first, size=tp_size, group=group)
-            mine.leader = first  # type: ignore[attr-defined]
+            mine = TPGroup(rank=rank - first, size=tp_size, group=group, leader=first)
     return mine
 
 
@@ -159,6 +158,8 @@ class HybridGenerator:
             peak = self.copy.refill(gather_zero3, self.gather_layers, probe=self._probe_device_memory)
             self.gather_peak_bytes = max(self.gather_peak_bytes, peak)
             self._model = self.copy.model
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)  # the copies are asynchronous on GPUs
         seconds = time.perf_counter() - t
         self.first_switch_seconds = self.first_switch_seconds or seconds
         self.switches += 1
@@ -186,7 +187,9 @@ class HybridGenerator:
 
     # ------------------------------------------------------------------ generation
     def _cache(self, model: torch.nn.Module, batch: int, length: int):
-        """A StaticCache for ``batch`` rows of at least ``length`` tokens, kept between rounds."""
+        """The KV cache of one generate call: a StaticCache for ``batch`` rows of at least ``length``
+        tokens, kept between rounds; or (``static_cache`` off) None for a dynamic cache, or an fp32
+        dynamic cache for a bf16/fp16 copy on CPU (the attention runs in fp32 there)."""
         if not self.static_cache:
             copy = self.copy
             if (
@@ -244,7 +247,7 @@ class HybridGenerator:
             if self.tp.rank == 0
             else torch.zeros(1, dtype=torch.long, device=device)
         )
-        tdist.broadcast(seed, src=self.tp.leader, group=self.tp.group)  # type: ignore[attr-defined]
+        tdist.broadcast(seed, src=self.tp.leader, group=self.tp.group)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed))
         return gen

@@ -155,9 +155,10 @@ def merged_lora_weight(
 class TPGroup:
     """This rank's place in its tensor-parallel group (``group`` None: a group of one)."""
 
-    rank: int = 0
+    rank: int = 0  # within the group
     size: int = 1
     group: object | None = None
+    leader: int = 0  # global rank of the group's rank 0
 
 
 @dataclass
