@@ -64,7 +64,9 @@ WORDS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"
 
 class SortWords:
     """Sort 3-4 words alphabetically; wrong answers swap a neighbouring pair, keep the input order, drop a
-    word, or add one (shorter and longer wrong answers, so length alone never tells them apart)."""
+    word, add one (shorter and longer wrong answers, so length alone never tells them apart) or replace one
+    with a word that is not in the question (sorted, so order alone does not tell them apart either: a
+    reward model trained without these was exploited by PPO answers made of late-alphabet words)."""
 
     name = "sort"
     pattern = re.compile(r"^Sort: ([a-z ]+)$")
@@ -86,6 +88,9 @@ class SortWords:
         out.append(" ".join(words[:-1]))
         extra = [w for w in WORDS if w not in words]
         out.append(" ".join(sorted([*words, rng.choice(extra)])))
+        replaced = list(words)
+        replaced[rng.randrange(len(words))] = rng.choice(extra)
+        out.append(" ".join(sorted(replaced)))
         right = " ".join(words)
         out = [o for o in dict.fromkeys(out) if o != right]
         rng.shuffle(out)
@@ -94,7 +99,7 @@ class SortWords:
 
 class ReverseLetters:
     """Reverse a string of 3-5 letters; wrong answers are the input itself, a near-miss reversal, one
-    letter short, or one letter too many."""
+    letter short, one letter too many, or one letter changed."""
 
     name = "reverse"
     pattern = re.compile(r"^Reverse: ([a-z]+)$")
@@ -114,12 +119,15 @@ class ReverseLetters:
             out.append("".join(w))
         out.append(right[:-1])
         out.append(right + right[-1])
+        i = rng.randrange(len(right))
+        other = rng.choice([c for c in string.ascii_lowercase[:8] if c != right[i]])
+        out.append(right[:i] + other + right[i + 1 :])
         out = [o for o in dict.fromkeys(out) if o != right]
         rng.shuffle(out)
         return out
 
 
-TASKS_VERSION = 6  # part of the data-cache key: bump when generation changes
+TASKS_VERSION = 7  # part of the data-cache key: bump when generation changes
 
 TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortWords(), ReverseLetters())}
 # ``builtin`` without a task list. Addition stays available (``builtin:add``) but is not a default: the tiny
@@ -188,7 +196,8 @@ def generate(
             seen.add(prompt)
             last_new = attempts
             m = task.pattern.match(q)
-            wrong = task.wrong_answers(m, rng)
+            # Wrong answers draw from their own generator, so changing them never changes the questions.
+            wrong = task.wrong_answers(m, random.Random(f"{task.name}:{seed}:{q}"))
             out.append(TaskExample(task.name, prompt, " " + task.answer(m), " " + wrong[0]))
             made += 1
     return out

@@ -148,19 +148,22 @@ def test_addition_questions_add_one_digit_to_a_number_below_1000():
         assert min(a, b) < 10 and max(a, b) < 1000
 
 
-def _split_extra_word(wrong: set[str], words: list[str]) -> set[str]:
-    """Remove the one 'extra word' answer (sorted input + one word of WORDS not in it) and check it."""
-    extra = [w for w in wrong if len(w.split()) == len(words) + 1]
-    assert len(extra) == 1
-    added = set(extra[0].split()) - set(words)
-    assert len(added) == 1 and added <= set(tasks.WORDS)
-    assert extra[0].split() == sorted(extra[0].split())
-    return wrong - set(extra)
+def _split_foreign_words(wrong: set[str], words: list[str]) -> set[str]:
+    """Remove and check the two answers with a word not in the question: the sorted input plus one
+    word of WORDS, and the sorted input with one word replaced by such a word."""
+    foreign = [w for w in wrong if set(w.split()) - set(words)]
+    assert sorted(len(w.split()) - len(words) for w in foreign) == [0, 1], foreign
+    for answer in foreign:
+        added = set(answer.split()) - set(words)
+        assert len(added) == 1 and added <= set(tasks.WORDS)
+        assert answer.split() == sorted(answer.split())
+        assert len(set(answer.split()) & set(words)) == len(answer.split()) - 1
+    return wrong - set(foreign)
 
 
 def test_sort_wrong_answers():
     wrong = _wrong("sort", "Sort: pear apple fox")
-    assert _split_extra_word(wrong, ["pear", "apple", "fox"]) == {
+    assert _split_foreign_words(wrong, ["pear", "apple", "fox"]) == {
         "fox apple pear",  # neighbours swapped
         "apple pear fox",
         "pear apple fox",  # the input order
@@ -168,7 +171,7 @@ def test_sort_wrong_answers():
     }
     # already sorted input: the input itself is the right answer and is left out
     wrong = _wrong("sort", "Sort: ant bee cat")
-    assert _split_extra_word(wrong, ["ant", "bee", "cat"]) == {"bee ant cat", "ant cat bee", "ant bee"}
+    assert _split_foreign_words(wrong, ["ant", "bee", "cat"]) == {"bee ant cat", "ant cat bee", "ant bee"}
 
 
 def test_wrong_answers_are_shorter_and_longer_so_length_does_not_decide():
@@ -180,6 +183,25 @@ def test_wrong_answers_are_shorter_and_longer_so_length_does_not_decide():
 
 
 def test_reverse_wrong_answers():
-    assert _wrong("reverse", "Reverse: abc") == {"abc", "bca", "cab", "cb", "cbaa"}
+    def split_changed_letter(wrong: set[str], right: str) -> set[str]:
+        changed = [w for w in wrong if len(w) == len(right) and sorted(w) != sorted(right)]
+        assert len(changed) == 1 and sum(a != b for a, b in zip(changed[0], right)) == 1, changed
+        return wrong - set(changed)
+
+    assert split_changed_letter(_wrong("reverse", "Reverse: abc"), "cba") == {
+        "abc",
+        "bca",
+        "cab",
+        "cb",
+        "cbaa",
+    }
     # palindrome: the input is the right answer; swapping equal letters too
-    assert _wrong("reverse", "Reverse: aba") == {"baa", "aab", "ab", "abaa"}
+    assert split_changed_letter(_wrong("reverse", "Reverse: aba"), "aba") == {"baa", "aab", "ab", "abaa"}
+
+
+def test_wrong_answers_do_not_change_the_questions(monkeypatch):
+    """Wrong answers use their own generator: the question sequence depends on the seed alone."""
+    prompts = [e.prompt for e in generate(None, 50, seed=9)]
+    # a wrong-answer rule that draws a different amount of randomness
+    monkeypatch.setattr(TASKS["sort"], "wrong_answers", lambda m, rng: [str(rng.random() + rng.random())])
+    assert [e.prompt for e in generate(None, 50, seed=9)] == prompts
