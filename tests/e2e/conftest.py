@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,3 +36,12 @@ def tiny(tmp_path_factory) -> SimpleNamespace:
     cfg["base_model_name_or_path"] = str(root / "deleted-base")
     cfg_path.write_text(json.dumps(cfg))
     return ns
+
+
+def load_entry_main(path: str, name: str) -> Callable:
+    """An entry script's ``main`` imported in this process (no interpreter start-up per test case)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.main

@@ -6,7 +6,6 @@ says " 0123456789" and then invents a "\\nHuman:" turn, ``endless`` never stops 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from dschat.utils.errors import UserError
 from tests.conftest import ROOT, run_cmd
+from tests.e2e.conftest import load_entry_main
 from tests.integration.helpers import assert_ok, error_line
 
 CHAT = str(ROOT / "inference" / "chat.py")
@@ -113,11 +113,7 @@ def test_lora_adapter_without_its_base_is_one_line(tiny):
 # is run_cli's, shown by the subprocess test above): no interpreter start-up per case.
 @pytest.fixture(scope="module")
 def chat_main():
-    spec = importlib.util.spec_from_file_location("dschat_chat_cli", CHAT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.main
+    return load_entry_main(CHAT, "dschat_chat_cli")
 
 
 def test_lora_adapter_with_base_model(tiny, chat_main, capsys):

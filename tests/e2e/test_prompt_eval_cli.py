@@ -7,14 +7,13 @@ correct, it wins every prompt on reward, and the reported numbers can be written
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
 from dschat.utils.errors import UserError
 from tests.conftest import ROOT, run_cmd
+from tests.e2e.conftest import load_entry_main
 from tests.integration.helpers import assert_ok, error_line, read_jsonl
 
 PROMPT_EVAL = str(ROOT / "inference" / "prompt_eval.py")
@@ -61,11 +60,7 @@ def test_malformed_prompts_file_is_one_line(tiny, tmp_path):
 
 @pytest.fixture(scope="module")
 def eval_main():
-    spec = importlib.util.spec_from_file_location("dschat_prompt_eval_cli", PROMPT_EVAL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.main
+    return load_entry_main(PROMPT_EVAL, "dschat_prompt_eval_cli")
 
 
 def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
