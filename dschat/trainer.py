@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
+from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, to_dict
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
@@ -27,7 +27,7 @@ from dschat.models.lora import inject_lora
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import MetricsLogger, setup_logging
-from dschat.utils.run import check_output_dir, clear_previous_run
+from dschat.utils.run import check_output_dir, clear_previous_run, save_resolved_config
 
 LOG = logging.getLogger("dschat")
 
@@ -250,6 +250,20 @@ class Batches:
     evals: list  # this rank's (batch, weight) evaluation batches
     total_steps: int  # optimizer steps of the run
     global_batch: int  # samples per optimizer step over all ranks
+
+
+def save_step_config(
+    step: int, args: tuple, run: RunArgs, setup: StepSetup, batches: Batches, data
+) -> dict[str, Any]:
+    """Every option of step 1 or 2 plus what was resolved from them, saved next to the outputs; returned
+    for the metrics loggers."""
+    resolved = {
+        "step": step, **to_dict(*args), "resolved_model_path": setup.model_path, "resolved_dtype": setup.dtype,
+        "world_size": setup.world, "global_batch_size": batches.global_batch, "total_steps": batches.total_steps,
+        "data": data.stats, "data_cache_hit": data.cache_hit,
+    }  # fmt: skip
+    save_resolved_config(run.output_dir, resolved)
+    return resolved
 
 
 def make_batches(data, optim: OptimArgs, collate, seed: int) -> Batches:

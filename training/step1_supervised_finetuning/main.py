@@ -36,7 +36,6 @@ from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
-    save_resolved_config,
     write_summary,
 )
 
@@ -63,18 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     T.begin_outputs(run)
-    resolved = {
-        "step": 1,
-        **C.to_dict(*args),
-        "resolved_model_path": model_path,
-        "resolved_dtype": dtype,
-        "world_size": world,
-        "global_batch_size": global_batch,
-        "total_steps": total_steps,
-        "data": data.stats,
-        "data_cache_hit": data.cache_hit,
-    }
-    save_resolved_config(run.output_dir, resolved)
+    resolved = T.save_step_config(1, args, run, setup, batches, data)
     log.info(
         "data: %d train / %d eval samples (dropped %d longer than --max_seq_len), %d steps",
         len(data.train), len(data.eval), data.stats["train"]["dropped_too_long"], total_steps,

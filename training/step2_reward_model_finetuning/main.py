@@ -35,7 +35,6 @@ from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
-    save_resolved_config,
     write_summary,
 )
 
@@ -68,12 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     T.begin_outputs(run)
-    resolved = {
-        "step": 2, **C.to_dict(*args), "resolved_model_path": model_path, "resolved_dtype": dtype,
-        "world_size": world, "global_batch_size": global_batch, "total_steps": total_steps,
-        "data": data.stats, "data_cache_hit": data.cache_hit,
-    }  # fmt: skip
-    save_resolved_config(run.output_dir, resolved)
+    resolved = T.save_step_config(2, args, run, setup, batches, data)
     st = data.stats["train"]
     log.info(
         "data: %d train / %d eval pairs; dropped %d identical, %d empty, %d too long; %d prompts truncated; %d steps",
