@@ -124,11 +124,16 @@ def test_freezing_actor_steps_trains_the_critic_alone(models, tmp_path):
     out = tmp_path / "frozen"
     assert_ok(step3(out, actor, rm, *EASY, "--max_steps", "2", "--freezing_actor_steps", "2", "--dtype", "fp32",
                     "--critic_learning_rate", "1e-3"))  # fmt: skip
-    before, after = load_file(Path(actor) / "model.safetensors"), load_file(out / "actor" / "model.safetensors")
+    before, after = (
+        load_file(Path(actor) / "model.safetensors"),
+        load_file(out / "actor" / "model.safetensors"),
+    )
     assert all((before[k] == after[k]).all() for k in after), "the actor moved while frozen"
     critic_before = load_file(rm / "model.safetensors")
     critic_after = load_file(out / "critic" / "model.safetensors")
-    assert any(not (critic_before[k] == critic_after[k]).all() for k in critic_after), "the critic did not learn"
+    assert any(not (critic_before[k] == critic_after[k]).all() for k in critic_after), (
+        "the critic did not learn"
+    )
     rows = train_rows(out)
     assert "value_loss" in rows[-1] and "policy_loss" not in rows[-1]
 
