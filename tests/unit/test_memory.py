@@ -167,32 +167,18 @@ def test_choice_flags_leave_explicit_flags_alone():
     assert P.given(["--zero_stage", "1", "--zero_stage", "2"], "--zero_stage") == "2"  # argparse: last wins
 
 
+OPT = {"model_type": "opt", "vocab_size": 100, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2,
+       "num_attention_heads": 2, "max_position_embeddings": 32}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
         SMALL,
         {**SMALL, "model_type": "qwen2", "tie_word_embeddings": True},
         {**SMALL, "model_type": "mistral", "num_key_value_heads": 2},
-        {
-            "model_type": "opt",
-            "vocab_size": 100,
-            "hidden_size": 16,
-            "ffn_dim": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "max_position_embeddings": 32,
-            "word_embed_proj_dim": 8,
-            "do_layer_norm_before": False,
-        },
-        {
-            "model_type": "opt",
-            "vocab_size": 100,
-            "hidden_size": 16,
-            "ffn_dim": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "max_position_embeddings": 32,
-        },
+        {**OPT, "word_embed_proj_dim": 8, "do_layer_norm_before": False},
+        OPT,
         {"model_type": "gpt2", "vocab_size": 100, "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 32},
     ],
     ids=["llama", "qwen2-tied", "mistral", "opt-350m-like", "opt", "gpt2"],
