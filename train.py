@@ -324,17 +324,25 @@ def describe_preset(preset: dict, args: argparse.Namespace) -> str:
     head += (
         [f"reward model {args.reward_model or preset['reward_model']}"] if preset.get("reward_model") else []
     )
-    steps = [f"step{n} {' '.join(preset_flags(preset, n))}" for n in (1, 2, 3) if preset.get(f"step{n}")]
+    steps = [
+        f"step{n} {' '.join(preset_flags(preset, n, args.output_dir))}"
+        for n in (1, 2, 3)
+        if preset.get(f"step{n}")
+    ]
     return f"==> preset {preset['_name']} ({preset['_why']}): " + "; ".join(head + steps)
 
 
-def preset_flags(preset: dict, step: int) -> list[str]:
+def preset_flags(preset: dict, step: int, output_dir: str | None = None) -> list[str]:
+    """The preset's flags of one step; ``{output_dir}`` in a value becomes the run's --output-dir (so a
+    preset can point one step at another's output, e.g. ``{output_dir}/step1``)."""
     out: list[str] = []
     for flag, value in (preset.get(f"step{step}") or {}).items():
         if value is True:
             out.append(flag)
         elif value is not False and value is not None:
             out += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    if output_dir is not None:
+        out = [v.replace("{output_dir}", output_dir) for v in out]
     return out
 
 
@@ -372,7 +380,7 @@ def step_args(
         a.append("--resume")
     if args.node_local_storage:
         a.append("--node_local_storage")
-    return preset_flags(preset or {}, step) + a + list(planned) + extra
+    return preset_flags(preset or {}, step, args.output_dir) + a + list(planned) + extra
 
 
 # train.py flag -> the step flag it sets, per step (a different value for the same step flag after -- is a conflict)

@@ -176,10 +176,34 @@ class RunArgs:
 @dataclass
 class RewardArgs:
     margin: float = opt(0.0, "ranking margin m in -log sigmoid(r_chosen - r_rejected - m)")
+    policy_negatives_from: str | None = opt(
+        None,
+        "a causal LM (e.g. the step-1 model) whose own wrong answers to the built-in tasks' prompts become extra "
+        "rejected responses (on-policy pairs, as InstructGPT compared samples of its SFT model): the reward model "
+        "then learns the mistakes PPO's actor will make, not only synthetic ones",
+        type=str,
+    )
+    policy_negatives_per_prompt: int = opt(4, "answers sampled per prompt for --policy_negatives_from")
+    policy_negatives_max_prompts: int = opt(
+        0, "sample answers to at most this many of the step's training prompts (0 = all)"
+    )
+    policy_negatives_temperature: float = opt(1.0, "sampling temperature for --policy_negatives_from")
+    policy_negatives_max_new_tokens: int = opt(32, "longest sampled answer for --policy_negatives_from")
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.margin < 0:
             raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
+        if self.policy_negatives_max_prompts < 0:
+            raise UserError(
+                f"--{prefix}policy_negatives_max_prompts must be >= 0, got {self.policy_negatives_max_prompts}"
+            )
+        for name in ("policy_negatives_per_prompt", "policy_negatives_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy_negatives_temperature <= 0:
+            raise UserError(
+                f"--{prefix}policy_negatives_temperature must be > 0, got {self.policy_negatives_temperature}"
+            )
 
 
 @dataclass
@@ -256,6 +280,15 @@ class PPOArgs:
     per_device_training_batch_size: int = opt(
         16, "experiences per device per PPO update (must divide the generated batch)"
     )
+    n_samples_per_prompt: int = opt(
+        1, "responses sampled per prompt (rows per round = prompts x this); rloo/group_norm compare them"
+    )
+    advantage_estimator: str = opt(
+        "gae",
+        "gae: critic values and GAE (DeepSpeed-Chat); rloo / group_norm: no critic, the score minus the mean "
+        "of the prompt's other responses (RLOO) or normalised within the prompt's group (GRPO)",
+        choices=("gae", "rloo", "group_norm"),
+    )
     generation_batches: int = opt(1, "generation rounds collected before the PPO epochs over them")
     ppo_epochs: int = opt(1, "passes of PPO updates over each collected batch")
     freezing_actor_steps: int = opt(
@@ -304,12 +337,23 @@ class PPOArgs:
                      "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        collected = self.per_device_generation_batch_size * self.generation_batches
+        if self.n_samples_per_prompt < 1:
+            raise UserError(f"--n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        collected = (
+            self.per_device_generation_batch_size * self.n_samples_per_prompt * self.generation_batches
+        )
         if collected % self.per_device_training_batch_size:
             raise UserError(
                 f"--per_device_training_batch_size {self.per_device_training_batch_size} must divide the generated batch "
-                f"(--per_device_generation_batch_size x --generation_batches = {collected})"
+                f"(--per_device_generation_batch_size x --n_samples_per_prompt x --generation_batches = {collected})"
             )
+        if self.advantage_estimator != "gae":
+            if self.n_samples_per_prompt < 2:
+                raise UserError(f"--advantage_estimator {self.advantage_estimator} compares each prompt's responses "
+                                f"with each other: it needs --n_samples_per_prompt >= 2")  # fmt: skip
+            if self.freezing_actor_steps:
+                raise UserError(f"--freezing_actor_steps trains the critic alone, and --advantage_estimator "
+                                f"{self.advantage_estimator} has no critic: use one or the other")  # fmt: skip
         for name in (
             "kl_coef",
             "clip_reward_value",

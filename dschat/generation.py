@@ -22,8 +22,10 @@ def generate_texts(
     device: torch.device | str = "cpu",
     synced_gpus: bool = False,
     generator=None,
+    sampling: SamplingConfig | None = None,
 ) -> list[str]:
-    """Greedy completions (text after the prompt) for ``prompts``, left-padded batches.
+    """Greedy completions (text after the prompt) for ``prompts``, left-padded batches; sampled ones
+    with ``sampling`` (its ``max_new_tokens`` then replaces ``max_new_tokens``).
 
     ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done. ``generator``
     (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of
@@ -34,17 +36,23 @@ def generate_texts(
     was_training = model.training
     model.eval()
     out: list[str] = []
+    cfg = sampling or SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
     try:
         for s in range(0, len(prompts), batch_size):
             enc = tokenizer(prompts[s : s + batch_size], return_tensors="pt", padding=True).to(device)
             if generator is not None:
-                greedy = SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
-                seq = generator.generate(enc["input_ids"], enc["attention_mask"], greedy)
+                seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg)
             else:
+                extra = (
+                    {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+                    if cfg.do_sample
+                    else {}
+                )
                 seq = model.generate(
                     **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
+                    **extra,
+                    max_new_tokens=cfg.max_new_tokens,
+                    do_sample=cfg.do_sample,
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
                     synced_gpus=synced_gpus,
@@ -65,10 +73,12 @@ def task_accuracy(
     *,
     device,
     synced_gpus: bool = False,
-    max_new_tokens: int = 24,
+    max_new_tokens: int = 32,
     generator=None,
+    sampling: SamplingConfig | None = None,
 ) -> dict[str, float] | None:
-    """Verifier accuracy of greedy answers over the prompts a built-in task recognises (None if none does).
+    """Verifier accuracy of greedy answers (sampled ones with ``sampling``) over the prompts a built-in
+    task recognises (None if none does).
 
     Each rank answers its own slice; counts are summed over ranks. Returns ``accuracy`` and
     ``accuracy/<task>`` keys.
@@ -89,6 +99,7 @@ def task_accuracy(
         synced_gpus=synced_gpus,
         max_new_tokens=max_new_tokens,
         generator=generator,
+        sampling=sampling,
     )
     right: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)
@@ -104,3 +115,16 @@ def task_accuracy(
         if tn:
             result[f"accuracy/{n}"] = rn / tn
     return result
+
+
+def answers_cut_by_budget(tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[int, int]:
+    """How many built-in prompts' right answers (plus EOS) do not fit in ``max_new_tokens`` new tokens,
+    and the longest such answer in tokens: ``(count, longest)``. A budget that cuts right answers caps
+    true accuracy and punishes right answers during PPO, so the steps warn about it."""
+    lengths = [
+        len(tokenizer(" " + a, add_special_tokens=False)["input_ids"]) + 1
+        for a in (tasks.reference_answer(p) for p in prompts)
+        if a is not None
+    ]
+    cut = [n for n in lengths if n > max_new_tokens]
+    return len(cut), max(lengths, default=0)

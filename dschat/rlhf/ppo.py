@@ -29,13 +29,16 @@ class PPOHyper:
     lam: float
     whiten_advantages: bool
     unsup_coef: float
+    n_samples_per_prompt: int = 1
+    advantage_estimator: str = "gae"  # gae (critic) | rloo | group_norm (per-prompt baseline, no critic)
 
 
 class PPOTrainer:
     """``make_experience(prompts) -> Experience`` and ``train(experience) -> metrics``.
 
     ``reference`` is an engine, or None when the reference is the LoRA actor with its adapter
-    disabled (``--share_reference_with_actor``).
+    disabled (``--share_reference_with_actor``). ``critic`` is None with the critic-free advantage
+    estimators (``rloo``, ``group_norm``).
     """
 
     def __init__(
@@ -80,8 +83,12 @@ class PPOTrainer:
     def make_experience(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     ) -> tuple[Experience, dict[str, float]]:
-        """Generate responses for (B, P) left-padded prompts and score them with every model."""
-        tok = self.tokenizer
+        """Generate ``n_samples_per_prompt`` responses for each of (B, P) left-padded prompts and score them
+        with every model. Rows of the result: B * n_samples_per_prompt, each prompt's responses adjacent."""
+        tok, h = self.tokenizer, self.hyper
+        if h.n_samples_per_prompt > 1:
+            prompt_ids = prompt_ids.repeat_interleave(h.n_samples_per_prompt, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(h.n_samples_per_prompt, dim=0)
         with self._timed("generation"), self.generator.generation_mode() as gen:
             sequences = gen.generate(prompt_ids, prompt_mask)
         prompt_len = prompt_ids.shape[1]
@@ -103,17 +110,25 @@ class PPOTrainer:
             with self.reference_mode() as ref:
                 ref.eval()
                 ref_logprobs = M.logprobs_of(self._logits(ref, sequences, attention_mask), sequences)
-            self.critic.eval()
-            values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
             prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
 
-            h = self.hyper
-            rewards, kl = M.kl_shaped_rewards(
-                scores, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, h.clip_reward_value
-            )
-            advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
+            if self.critic is not None:  # GAE with the critic's values
+                self.critic.eval()
+                values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
+                rewards, kl = M.kl_shaped_rewards(
+                    scores, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, h.clip_reward_value
+                )
+                advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
+            else:  # per-prompt baseline: the clipped score minus the other responses' scores, then reward-to-go
+                values = torch.zeros_like(logprobs)
+                clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
+                relative = M.group_relative_scores(clipped, h.n_samples_per_prompt, h.advantage_estimator)
+                rewards, kl = M.kl_shaped_rewards(
+                    relative, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, float("inf")
+                )
+                advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
             if h.whiten_advantages:
                 advantages = M.masked_whiten(advantages, action_mask)
         exp = Experience(
@@ -125,7 +140,12 @@ class PPOTrainer:
         stats = {
             "score_sum": float(scores.sum()),
             "score_sq_sum": float((scores.float() ** 2).sum()),
-            "reward_sum": float(rewards.sum()),  # per-sequence total reward, summed over rows
+            # per-sequence total reward (clipped score - KL penalty) summed over rows; the same for every
+            # estimator (with rloo/group_norm, ``rewards`` holds the baseline-subtracted score instead)
+            "reward_sum": float(
+                scores.float().clamp(-h.clip_reward_value, h.clip_reward_value).sum()
+                - self.kl_ctl.value * kl.sum()
+            ),
             "kl_sum": float(kl.sum()),  # per-sequence KL to the reference, summed over rows
             "entropy_sum": float(entropy) * len(lengths),
             "length_sum": float(lengths.sum()),
@@ -146,6 +166,8 @@ class PPOTrainer:
         with self._timed("train"):
             if train_actor:
                 out.update(self._train_actor(exp, unsup_batch))
+            if self.critic is None:
+                return out
             # 2b. critic: clipped value regression towards the GAE returns
             self.critic.train()
             values = self.critic(exp.sequences, exp.attention_mask)[:, :-1]

@@ -116,6 +116,44 @@ def gae(
     return adv * action_mask, returns
 
 
+ADVANTAGE_ESTIMATORS = ("gae", "rloo", "group_norm")
+
+
+def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) -> torch.Tensor:
+    """Scores of ``group_size`` responses per prompt, minus a per-prompt baseline: (B*K,) -> (B*K,).
+
+    Rows are grouped consecutively (prompt 0's K responses, then prompt 1's ...). ``rloo``
+    (REINFORCE leave-one-out, Ahmadian et al. 2024): ``s_i - mean_{j != i} s_j``. ``group_norm``
+    (GRPO, Shao et al. 2024): ``(s_i - mean_j s_j) / (std_j s_j + 1e-6)`` with the unbiased std.
+    A prompt whose responses all score alike gets zero: it carries no signal about which is better.
+    """
+    if group_size < 2:
+        raise ValueError(f"a per-prompt baseline needs at least 2 responses per prompt, got {group_size}")
+    if scores.shape[0] % group_size:
+        raise ValueError(f"{scores.shape[0]} scores do not split into groups of {group_size}")
+    s = scores.float().view(-1, group_size)
+    if method == "rloo":
+        baseline = (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
+        return (s - baseline).view(-1)
+    if method == "group_norm":
+        return ((s - s.mean(dim=1, keepdim=True)) / (s.std(dim=1, keepdim=True) + 1e-6)).view(-1)
+    raise ValueError(f"unknown group baseline {method!r}; known: rloo, group_norm")
+
+
+def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go ``G_t = r_t + gamma * G_{t+1}`` over the actions of each row: (B, T-1) -> (B, T-1).
+
+    The critic-free estimators use it as the advantage: with the score on the last action and the
+    KL penalty on every action, ``G_t`` is the (baseline-subtracted) score plus the KL still to come.
+    """
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for i in reversed(range(rewards.shape[1])):
+        running = (rewards[:, i] + gamma * running) * action_mask[:, i]
+        out[:, i] = running
+    return out
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -218,6 +218,16 @@ def verify(prompt: str, response: str) -> bool | None:
     return None
 
 
+def reference_answer(prompt: str) -> str | None:
+    """The right answer (without the leading space) if a built-in task recognises the prompt."""
+    q = last_question(prompt)
+    for task in TASKS.values():
+        m = task.pattern.match(q)
+        if m:
+            return task.answer(m)
+    return None
+
+
 def task_of(prompt: str) -> str | None:
     q = last_question(prompt)
     return next((t.name for t in TASKS.values() if t.pattern.match(q)), None)

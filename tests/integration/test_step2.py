@@ -187,3 +187,24 @@ def test_missing_rejected_field_is_one_clear_line(tmp_path):
     line = error_line(proc, "missing field 'rejected'")
     assert str(data) in line
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
+    out = tmp_path / "step2"
+    # An untrained policy answers (almost) everything wrong: each of its distinct answers becomes a pair.
+    proc = step2(out, *FAST, "--max_steps", "3", "--policy_negatives_from", "builtin:micro-llama",
+                 "--policy_negatives_max_prompts", "16", "--policy_negatives_per_prompt", "2",
+                 "--policy_negatives_max_new_tokens", "6")  # fmt: skip
+    assert_ok(proc)
+    s = json.loads((out / "summary.json").read_text())
+    train, held_out = s["policy_negatives"]["train"], s["policy_negatives"]["eval"]
+    assert train["prompts"] == 16 and train["answers"] == 32
+    assert 0 < train["pairs"] <= train["wrong_answers"] <= 32
+    assert held_out["pairs"] > 0
+    assert 0.0 <= s["eval_policy_negatives_accuracy_end"] <= 1.0
+    assert "on the policy's own mistakes" in proc.stderr + proc.stdout
+
+
+def test_policy_negatives_from_a_missing_model_is_one_line(tmp_path):
+    proc = step2(tmp_path / "o", *FAST, "--max_steps", "1", "--policy_negatives_from", str(tmp_path / "nope"))
+    error_line(proc, "--policy_negatives_from", str(tmp_path / "nope"))

@@ -75,6 +75,27 @@ def test_ppo_raises_an_easy_rule_based_reward(models, tmp_path):
         assert key in cfg
 
 
+def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path):
+    actor, rm = models
+    out = tmp_path / "rloo"
+    # 8 prompts x 4 responses = 32 rows per round, two updates of 16; no critic is built or saved.
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "25", "--max_answer_seq_len", "1", "--actor_learning_rate", "3e-3",
+                 "--kl_coef", "0.01", "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4",
+                 "--per_device_generation_batch_size", "8", "--eval_prompts", "8")  # fmt: skip
+    assert_ok(proc)
+    assert "critic none (rloo, 4 samples per prompt)" in proc.stderr + proc.stdout
+    rows = train_rows(out)
+    first = sum(r["score_mean"] for r in rows[:5]) / 5
+    last = sum(r["score_mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert "policy_loss" in rows[-1] and "value_loss" not in rows[-1]
+    assert (out / "actor" / "model.safetensors").exists() and not (out / "critic").exists()
+    s = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= s["true_accuracy_sampled_start"] <= 1.0 and 0.0 <= s["true_accuracy_sampled_end"] <= 1.0
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    assert cfg["advantage_estimator"] == "rloo" and cfg["n_samples_per_prompt"] == 4
+
+
 def test_resume_continues_to_the_same_actor(models, tmp_path):
     actor, rm = models
     flags = [

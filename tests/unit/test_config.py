@@ -14,6 +14,8 @@ from dschat.config import (
     LoraArgs,
     ModelArgs,
     OptimArgs,
+    PPOArgs,
+    RewardArgs,
     RunArgs,
     parse_data_split,
 )
@@ -207,6 +209,23 @@ def test_parse_data_split_names_the_given_flag():
         (OptimArgs(max_steps=-1), "--max_steps must be >= 0, got -1"),
         (OptimArgs(num_warmup_steps=-1), "--num_warmup_steps must be >= 0, got -1"),
         (OptimArgs(learning_rate=0.0), "--learning_rate must be > 0, got 0.0"),
+        (PPOArgs(n_samples_per_prompt=0), "--n_samples_per_prompt must be >= 1, got 0"),
+        (RewardArgs(policy_negatives_per_prompt=0), "--policy_negatives_per_prompt must be >= 1, got 0"),
+        (RewardArgs(policy_negatives_max_prompts=-1), "--policy_negatives_max_prompts must be >= 0, got -1"),
+        (RewardArgs(policy_negatives_temperature=0.0), "--policy_negatives_temperature must be > 0, got 0.0"),
+        (PPOArgs(advantage_estimator="rloo"), "--advantage_estimator rloo compares each prompt's responses"),
+        (
+            PPOArgs(advantage_estimator="group_norm", n_samples_per_prompt=4, freezing_actor_steps=3),
+            "--freezing_actor_steps trains the critic alone, and --advantage_estimator group_norm has no critic",
+        ),
+        # 16 prompts x 3 responses = 48 rows: 32 does not divide them
+        (
+            PPOArgs(
+                per_device_generation_batch_size=16, n_samples_per_prompt=3, per_device_training_batch_size=32
+            ),
+            "--per_device_training_batch_size 32 must divide the generated batch (--per_device_generation_batch_size "
+            "x --n_samples_per_prompt x --generation_batches = 48)",
+        ),
     ],
 )
 def test_validation_names_the_flag(obj, message):
@@ -234,6 +253,9 @@ def test_validation_uses_the_prefix():
         OptimArgs(max_steps=0, num_warmup_steps=0),
         RunArgs(resume=True),
         RunArgs(overwrite=True, save_steps=0, eval_interval=0),
+        # 16 prompts x 4 responses = 64 rows, 2 updates of 32
+        PPOArgs(advantage_estimator="rloo", n_samples_per_prompt=4, per_device_training_batch_size=32),
+        PPOArgs(n_samples_per_prompt=2),  # GAE with two responses per prompt is allowed
     ],
 )
 def test_valid_edge_values_are_accepted(obj):

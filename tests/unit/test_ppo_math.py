@@ -11,8 +11,10 @@ from dschat.rlhf.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     action_mask_from,
+    discounted_returns,
     entropy_of,
     gae,
+    group_relative_scores,
     kl_shaped_rewards,
     last_action_index,
     logprobs_of,
@@ -226,6 +228,45 @@ def test_gae_padding_after_the_last_action_changes_nothing():
         assert torch.allclose(adv_p[:, :4], adv, atol=1e-6)
         assert torch.allclose(ret_p[:, :4], ret, atol=1e-6)
         assert torch.all(adv_p[:, 4:] == 0) and torch.all(ret_p[:, 4:] == 0)
+
+
+# ---------------------------------------------------------------- critic-free estimators (rloo, group_norm)
+
+
+def test_rloo_hand_values():
+    # two prompts x 3 responses; baseline of each = mean of the other two in its group
+    # group 1: [1, -1, 1] -> 1 - 0 = 1, -1 - 1 = -2, 1 - 0 = 1
+    # group 2: [2, 4, 0]  -> 2 - 2 = 0, 4 - 1 = 3, 0 - 3 = -3
+    out = group_relative_scores(t([1.0, -1.0, 1.0, 2.0, 4.0, 0.0]), 3, "rloo")
+    assert close(out, [1.0, -2.0, 1.0, 0.0, 3.0, -3.0])
+
+
+def test_group_norm_hand_values():
+    # group [1, 2, 3]: mean 2, unbiased std 1 -> [-1, 0, 1]; group [5, 5, 5]: all alike -> 0
+    # group [0, 4]: mean 2, unbiased std sqrt(8) -> [-2, 2] / sqrt(8)
+    out = group_relative_scores(t([1.0, 2.0, 3.0, 5.0, 5.0, 5.0]), 3, "group_norm")
+    assert close(out, [-1.0, 0.0, 1.0, 0.0, 0.0, 0.0], atol=1e-5)
+    out = group_relative_scores(t([0.0, 4.0]), 2, "group_norm")
+    assert close(out, [-2 / math.sqrt(8), 2 / math.sqrt(8)], atol=1e-5)
+
+
+def test_group_baselines_reject_bad_groups():
+    with pytest.raises(ValueError, match="at least 2"):
+        group_relative_scores(t([1.0, 2.0]), 1, "rloo")
+    with pytest.raises(ValueError, match="groups of 2"):
+        group_relative_scores(t([1.0, 2.0, 3.0]), 2, "rloo")
+    with pytest.raises(ValueError, match="unknown"):
+        group_relative_scores(t([1.0, 2.0]), 2, "mean")
+
+
+def test_discounted_returns_hand_values():
+    # one row, actions at positions 1..3 (position 0 is the prompt, position 4 padding)
+    # gamma 1:   G3 = 2, G2 = -1 + 2 = 1, G1 = 0.5 + 1 = 1.5
+    # gamma 0.5: G3 = 2, G2 = -1 + 1 = 0,  G1 = 0.5 + 0 = 0.5
+    rewards = t([[7.0, 0.5, -1.0, 2.0, 9.0]])
+    mask = t([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    assert close(discounted_returns(rewards, mask, 1.0), [[0.0, 1.5, 1.0, 2.0, 0.0]])
+    assert close(discounted_returns(rewards, mask, 0.5), [[0.0, 0.5, 0.0, 2.0, 0.0]])
 
 
 def test_gae_rows_are_independent_and_masked_positions_are_zero():

@@ -205,3 +205,21 @@ def test_wrong_answers_do_not_change_the_questions(monkeypatch):
     # a wrong-answer rule that draws a different amount of randomness
     monkeypatch.setattr(TASKS["sort"], "wrong_answers", lambda m, rng: [str(rng.random() + rng.random())])
     assert [e.prompt for e in generate(None, 50, seed=9)] == prompts
+
+
+def test_reference_answer():
+    assert tasks.reference_answer(make_prompt("Sort: plum apple cat")) == "apple cat plum"
+    assert tasks.reference_answer(make_prompt("Reverse: abc")) == "cba"
+    assert tasks.reference_answer(make_prompt("Tell me a joke")) is None
+
+
+def test_answer_budget_counts_cut_right_answers():
+    from dschat.generation import answers_cut_by_budget
+    from dschat.models.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    # " banana cherry grape lemon" is 26 bytes, + EOS = 27 tokens; " cba" + EOS = 4; unknown tasks count nothing
+    prompts = [make_prompt("Sort: lemon grape cherry banana"), make_prompt("Reverse: abc"), make_prompt("Hi")]
+    assert answers_cut_by_budget(tok, prompts, 24) == (1, 27)
+    assert answers_cut_by_budget(tok, prompts, 27) == (0, 27)
+    assert answers_cut_by_budget(tok, prompts, 3) == (2, 27)

@@ -13,6 +13,7 @@ rejected batched together. The output directory loads with
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from pathlib import Path
@@ -24,12 +25,14 @@ from tqdm import tqdm
 from dschat import config as C
 from dschat import trainer as T
 from dschat.data.collate import PairCollator
-from dschat.data.pipeline import prepare_pair_data
+from dschat.data.pipeline import prepare_pair_data, prepare_prompt_data, tokenize_pairs
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
+from dschat.lm import eval_batches
 from dschat.losses import gather_last, pairwise_loss
-from dschat.models.loading import count_parameters
+from dschat.models.loading import count_parameters, load_causal_lm, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
+from dschat.policy_pairs import mine_policy_negatives
 from dschat.ranking import evaluate_ranking
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
@@ -55,9 +58,59 @@ def main(argv: list[str] | None = None) -> int:
     setup = T.setup_step(model_args, run)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
+    policy_path = (
+        resolve(reward.policy_negatives_from, "--policy_negatives_from")
+        if reward.policy_negatives_from
+        else None
+    )
+
     # ---------------------------------------------------------------- 2. data: this step's share of the pairs
     data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
     collate = PairCollator(tokenizer.pad_token_id)
+    # 2b. on-policy pairs (--policy_negatives_from): the policy's own wrong answers to this step's built-in
+    # prompts join the training pairs; those to held-out prompts are a second evaluation set, the one
+    # that says whether PPO's actor will be able to fool this reward model.
+    policy_stats: dict[str, dict] = {}
+    policy_evals: list = []
+    if policy_path:
+        t_mine = time.perf_counter()
+        policy = load_causal_lm(policy_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code,
+                                flag="--policy_negatives_from").to(dist.default_device())  # fmt: skip
+        prompts = prepare_prompt_data(
+            data_args, tokenizer, seed=run.seed, max_prompt_len=data_args.max_seq_len, phase=2
+        )
+        train_prompts = prompts.train
+        if (
+            0 < reward.policy_negatives_max_prompts < len(train_prompts)
+        ):  # a random subset: sources come in order
+            train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(
+                train_prompts, reward.policy_negatives_max_prompts
+            )
+        splits = {
+            "train": tokenizer.batch_decode(train_prompts, skip_special_tokens=True),
+            "eval": prompts.eval_prompts,
+        }
+        for split, texts in splits.items():
+            pairs, policy_stats[split] = mine_policy_negatives(
+                policy, tokenizer, texts, samples_per_prompt=reward.policy_negatives_per_prompt,
+                max_new_tokens=reward.policy_negatives_max_new_tokens, temperature=reward.policy_negatives_temperature,
+                device=dist.default_device(), seed=run.seed + (split == "eval"),
+            )  # fmt: skip
+            examples, _ = tokenize_pairs(pairs, tokenizer, data_args.max_seq_len)
+            if split == "train":
+                data.train = data.train + examples
+            else:
+                policy_evals = eval_batches(
+                    examples, batch_size=optim.per_device_eval_batch_size, collate=collate
+                )
+        del policy
+        log.info("on-policy pairs from %s: %d train / %d eval (the policy's sampled accuracy %.3f), %.1f s", policy_path,
+                 policy_stats["train"]["pairs"], policy_stats["eval"]["pairs"], policy_stats["train"]["sampled_accuracy"],
+                 time.perf_counter() - t_mine)  # fmt: skip
+        if not policy_stats["train"]["prompts"]:
+            log.warning(
+                "--policy_negatives_from: no built-in task prompts in this step's data; no pairs were added"
+            )
     batches = T.make_batches(data, optim, collate, run.seed)
     loader, evals, total_steps, global_batch = (
         batches.loader,
@@ -105,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         with sw("eval"):
             ev = evaluate_ranking(engine, evals)
         ev["scoring_samples_per_sec"] = 2 * ev["pairs"] / max(time.perf_counter() - t, 1e-9)
+        if policy_evals:  # held-out pairs whose rejected answer the policy itself wrote
+            with sw("eval"):
+                ev["policy_negatives_accuracy"] = evaluate_ranking(engine, policy_evals)["accuracy"]
         metrics.log(ev, step=step, split="eval")
-        log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f", step, ev["accuracy"],
-                 ev["chosen_mean"], ev["rejected_mean"], ev["margin"])  # fmt: skip
+        log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s", step, ev["accuracy"],
+                 ev["chosen_mean"], ev["rejected_mean"], ev["margin"],
+                 f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else "")  # fmt: skip
         return ev
 
     eval_start = evaluate(state.step)
@@ -174,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         "eval_accuracy_chosen_longer": eval_end.get("accuracy_chosen_longer"),
         "eval_accuracy_chosen_shorter": eval_end.get("accuracy_chosen_shorter"),
         "eval_longer_response_baseline": eval_end["longer_response_baseline"],
+        "eval_policy_negatives_accuracy_start": eval_start.get("policy_negatives_accuracy"),
+        "eval_policy_negatives_accuracy_end": eval_end.get("policy_negatives_accuracy"),
+        "policy_negatives": policy_stats or None,
         "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
         "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
         "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),

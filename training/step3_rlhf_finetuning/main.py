@@ -33,7 +33,7 @@ from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import export_hf_model
 from dschat.engine.hybrid import HybridGenerator
-from dschat.generation import generate_texts, task_accuracy
+from dschat.generation import answers_cut_by_budget, generate_texts, task_accuracy
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     only_lora = actor_lora.only_optimize_lora
     if only_lora and not (actor_lora.lora_dim or critic_lora.lora_dim):
         raise UserError("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
+    use_critic = ppo.advantage_estimator == "gae"
+    if not use_critic and critic_lora.lora_dim:
+        raise UserError(
+            f"--critic_lora_dim needs a critic, and --advantage_estimator {ppo.advantage_estimator} has none"
+        )
     if eng_args.share_reference_with_actor and not (actor_lora.lora_dim and only_lora):
         raise UserError("--share_reference_with_actor needs --actor_lora_dim > 0 and --only_optimize_lora "
                         "(otherwise the base weights move and are no longer the reference)")  # fmt: skip
@@ -137,9 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"(--per_device_generation_batch_size {ppo.per_device_generation_batch_size} x {world} ranks)")  # fmt: skip
     total_steps = rounds_per_epoch * ppo.num_train_epochs
     total_steps = min(total_steps, ppo.max_steps) if ppo.max_steps else total_steps
-    updates_per_round = (
-        ppo.ppo_epochs * ppo.per_device_generation_batch_size // ppo.per_device_training_batch_size
-    )
+    rows_per_round = ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt
+    updates_per_round = ppo.ppo_epochs * rows_per_round // ppo.per_device_training_batch_size
     total_updates = total_steps * updates_per_round
     unsup_iter = None
     if ppo.unsupervised_dataset_name:
@@ -186,16 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         reference, _ = frozen_engine(ref_model, ref_stage, eng_args.offload_reference_model, dtype,
                                      ppo.per_device_generation_batch_size)  # fmt: skip
 
-    critic_optim = optim_for(ppo, ppo.critic_learning_rate, ppo.critic_weight_decay)
-    critic_ds = C.DeepSpeedArgs(zero_stage=eng_args.critic_zero_stage, offload=eng_args.offload)
-    critic_cfg = T.train_ds_config(critic_optim, critic_ds, dtype)
-    with engine_core.zero3_loading(critic_cfg):
-        critic_hf = load_reward_model(critic_path, tokenizer=tokenizer, dropout=critic_args.dropout,
-                                      trust_remote_code=critic_args.trust_remote_code, flag="--critic_model_name_or_path").model  # fmt: skip
-    critic_hf = T.apply_lora(critic_hf, critic_lora, prefix="critic_", keep_trainable=("score.",))
-    critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=critic_lora,
-                            ds_config=critic_cfg, total_steps=total_updates,
-                            gradient_checkpointing=critic_args.gradient_checkpointing)  # fmt: skip
+    critic = None  # the critic-free estimators (rloo, group_norm) need no value model
+    if use_critic:
+        critic_optim = optim_for(ppo, ppo.critic_learning_rate, ppo.critic_weight_decay)
+        critic_ds = C.DeepSpeedArgs(zero_stage=eng_args.critic_zero_stage, offload=eng_args.offload)
+        critic_cfg = T.train_ds_config(critic_optim, critic_ds, dtype)
+        with engine_core.zero3_loading(critic_cfg):
+            critic_hf = load_reward_model(critic_path, tokenizer=tokenizer, dropout=critic_args.dropout,
+                                          trust_remote_code=critic_args.trust_remote_code, flag="--critic_model_name_or_path").model  # fmt: skip
+        critic_hf = T.apply_lora(critic_hf, critic_lora, prefix="critic_", keep_trainable=("score.",))
+        critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=critic_lora,
+                                ds_config=critic_cfg, total_steps=total_updates,
+                                gradient_checkpointing=critic_args.gradient_checkpointing)  # fmt: skip
 
     sources = []
     if not (ppo.reward_fn and ppo.reward_fn_mode == "replace"):
@@ -232,17 +238,19 @@ def main(argv: list[str] | None = None) -> int:
         generator = PlainGenerator(actor, tokenizer, sampling, zero3=eng_args.actor_zero_stage == 3)
     hyper = PPOHyper(kl_coef=ppo.kl_coef, clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
                      cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
-                     whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef)  # fmt: skip
+                     whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef,
+                     n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator)  # fmt: skip
     trainer = PPOTrainer(actor=actor, reference=reference, critic=critic, reward_source=reward_source,
                          generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl)  # fmt: skip
-    log.info("actor %s (%.2fM, ZeRO-%d), critic %s (%.2fM, ZeRO-%d), reward %s%s, reference %s, dtype %s, %d rank(s)",
-             actor_path, count_parameters(actor.module) / 1e6, eng_args.actor_zero_stage, critic_path,
-             count_parameters(critic.module) / 1e6, eng_args.critic_zero_stage, reward_path if sources and
+    critic_desc = (f"{critic_path} ({count_parameters(critic.module) / 1e6:.2f}M, ZeRO-{eng_args.critic_zero_stage})"
+                   if critic is not None else f"none ({ppo.advantage_estimator}, {ppo.n_samples_per_prompt} samples per prompt)")  # fmt: skip
+    log.info("actor %s (%.2fM, ZeRO-%d), critic %s, reward %s%s, reference %s, dtype %s, %d rank(s)",
+             actor_path, count_parameters(actor.module) / 1e6, eng_args.actor_zero_stage, critic_desc, reward_path if sources and
              isinstance(sources[0], RewardModelSource) else "-", f" + {ppo.reward_fn}" if ppo.reward_fn else "",
              "actor without adapter" if reference is None else "frozen copy", dtype, world)  # fmt: skip
 
     # ---------------------------------------------------------------- 4. resume or start; held-out evaluation
-    engines = {"actor": actor, "critic": critic}
+    engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     state = T.resume_state(engines, run, global_batch)
     if "kl_coef" in state.extra:
         kl_ctl.value = state.extra["kl_coef"]
@@ -250,10 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
     held_out = prompts.eval_prompts[: ppo.eval_prompts]
+    cut, longest = answers_cut_by_budget(tokenizer, held_out, ppo.max_answer_seq_len)
+    if cut:
+        log.warning("--max_answer_seq_len %d cuts the right answers of %d of %d held-out prompts (the longest needs %d "
+                    "tokens with EOS): they cannot be answered in full", ppo.max_answer_seq_len, cut, len(held_out), longest)  # fmt: skip
 
     @torch.no_grad()
     def evaluate(step: int) -> dict[str, float]:
-        """Greedy answers to held-out prompts: the reward they get and (built-in tasks) true accuracy."""
+        """Greedy answers to held-out prompts: the reward they get and (built-in tasks) true accuracy, also of
+        answers sampled as in training (``true_accuracy_sampled``: the policy PPO optimises, not only its mode)."""
         out: dict[str, float] = {}
         if not held_out:
             return out
@@ -269,8 +282,19 @@ def main(argv: list[str] | None = None) -> int:
                                     max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
                 answers = generate_texts(actor.module, tokenizer, mine, device=actor.device, synced_gpus=zero3,
                                          max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
+                sampled = None
+                if acc:
+                    # The same seed at every evaluation (start and end compare like with like), in a forked
+                    # RNG so that evaluating never changes the training run's samples.
+                    with torch.random.fork_rng(devices=[actor.device] if actor.device.type == "cuda" else []):
+                        torch.manual_seed(run.seed + 1 + dist.rank())
+                        sampled = task_accuracy(actor.module, tokenizer, held_out, device=actor.device,
+                                                synced_gpus=zero3, generator=gen, sampling=sampling)  # fmt: skip
             if acc:
                 out.update({f"true_{k}": v for k, v in acc.items()})
+                out.update(
+                    {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in sampled.items()}
+                )
             enc = reward_tok([p + a for p, a in zip(mine, answers)], return_tensors="pt", padding=True,
                              add_special_tokens=True).to(actor.device)  # fmt: skip
             scores = reward_source.score(mine, answers, enc["input_ids"], enc["attention_mask"])
@@ -330,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             }  # fmt: skip
             if w.get("updates"):
                 u, ua = w["updates"], max(w.get("actor_updates", 0.0), 1.0)
-                for k in ("value_loss", "value_clip_fraction"):
-                    row[k] = w[k] / u
+                for k in ("value_loss", "value_clip_fraction"):  # critic updates (none without a critic)
+                    if k in w:
+                        row[k] = w[k] / u
                 for k in ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss"):  # actor updates only
                     if k in w:
                         row[k] = w[k] / ua
@@ -362,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(run.output_dir)
     with sw("export"):
         export_hf_model(actor.module, tokenizer, out / "actor")
-        export_hf_model(critic.module.model, tokenizer, out / "critic")
+        if critic is not None:
+            export_hf_model(critic.module.model, tokenizer, out / "critic")
         if ema is not None:
             ema.export(actor.module, tokenizer, out / "actor_ema")
     timing = trainer.timing
@@ -378,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_reward_end": eval_end.get("held_out_reward"),
         "true_accuracy_start": eval_start.get("true_accuracy"),
         "true_accuracy_end": eval_end.get("true_accuracy"),
+        "true_accuracy_sampled_start": eval_start.get("true_accuracy_sampled"),
+        "true_accuracy_sampled_end": eval_end.get("true_accuracy_sampled"),
         "generation_tokens_per_sec": trainer.generated_tokens / max(timing["generation"], 1e-9),
         "generation_seconds": timing["generation"],
         "experience_seconds": timing["experience"],
@@ -391,7 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         "kl_coef_end": kl_ctl.value,
         "resumed_from_step": start_step if run.resume else None,
     }
-    summary.update({f"{k}_end": v for k, v in eval_end.items() if k.startswith("true_accuracy/")})
+    summary.update(
+        {
+            f"{k}_end": v
+            for k, v in eval_end.items()
+            if k.startswith(("true_accuracy/", "true_accuracy_sampled/"))
+        }
+    )
     summary.update(generator.stats())  # hybrid engine: switches, memory, generation/training log-prob check
     metrics.close()
     write_summary(run.output_dir, summary)
