@@ -370,7 +370,7 @@ class PPOArgs:
             raise UserError(f"--kl_target must be > 0, got {self.kl_target}")
         if self.temperature <= 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
-        if self.reward_fn is not None and ":" not in self.reward_fn:
+        if self.reward_fn and ":" not in self.reward_fn:  # "" = none (to undo a preset's)
             raise UserError(f"--reward_fn {self.reward_fn}: expected module:function")
 
 

@@ -203,6 +203,8 @@ def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
     assert held_out["pairs"] > 0
     assert 0.0 <= s["eval_policy_negatives_accuracy_end"] <= 1.0
     assert "on the policy's own mistakes" in proc.stderr + proc.stdout
+    rows = [json.loads(x) for x in (out / "policy_negatives_train.jsonl").read_text().splitlines()]
+    assert len(rows) == train["pairs"] and all(r["chosen"] != r["rejected"] for r in rows)
 
 
 def test_policy_negatives_from_a_missing_model_is_one_line(tmp_path):

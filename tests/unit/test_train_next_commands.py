@@ -58,3 +58,14 @@ def test_after_step_one_only(train, tmp_path, monkeypatch):
 def test_nothing_to_talk_to_after_step_two_alone(train, tmp_path):
     args, _ = train.parse_args(["--step", "2", "--output-dir", str(tmp_path)])
     assert train.next_commands(args, train.steps_of(args), {}) == []
+
+
+def test_preset_values_can_name_the_output_dir(train):
+    preset = {
+        "step2": {"--policy_negatives_from": "{output_dir}/step1", "--num_train_epochs": 2, "--flag": True}
+    }
+    assert train.preset_flags(preset, 2, "runs/a") == [
+        "--policy_negatives_from", "runs/a/step1", "--num_train_epochs", "2", "--flag",
+    ]  # fmt: skip
+    args, extra = train.parse_args(["--step", "2", "--output-dir", "runs/b"])
+    assert "runs/b/step1" in train.step_args(2, args, extra, preset)

@@ -13,6 +13,7 @@ rejected batched together. The output directory loads with
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -36,6 +37,7 @@ from dschat.policy_pairs import mine_policy_negatives
 from dschat.ranking import evaluate_ranking
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
+from dschat.utils.io import atomic_write_text
 from dschat.utils.run import (
     Stopwatch,
     write_summary,
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     # that says whether PPO's actor will be able to fool this reward model.
     policy_stats: dict[str, dict] = {}
     policy_evals: list = []
+    mined: dict[str, list] = {}
     if policy_path:
         t_mine = time.perf_counter()
         policy = load_causal_lm(policy_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code,
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_new_tokens=reward.policy_negatives_max_new_tokens, temperature=reward.policy_negatives_temperature,
                 device=dist.default_device(), seed=run.seed + (split == "eval"),
             )  # fmt: skip
+            mined[split] = pairs
             examples, _ = tokenize_pairs(pairs, tokenizer, data_args.max_seq_len)
             if split == "train":
                 data.train = data.train + examples
@@ -121,6 +125,14 @@ def main(argv: list[str] | None = None) -> int:
 
     T.begin_outputs(run)
     resolved = T.save_step_config(2, args, run, setup, batches, data)
+    if dist.is_main():  # the mined pairs, for a person to read and for rw_eval.py --file
+        for split, pairs in mined.items():
+            rows = [
+                json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}) for p in pairs
+            ]
+            atomic_write_text(
+                Path(run.output_dir) / f"policy_negatives_{split}.jsonl", "".join(r + "\n" for r in rows)
+            )
     st = data.stats["train"]
     log.info(
         "data: %d train / %d eval pairs; dropped %d identical, %d empty, %d too long; %d prompts truncated; %d steps",

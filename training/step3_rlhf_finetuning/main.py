@@ -366,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics.log(row, step=state.step, split="train")
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl_to_reference']:.3f}")
             if not sys.stdout.isatty():
-                log.info("step %d/%d reward %.3f score %.3f kl %.4f len %.1f policy %.4f value %.4f", state.step,
+                log.info("step %d/%d reward %.3f score %.3f kl %.4f len %.1f policy %.4f%s", state.step,
                          total_steps, row["reward_mean"], row["score_mean"], row["kl_to_reference"],
                          row["response_length"], row.get("policy_loss", float("nan")),
-                         row.get("value_loss", float("nan")))  # fmt: skip
+                         f" value {row['value_loss']:.4f}" if "value_loss" in row else "")  # fmt: skip
         # 5d. evaluate on held-out prompts
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
             evaluate(state.step)
