@@ -82,13 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prepare_prompt_data(
             data_args, tokenizer, seed=run.seed, max_prompt_len=data_args.max_seq_len, phase=2
         )
-        train_prompts = prompts.train
-        if (
-            0 < reward.policy_negatives_max_prompts < len(train_prompts)
-        ):  # a random subset: sources come in order
-            train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(
-                train_prompts, reward.policy_negatives_max_prompts
-            )
+        train_prompts, cap = prompts.train, reward.policy_negatives_max_prompts
+        if 0 < cap < len(train_prompts):  # a random subset, not a prefix: sources (tasks) come in order
+            train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(train_prompts, cap)
         splits = {
             "train": tokenizer.batch_decode(train_prompts, skip_special_tokens=True),
             "eval": prompts.eval_prompts,
