@@ -114,6 +114,7 @@ class PPOTrainer:
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
 
+            clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
             if self.critic is not None:  # GAE with the critic's values
                 self.critic.eval()
                 values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
@@ -123,7 +124,6 @@ class PPOTrainer:
                 advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
             else:  # per-prompt baseline: the clipped score minus the other responses' scores, then reward-to-go
                 values = torch.zeros_like(logprobs)
-                clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
                 relative = M.group_relative_scores(clipped, h.n_samples_per_prompt, h.advantage_estimator)
                 rewards, kl = M.kl_shaped_rewards(
                     relative, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, float("inf")
@@ -142,10 +142,7 @@ class PPOTrainer:
             "score_sq_sum": float((scores.float() ** 2).sum()),
             # per-sequence total reward (clipped score - KL penalty) summed over rows; the same for every
             # estimator (with rloo/group_norm, ``rewards`` holds the baseline-subtracted score instead)
-            "reward_sum": float(
-                scores.float().clamp(-h.clip_reward_value, h.clip_reward_value).sum()
-                - self.kl_ctl.value * kl.sum()
-            ),
+            "reward_sum": float(clipped.sum() - self.kl_ctl.value * kl.sum()),
             "kl_sum": float(kl.sum()),  # per-sequence KL to the reference, summed over rows
             "entropy_sum": float(entropy) * len(lengths),
             "length_sum": float(lengths.sum()),

@@ -116,9 +116,6 @@ def gae(
     return adv * action_mask, returns
 
 
-ADVANTAGE_ESTIMATORS = ("gae", "rloo", "group_norm")
-
-
 def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) -> torch.Tensor:
     """Scores of ``group_size`` responses per prompt, minus a per-prompt baseline: (B*K,) -> (B*K,).
 

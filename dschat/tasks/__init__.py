@@ -208,16 +208,6 @@ def clean_response(response: str) -> str:
     return response.split("\n")[0].strip() if response.strip() else ""
 
 
-def verify(prompt: str, response: str) -> bool | None:
-    """True/False if a built-in task recognises the prompt, None if no task does."""
-    q = last_question(prompt)
-    for task in TASKS.values():
-        m = task.pattern.match(q)
-        if m:
-            return clean_response(response) == task.answer(m)
-    return None
-
-
 def reference_answer(prompt: str) -> str | None:
     """The right answer (without the leading space) if a built-in task recognises the prompt."""
     q = last_question(prompt)
@@ -226,6 +216,12 @@ def reference_answer(prompt: str) -> str | None:
         if m:
             return task.answer(m)
     return None
+
+
+def verify(prompt: str, response: str) -> bool | None:
+    """True/False if a built-in task recognises the prompt, None if no task does."""
+    right = reference_answer(prompt)
+    return None if right is None else clean_response(response) == right
 
 
 def task_of(prompt: str) -> str | None:

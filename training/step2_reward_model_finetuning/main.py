@@ -26,7 +26,7 @@ from tqdm import tqdm
 from dschat import config as C
 from dschat import trainer as T
 from dschat.data.collate import PairCollator
-from dschat.data.pipeline import prepare_pair_data, prepare_prompt_data, tokenize_pairs
+from dschat.data.pipeline import gather_samples, prepare_pair_data, tokenize_pairs
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
@@ -79,16 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         t_mine = time.perf_counter()
         policy = load_causal_lm(policy_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code,
                                 flag="--policy_negatives_from").to(dist.default_device())  # fmt: skip
-        prompts = prepare_prompt_data(
-            data_args, tokenizer, seed=run.seed, max_prompt_len=data_args.max_seq_len, phase=2
-        )
-        train_prompts, cap = prompts.train, reward.policy_negatives_max_prompts
+        train_s, eval_s = gather_samples(data_args, 2, run.seed, tokenizer)  # this step's prompts, as text
+        train_prompts, cap = [s.prompt for s in train_s], reward.policy_negatives_max_prompts
         if 0 < cap < len(train_prompts):  # a random subset, not a prefix: sources (tasks) come in order
             train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(train_prompts, cap)
-        splits = {
-            "train": tokenizer.batch_decode(train_prompts, skip_special_tokens=True),
-            "eval": prompts.eval_prompts,
-        }
+        splits = {"train": train_prompts, "eval": [s.prompt for s in eval_s]}
         for split, texts in splits.items():
             pairs, policy_stats[split] = mine_policy_negatives(
                 policy, tokenizer, texts, samples_per_prompt=reward.policy_negatives_per_prompt,
