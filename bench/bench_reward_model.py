@@ -4,6 +4,7 @@
     python bench/bench_reward_model.py builtin     # default tiny model: step 1 + step 2 on built-in tasks
     python bench/bench_reward_model.py hh          # step 1 on shared SFT data, step 2 on HH-RLHF pairs
     python bench/bench_reward_model.py builtin --from output   # read a finished run's step2/summary.json
+    python bench/bench_reward_model.py hh --output_dir runs/hh   # keep the run (checkpoints, metrics)
 
 Targets: held-out pairwise accuracy >= 0.95 on the built-in tasks; on HH-RLHF test pairs above the
 "longer response wins" baseline (0.598), reported separately for pairs whose chosen answer is the
@@ -34,11 +35,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("suite", choices=("builtin", "hh"))
     p.add_argument("--from", dest="src", help="an existing output directory (holding step2/)")
+    p.add_argument("--output_dir", help="run into this new directory and keep it (default: a temporary one)")
     p.add_argument("--model", default="builtin:tiny-llama")
     p.add_argument("--max_seq_len", type=int, default=768)
     args = p.parse_args()
-    tmp = None if args.src else tempfile.TemporaryDirectory()  # removed when the process ends
-    out = Path(args.src) if args.src else Path(tmp.name)
+    if args.src and args.output_dir:
+        p.error("--from reads a finished run and --output_dir starts one: give one of them")
+    if args.output_dir and Path(args.output_dir).exists():
+        p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
+    tmp = None if args.src or args.output_dir else tempfile.TemporaryDirectory()  # removed when the process ends
+    out = Path(args.src or args.output_dir or tmp.name)
+    out.mkdir(parents=True, exist_ok=True)
     if not args.src and args.suite == "builtin":
         run([sys.executable, str(ROOT / "train.py"), "--step", "1", "2", "--output-dir", str(out)])
     elif not args.src:

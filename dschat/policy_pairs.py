@@ -7,10 +7,17 @@ its SFT model's own samples; here a verifier plays the labeller. For every built
 answers from the policy (the step-1 model), and pair each wrong one (rejected) with the right answer
 (chosen). Prompts no built-in task recognises are skipped: there is no verifier to label them.
 
-    samples, stats = mine_policy_negatives(model, tokenizer, prompts, samples_per_prompt=4, ...)
+    pairs, stats, samples = mine_policy_negatives(model, tokenizer, prompts, samples_per_prompt=4, ...)
+
+The sampled answers themselves (``PolicySamples``) also say, before any PPO, whether a reward model can
+improve the policy at all: :func:`selection_accuracy` lets it pick the best of each prompt's K answers. If
+its pick is right no more often than a random sample, PPO against it can raise its score but not the
+truth (reward hacking, foreseen).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +25,39 @@ from dschat import tasks
 from dschat.data.schema import Sample
 from dschat.generation import generate_texts
 from dschat.rlhf.generation import SamplingConfig
+from dschat.scoring import score_with
 from dschat.utils import dist
+
+
+@dataclass
+class PolicySamples:
+    """One rank's share of K sampled answers per prompt, grouped by prompt.
+
+    ``prompts[i]`` was answered by ``answers[i * k : (i + 1) * k]`` (cleaned, " " + answer, as the reward
+    model is trained on them); ``right`` is the verifier's label of each answer. ``weight[i]`` is 0 for
+    the repeats that give every rank the same number of prompts (collective ZeRO-3 forward passes).
+    """
+
+    prompts: list[str]  # (P,)
+    answers: list[str]  # (P * k,)
+    right: list[bool]  # (P * k,)
+    weight: list[float]  # (P,)
+    k: int
+
+
+def selection_metrics(scores: torch.Tensor, right: torch.Tensor, weight: torch.Tensor) -> dict[str, float]:
+    """Weighted sums for :func:`selection_accuracy` from scores and labels (P, K) and weights (P,):
+    the scorer's pick right (``best``), a random pick right (``sampled``: the mean over K), any right
+    (``any``: pass@K, an oracle's pick), and the weight (``n``). Ties go to the first answer."""
+    right = right.float()
+    picked = right.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
+    w = weight.float()
+    return {
+        "best": float((picked * w).sum()),
+        "sampled": float((right.mean(dim=1) * w).sum()),
+        "any": float((right.amax(dim=1) * w).sum()),
+        "n": float(w.sum()),
+    }
 
 
 def wrong_answer_pairs(prompts: list[str], answers: list[str]) -> list[Sample]:
@@ -47,17 +86,19 @@ def mine_policy_negatives(
     device,
     seed: int,
     batch_size: int = 64,
-) -> tuple[list[Sample], dict[str, float]]:
+) -> tuple[list[Sample], dict[str, float], PolicySamples]:
     """Sample ``samples_per_prompt`` answers per built-in prompt and keep the wrong ones as pairs.
 
     ``model`` is a plain (not DeepSpeed) causal LM; each rank answers its share of the prompts and the
     pairs are gathered, so every rank returns the same list in the same order. Returns (pairs, stats:
-    prompts, answers, wrong answers, pairs, sampled accuracy).
+    prompts, answers, wrong answers, pairs, sampled accuracy, pass@K; this rank's samples).
     """
     known = [p for p in prompts if tasks.reference_answer(p) is not None]
     world, rank = dist.world_size(), dist.rank()
     per = -(-len(known) // world) if known else 0
     mine = known[rank * per : (rank + 1) * per]
+    weight = [1.0] * len(mine) + [0.0] * (per - len(mine))
+    mine = mine + known[: per - len(mine)]  # the last rank's repeats (weight 0)
     repeated = [p for p in mine for _ in range(samples_per_prompt)]
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
         torch.manual_seed(seed + rank)
@@ -65,18 +106,49 @@ def mine_policy_negatives(
             model, tokenizer, repeated, device=device, batch_size=batch_size,
             sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature),
         )  # fmt: skip
-    pairs = wrong_answer_pairs(repeated, answers)
-    right = sum(bool(tasks.verify(p, a)) for p, a in zip(repeated, answers))
+    k = samples_per_prompt
+    ok = [bool(tasks.verify(p, a)) for p, a in zip(repeated, answers)]
+    samples = PolicySamples(mine, [" " + tasks.clean_response(a) for a in answers], ok, weight, k)
+    counted = [i for i in range(len(repeated)) if weight[i // k]]
+    pairs = wrong_answer_pairs([repeated[i] for i in counted], [answers[i] for i in counted])
+    right = sum(ok[i] for i in counted)
+    solved = sum(w * any(ok[i * k : (i + 1) * k]) for i, w in enumerate(weight))
     if world > 1:
         gathered: list[list[Sample]] = [[] for _ in range(world)]
         torch.distributed.all_gather_object(gathered, pairs)
         pairs = [s for part in gathered for s in part]
-    n_answers, n_right = dist.all_reduce_sum([float(len(repeated)), float(right)])
+    n_answers, n_right, n_solved = dist.all_reduce_sum([float(len(counted)), float(right), float(solved)])
     stats = {
         "prompts": float(len(known)),
         "answers": n_answers,
         "wrong_answers": n_answers - n_right,
         "pairs": float(len(pairs)),
         "sampled_accuracy": n_right / max(n_answers, 1.0),
+        "pass_at_k": n_solved / max(float(len(known)), 1.0),
     }
-    return pairs, stats
+    return pairs, stats, samples
+
+
+@torch.no_grad()
+def selection_accuracy(score_fn, tokenizer, samples: PolicySamples, *, batch_size: int, max_len: int,
+                       device) -> dict[str, float]:  # fmt: skip
+    """How often a scorer's favourite among each prompt's K answers is right, over all ranks, beside a
+    random pick's (``sampled_accuracy``) and an oracle's (``pass_at_k``).
+
+    ``score_fn(input_ids, attention_mask) -> (B,)`` scores at the last real token (every rank calls it
+    equally often); rows are tokenized as in :func:`dschat.scoring.score_with`.
+    """
+    prompts = [p for p in samples.prompts for _ in range(samples.k)]
+    scores = score_with(score_fn, tokenizer, prompts, samples.answers, batch_size=batch_size, device=device,
+                        max_len=max_len).view(-1, samples.k)  # fmt: skip
+    sums = selection_metrics(
+        scores, torch.tensor(samples.right).view(-1, samples.k), torch.tensor(samples.weight)
+    )
+    keys = sorted(sums)
+    total = dict(zip(keys, dist.all_reduce_sum([sums[key] for key in keys])))
+    n = max(total["n"], 1.0)
+    return {
+        "best_of_k_accuracy": total["best"] / n,
+        "sampled_accuracy": total["sampled"] / n,
+        "pass_at_k": total["any"] / n,
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dschat.data.collate import pad_right
@@ -10,9 +12,22 @@ from dschat.data.collate import pad_right
 @torch.no_grad()
 def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, batch_size: int = 32,
                 device: str | torch.device = "cpu", max_len: int | None = None) -> torch.Tensor:  # fmt: skip
-    """(N,) reward scores of ``prompt + response``, tokenized exactly as step 2 trains (prompt with
-    special tokens, response without, no EOS), scored at the last real token. Rows longer than
-    ``max_len`` (default: the tokenizer's ``model_max_length``) keep the end of their prompt."""
+    """(N,) reward scores of ``prompt + response`` by a reward model (``ScalarHeadModel``), in eval mode;
+    see :func:`score_with`."""
+    model.eval()
+    return score_with(model.score, tokenizer, prompts, responses, batch_size=batch_size, device=device,
+                      max_len=max_len)  # fmt: skip
+
+
+@torch.no_grad()
+def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer, prompts: list[str],
+               responses: list[str], *, batch_size: int = 32, device: str | torch.device = "cpu",
+               max_len: int | None = None) -> torch.Tensor:  # fmt: skip
+    """(N,) scores of ``prompt + response`` by ``score_fn(input_ids, attention_mask) -> (B,)`` (right
+    padded), tokenized exactly as step 2 trains (prompt with special tokens, response without, no EOS),
+    scored at the last real token. Rows longer than ``max_len`` (default: the tokenizer's
+    ``model_max_length``) keep the end of their prompt. Batches are ``ceil(N / batch_size)`` calls, so
+    ranks with equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward passes)."""
     p_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"] if prompts else []
     r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"] if responses else []
     limit = max_len or min(getattr(tokenizer, "model_max_length", 10**9), 10**9)
@@ -23,11 +38,8 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, b
             keep_bos = 1 if p and p[0] == tokenizer.bos_token_id else 0
             p = p[:keep_bos] + p[keep_bos + over :]
         rows.append((p + r)[-limit:])
-    model.eval()
     out = []
     for s in range(0, len(rows), batch_size):
         batch = pad_right(rows[s : s + batch_size], tokenizer.pad_token_id)
-        out.append(
-            model.score(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
-        )
+        out.append(score_fn(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu())
     return torch.cat(out) if out else torch.zeros(0)

@@ -36,14 +36,18 @@ def _silent_layers(model) -> None:
         layer.mlp.down_proj.weight.data.zero_()
 
 
-def chain_model(out_dir: str | Path, chain: str, *, end: str = "eos") -> Path:
-    """Save a causal LM that continues ``...:`` with ``chain`` (then EOS, or ``:`` and the chain again)."""
+def chain_model(out_dir: str | Path, chain: str, *, end: str = "eos", context: int | None = None) -> Path:
+    """Save a causal LM that continues ``...:`` with ``chain`` (then EOS, or ``:`` and the chain again);
+    ``context`` overrides the maximum sequence length (rotary positions: no weights depend on it)."""
     from transformers import LlamaForCausalLM
 
     assert end in ("eos", "cycle")
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(build_config("micro-llama", len(tokenizer))).eval()
+    config = build_config("micro-llama", len(tokenizer))
+    if context is not None:
+        config.max_position_embeddings = tokenizer.model_max_length = context
+    model = LlamaForCausalLM(config).eval()
     _silent_layers(model)
     seq = [":", *chain]
     assert len(set(seq)) == len(seq), "a first-order chain needs distinct characters"

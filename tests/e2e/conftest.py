@@ -13,20 +13,24 @@ import pytest
 
 from tests.tiny_chat_models import chain_model, lora_adapter, sign_reward_model
 
+ENDLESS = " 0123456789abcdefghijklmnopqrstuvwxyz"
+ENDLESS_CONTEXT = 65536
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> SimpleNamespace:
     """``right``/``wrong``: answer every Human/Assistant prompt with " 579" / " 578" and EOS;
     ``turns``: " 0123456789" and then an invented "\\nHuman:" turn, forever; ``endless``: 37 distinct
-    characters in a cycle; ``reward``: +8 for a text ending in 9, -8 for 8; ``adapter``: a LoRA adapter on
-    ``right`` whose config names a base directory that no longer exists."""
+    characters in a cycle (``ENDLESS``), with a context long enough for a reply no test waits to end;
+    ``reward``: +8 for a text ending in 9, -8 for 8; ``adapter``: a LoRA adapter on ``right`` whose config
+    names a base directory that no longer exists."""
     root = tmp_path_factory.mktemp("tiny-chat-models")
     ns = SimpleNamespace(
         root=root,
         right=chain_model(root / "right", " 579"),
         wrong=chain_model(root / "wrong", " 578"),
         turns=chain_model(root / "turns", " 0123456789\nHuman", end="cycle"),
-        endless=chain_model(root / "endless", " 0123456789abcdefghijklmnopqrstuvwxyz", end="cycle"),
+        endless=chain_model(root / "endless", ENDLESS, end="cycle", context=ENDLESS_CONTEXT),
         reward=sign_reward_model(root / "reward"),
     )
     gone = chain_model(root / "gone", " 579")

@@ -34,7 +34,7 @@ from dschat.losses import gather_last, pairwise_loss
 from dschat.models.loading import count_parameters, load_causal_lm, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
 from dschat.policy_pairs import mine_policy_negatives
-from dschat.ranking import evaluate_ranking
+from dschat.ranking import evaluate_ranking, evaluate_selection
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.io import atomic_write_text
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     # that says whether PPO's actor will be able to fool this reward model.
     policy_stats: dict[str, dict] = {}
     policy_evals: list = []
+    policy_samples = None  # the held-out prompts' sampled answers: can this reward model pick the right one?
     mined: dict[str, list] = {}
     if policy_path:
         t_mine = time.perf_counter()
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(train_prompts, cap)
         splits = {"train": train_prompts, "eval": [s.prompt for s in eval_s]}
         for split, texts in splits.items():
-            pairs, policy_stats[split] = mine_policy_negatives(
+            pairs, policy_stats[split], samples = mine_policy_negatives(
                 policy, tokenizer, texts, samples_per_prompt=reward.policy_negatives_per_prompt,
                 max_new_tokens=reward.policy_negatives_max_new_tokens, temperature=reward.policy_negatives_temperature,
                 device=dist.default_device(), seed=run.seed + (split == "eval"),
@@ -98,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
                 policy_evals = eval_batches(
                     examples, batch_size=optim.per_device_eval_batch_size, collate=collate
                 )
+                policy_samples = samples if policy_stats[split]["prompts"] else None
         del policy
-        log.info("on-policy pairs from %s: %d train / %d eval (the policy's sampled accuracy %.3f), %.1f s", policy_path,
-                 policy_stats["train"]["pairs"], policy_stats["eval"]["pairs"], policy_stats["train"]["sampled_accuracy"],
-                 time.perf_counter() - t_mine)  # fmt: skip
+        held_out = policy_stats["eval"]
+        log.info("on-policy pairs from %s: %d train / %d eval (the policy's sampled accuracy %.3f; on held-out "
+                 "prompts %.3f, one of %d right %.3f), %.1f s", policy_path, policy_stats["train"]["pairs"],
+                 held_out["pairs"], policy_stats["train"]["sampled_accuracy"], held_out["sampled_accuracy"],
+                 reward.policy_negatives_per_prompt, held_out["pass_at_k"], time.perf_counter() - t_mine)  # fmt: skip
         if not policy_stats["train"]["prompts"]:
             log.warning(
                 "--policy_negatives_from: no built-in task prompts in this step's data; no pairs were added"
@@ -164,10 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         if policy_evals:  # held-out pairs whose rejected answer the policy itself wrote
             with sw("eval"):
                 ev["policy_negatives_accuracy"] = evaluate_ranking(engine, policy_evals)["accuracy"]
+        if policy_samples is not None:  # the reward model picks one of the policy's K answers per prompt
+            with sw("eval"):
+                ev["policy_best_of_k_accuracy"] = evaluate_selection(
+                    engine,
+                    tokenizer,
+                    policy_samples,
+                    batch_size=optim.per_device_eval_batch_size,
+                    max_len=data_args.max_seq_len,
+                )["best_of_k_accuracy"]
         metrics.log(ev, step=step, split="eval")
-        log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s", step, ev["accuracy"],
+        log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s", step, ev["accuracy"],
                  ev["chosen_mean"], ev["rejected_mean"], ev["margin"],
-                 f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else "")  # fmt: skip
+                 f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else "",
+                 f", its pick of the policy's {reward.policy_negatives_per_prompt} answers right "
+                 f"{ev['policy_best_of_k_accuracy']:.4f}" if policy_samples is not None else "")  # fmt: skip
         return ev
 
     eval_start = evaluate(state.step)
@@ -236,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         "eval_longer_response_baseline": eval_end["longer_response_baseline"],
         "eval_policy_negatives_accuracy_start": eval_start.get("policy_negatives_accuracy"),
         "eval_policy_negatives_accuracy_end": eval_end.get("policy_negatives_accuracy"),
+        # Picking the best of the policy's K answers to held-out prompts: if the reward model's pick is no
+        # more often right than a random one (policy_negatives.eval.sampled_accuracy), PPO against it can
+        # raise its score but not the truth.
+        "eval_policy_best_of_k_accuracy_start": eval_start.get("policy_best_of_k_accuracy"),
+        "eval_policy_best_of_k_accuracy_end": eval_end.get("policy_best_of_k_accuracy"),
         "policy_negatives": policy_stats or None,
         "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
         "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
