@@ -43,15 +43,17 @@ def main() -> None:
         p.error("--from reads a finished run and --output_dir starts one: give one of them")
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
+    if args.src and not (Path(args.src) / "step2" / "summary.json").is_file():
+        p.error(f"--from {args.src}: no step2/summary.json there (not a finished step-2 run)")
     tmp = None if args.src or args.output_dir else tempfile.TemporaryDirectory()  # removed when the process ends
     out = Path(args.src or args.output_dir or tmp.name)
-    out.mkdir(parents=True, exist_ok=True)
     if not args.src and args.suite == "builtin":
         run([sys.executable, str(ROOT / "train.py"), "--step", "1", "2", "--output-dir", str(out)])
     elif not args.src:
         if not (HH / "hh_rlhf" / "train.jsonl").exists():
             print(json.dumps({"skipped": f"{HH} not present"}))
             return
+        out.mkdir(parents=True, exist_ok=True)
         common = ["--max_seq_len", str(args.max_seq_len), "--data_output_path", str(out / "cache")]
         run([sys.executable, str(ROOT / "training/step1_supervised_finetuning/main.py"), "--output_dir", str(out / "step1"),
              "--model_name_or_path", args.model, "--data_path", str(HH / "sft" / "train.jsonl"), "--data_split", "1,0,0",

@@ -66,6 +66,41 @@ def generate_texts(
     return out
 
 
+def rank_slice(prompts: list[str]) -> tuple[list[str], list[float]]:
+    """This rank's share of ``prompts`` and their weights: every rank gets the same number (ZeRO-3
+    generation is collective), the last ranks padded with repeats of weight 0 (cycling through
+    ``prompts``: with fewer prompts than ranks, some ranks hold only repeats)."""
+    world, rank = dist.world_size(), dist.rank()
+    per = -(-len(prompts) // world)
+    padded = [prompts[i % len(prompts)] for i in range(per * world)] if prompts else []
+    mine = padded[rank * per : (rank + 1) * per]
+    return mine, [1.0 if rank * per + i < len(prompts) else 0.0 for i in range(len(mine))]
+
+
+def verifier_accuracy(
+    prompts: list[str], answers: list[str], weights: list[float]
+) -> dict[str, float] | None:
+    """Verifier accuracy of each rank's (prompt, answer) pairs, summed over ranks (call on every rank):
+    ``accuracy`` and ``accuracy/<task>``, over the prompts a built-in task recognises (None if none does)."""
+    right: dict[str, float] = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
+    for p, a, w in zip(prompts, answers, weights, strict=True):
+        name = tasks.task_of(p)
+        if name is not None:
+            total[name] += w
+            right[name] += w * float(bool(tasks.verify(p, a)))
+    names = sorted(tasks.TASKS)
+    flat = dist.all_reduce_sum([right[n] for n in names] + [total[n] for n in names])
+    r, t = flat[: len(names)], flat[len(names) :]
+    if not sum(t):
+        return None
+    result = {"accuracy": sum(r) / sum(t)}
+    for n, rn, tn in zip(names, r, t):
+        if tn:
+            result[f"accuracy/{n}"] = rn / tn
+    return result
+
+
 def task_accuracy(
     model: torch.nn.Module,
     tokenizer,
@@ -86,11 +121,7 @@ def task_accuracy(
     known = [p for p in prompts if tasks.task_of(p)]
     if not known:
         return None
-    world, rank = dist.world_size(), dist.rank()
-    # Equal slice lengths on every rank: ZeRO-3 generation is collective.
-    per = -(-len(known) // world)
-    mine = (known + known[: per * world - len(known)])[rank * per : (rank + 1) * per]
-    weights = [1.0 if rank * per + i < len(known) else 0.0 for i in range(len(mine))]
+    mine, weights = rank_slice(known)
     answers = generate_texts(
         model,
         tokenizer,
@@ -101,20 +132,7 @@ def task_accuracy(
         generator=generator,
         sampling=sampling,
     )
-    right: dict[str, float] = defaultdict(float)
-    total: dict[str, float] = defaultdict(float)
-    for p, a, w in zip(mine, answers, weights):
-        name = tasks.task_of(p)
-        total[name] += w
-        right[name] += w * float(bool(tasks.verify(p, a)))
-    names = sorted(tasks.TASKS)
-    flat = dist.all_reduce_sum([right[n] for n in names] + [total[n] for n in names])
-    r, t = flat[: len(names)], flat[len(names) :]
-    result = {"accuracy": sum(r) / max(sum(t), 1.0)}
-    for n, rn, tn in zip(names, r, t):
-        if tn:
-            result[f"accuracy/{n}"] = rn / tn
-    return result
+    return verifier_accuracy(mine, answers, weights)
 
 
 def answers_cut_by_budget(tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[int, int]:

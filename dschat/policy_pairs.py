@@ -17,13 +17,15 @@ truth (reward hacking, foreseen).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dschat import tasks
 from dschat.data.schema import Sample
-from dschat.generation import generate_texts
+from dschat.generation import generate_texts, rank_slice
+from dschat.losses import gather_last
 from dschat.rlhf.generation import SamplingConfig
 from dschat.scoring import score_with
 from dschat.utils import dist
@@ -44,11 +46,21 @@ class PolicySamples:
     weight: list[float]  # (P,)
     k: int
 
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if not (len(self.answers) == len(self.right) == n * self.k and len(self.weight) == n):
+            raise ValueError(
+                f"PolicySamples: {n} prompts x k={self.k} need {n * self.k} answers and labels and {n} "
+                f"weights, got {len(self.answers)}, {len(self.right)}, {len(self.weight)}"
+            )
+
 
 def selection_metrics(scores: torch.Tensor, right: torch.Tensor, weight: torch.Tensor) -> dict[str, float]:
     """Weighted sums for :func:`selection_accuracy` from scores and labels (P, K) and weights (P,):
     the scorer's pick right (``best``), a random pick right (``sampled``: the mean over K), any right
-    (``any``: pass@K, an oracle's pick), and the weight (``n``). Ties go to the first answer."""
+    (``any``: pass@K, an oracle's pick), and the weight (``n``). Ties go to the first answer, which is as
+    good as a random pick: a scorer that cannot tell the answers apart scores like ``sampled``, not better
+    (pairwise ranking instead counts a tie as wrong)."""
     right = right.float()
     picked = right.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
     w = weight.float()
@@ -95,10 +107,7 @@ def mine_policy_negatives(
     """
     known = [p for p in prompts if tasks.reference_answer(p) is not None]
     world, rank = dist.world_size(), dist.rank()
-    per = -(-len(known) // world) if known else 0
-    mine = known[rank * per : (rank + 1) * per]
-    weight = [1.0] * len(mine) + [0.0] * (per - len(mine))
-    mine = mine + known[: per - len(mine)]  # the last rank's repeats (weight 0)
+    mine, weight = rank_slice(known)
     repeated = [p for p in mine for _ in range(samples_per_prompt)]
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
         torch.manual_seed(seed + rank)
@@ -130,8 +139,9 @@ def mine_policy_negatives(
 
 
 @torch.no_grad()
-def selection_accuracy(score_fn, tokenizer, samples: PolicySamples, *, batch_size: int, max_len: int,
-                       device) -> dict[str, float]:  # fmt: skip
+def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer,
+                       samples: PolicySamples, *, batch_size: int, max_len: int,
+                       device: str | torch.device) -> dict[str, float]:  # fmt: skip
     """How often a scorer's favourite among each prompt's K answers is right, over all ranks, beside a
     random pick's (``sampled_accuracy``) and an oracle's (``pass_at_k``).
 
@@ -152,3 +162,19 @@ def selection_accuracy(score_fn, tokenizer, samples: PolicySamples, *, batch_siz
         "sampled_accuracy": total["sampled"] / n,
         "pass_at_k": total["any"] / n,
     }
+
+
+@torch.no_grad()
+def evaluate_selection(
+    engine, tokenizer, samples: PolicySamples, *, batch_size: int, max_len: int
+) -> dict[str, float]:
+    """:func:`selection_accuracy` of a reward engine (values (B, T), scored at the last real token), in
+    eval mode and restored afterwards."""
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        return selection_accuracy(lambda ids, mask: gather_last(engine(ids, mask), mask), tokenizer, samples,
+                                  batch_size=batch_size, max_len=max_len, device=engine.device)  # fmt: skip
+    finally:
+        if was_training:
+            engine.train()

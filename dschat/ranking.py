@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from dschat.losses import gather_last
-from dschat.policy_pairs import PolicySamples, selection_accuracy
 from dschat.utils import dist
 
 
@@ -71,19 +70,3 @@ def evaluate_ranking(engine, batches: list[tuple[dict, torch.Tensor]]) -> dict[s
     if was_training:
         engine.train()
     return ranking_metrics(reduced)
-
-
-@torch.no_grad()
-def evaluate_selection(
-    engine, tokenizer, samples: PolicySamples, *, batch_size: int, max_len: int
-) -> dict[str, float]:
-    """:func:`dschat.policy_pairs.selection_accuracy` of a reward engine (values (B, T)): how often its
-    favourite among the policy's K answers to a held-out prompt is right, beside a random and an oracle pick."""
-    was_training = engine.module.training
-    engine.eval()
-    try:
-        return selection_accuracy(lambda ids, mask: gather_last(engine(ids, mask), mask), tokenizer, samples,
-                                  batch_size=batch_size, max_len=max_len, device=engine.device)  # fmt: skip
-    finally:
-        if was_training:
-            engine.train()

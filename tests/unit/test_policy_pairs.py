@@ -66,18 +66,36 @@ def test_selection_accuracy_lets_a_real_reward_model_pick(tmp_path):
     tokenizer = load_tokenizer(path)
     rm = load_reward_model(path, tokenizer=tokenizer).eval()
     a, b = make_prompt("What is 500 + 79?"), make_prompt("What is 500 + 78?")
-    samples = PolicySamples(
-        prompts=[a, a, b],
-        answers=[" 578", " 579", " 578", " 579", " 578", " 578", " 579", " 577", " 579"],
-        right=[False, True, False, True, False, False, False, False, False],
-        weight=[1.0, 1.0, 1.0],
+    samples = PolicySamples(  # 2 prompts x 3 answers: a transposed grouping would not pass
+        prompts=[a, b],
+        answers=[" 578", " 579", " 578", " 578", " 578", " 579"],
+        right=[False, True, False, False, False, False],
+        weight=[1.0, 1.0],
         k=3,
     )
     m = selection_accuracy(rm.score, tokenizer, samples, batch_size=2, max_len=64, device="cpu")
-    assert m == {"best_of_k_accuracy": pytest.approx(2 / 3), "sampled_accuracy": pytest.approx(2 / 9),
-                 "pass_at_k": pytest.approx(2 / 3)}  # fmt: skip
-    flipped = PolicySamples(**{**samples.__dict__, "answers": [" 579", " 578", " 578"] * 3})
-    flipped.right = [True, False, False, True, False, False, False, False, False]
-    assert selection_accuracy(rm.score, tokenizer, flipped, batch_size=4, max_len=64, device="cpu")[
-        "best_of_k_accuracy"
-    ] == pytest.approx(2 / 3)
+    assert m == {"best_of_k_accuracy": 0.5, "sampled_accuracy": pytest.approx(1 / 6), "pass_at_k": 0.5}
+    moved = PolicySamples([a, b], [" 579", " 578", " 578", " 578", " 578", " 579"],
+                          [True, False, False, False, False, False], [1.0, 1.0], 3)  # fmt: skip
+    assert selection_accuracy(rm.score, tokenizer, moved, batch_size=4, max_len=64, device="cpu") == m
+    with pytest.raises(ValueError, match="2 prompts x k=3 need 6 answers"):
+        PolicySamples([a, b], [" 579"] * 5, [True] * 5, [1.0, 1.0], 3)
+
+
+def test_mine_policy_negatives_keeps_each_prompts_answers_together(tmp_path):
+    # A policy that answers every prompt " 579": right for one prompt, wrong (one pair) for the other.
+    from dschat.models.loading import load_for_generation
+    from dschat.policy_pairs import mine_policy_negatives
+    from tests.tiny_chat_models import chain_model
+
+    model, tokenizer = load_for_generation(str(chain_model(tmp_path / "p", " 579")))
+    a, b = make_prompt("What is 500 + 79?"), make_prompt("What is 500 + 78?")
+    pairs, stats, samples = mine_policy_negatives(
+        model, tokenizer, [a, make_prompt("Hello"), b], samples_per_prompt=3, max_new_tokens=8,
+        temperature=1.0, device="cpu", seed=0,
+    )  # fmt: skip
+    assert samples.prompts == [a, b] and samples.k == 3 and samples.weight == [1.0, 1.0]
+    assert samples.answers == [" 579"] * 6 and samples.right == [True] * 3 + [False] * 3
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [(b, " 578", " 579")]
+    assert stats == {"prompts": 2.0, "answers": 6.0, "wrong_answers": 3.0, "pairs": 1.0,
+                     "sampled_accuracy": 0.5, "pass_at_k": 0.5}  # fmt: skip

@@ -223,3 +223,32 @@ def test_answer_budget_counts_cut_right_answers():
     assert answers_cut_by_budget(tok, prompts, 24) == (1, 27)
     assert answers_cut_by_budget(tok, prompts, 27) == (0, 27)
     assert answers_cut_by_budget(tok, prompts, 3) == (2, 27)
+
+
+def test_verifier_accuracy_by_hand():
+    from dschat.generation import verifier_accuracy
+
+    s1, s2, r1 = make_prompt("Sort: plum cat"), make_prompt("Sort: dog apple"), make_prompt("Reverse: abc")
+    prompts = [s1, s2, r1, make_prompt("Hello"), s1]
+    answers = [" cat plum", " dog apple", " cba\n\nHuman: more", " hi", " wrong"]
+    weights = [1.0, 1.0, 1.0, 1.0, 0.0]  # the last is a rank's repeat: not counted
+    acc = verifier_accuracy(prompts, answers, weights)
+    assert acc == {"accuracy": 2 / 3, "accuracy/sort": 0.5, "accuracy/reverse": 1.0}
+    assert verifier_accuracy([make_prompt("Hello")], [" hi"], [1.0]) is None
+
+
+@pytest.mark.parametrize("n,world", [(3, 1), (1, 4), (5, 8), (7, 3), (6, 3), (0, 2)])
+def test_rank_slice_gives_every_rank_as_many_prompts_and_counts_each_once(monkeypatch, n, world):
+    from dschat.generation import rank_slice
+    from dschat.utils import dist
+
+    prompts = [f"p{i}" for i in range(n)]
+    monkeypatch.setattr(dist, "world_size", lambda: world)
+    slices = []
+    for rank in range(world):
+        monkeypatch.setattr(dist, "rank", lambda rank=rank: rank)
+        slices.append(rank_slice(prompts))
+    assert len({len(mine) for mine, _ in slices}) == 1  # collective generation: equal calls per rank
+    counted = [p for mine, w in slices for p, x in zip(mine, w) if x == 1.0]
+    assert counted == prompts  # each prompt once, in order; the rest are weight-0 repeats
+    assert all(x in (0.0, 1.0) for _, w in slices for x in w)

@@ -33,8 +33,8 @@ from dschat.lm import eval_batches
 from dschat.losses import gather_last, pairwise_loss
 from dschat.models.loading import count_parameters, load_causal_lm, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
-from dschat.policy_pairs import mine_policy_negatives
-from dschat.ranking import evaluate_ranking, evaluate_selection
+from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_policy_negatives
+from dschat.ranking import evaluate_ranking
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.io import atomic_write_text
@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     # that says whether PPO's actor will be able to fool this reward model.
     policy_stats: dict[str, dict] = {}
     policy_evals: list = []
-    policy_samples = None  # the held-out prompts' sampled answers: can this reward model pick the right one?
+    policy_samples: PolicySamples | None = (
+        None  # the held-out prompts' sampled answers: can this reward model pick the right one?
+    )
     mined: dict[str, list] = {}
     if policy_path:
         t_mine = time.perf_counter()

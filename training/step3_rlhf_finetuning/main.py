@@ -33,7 +33,13 @@ from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import export_hf_model
 from dschat.engine.hybrid import HybridGenerator
-from dschat.generation import answers_cut_by_budget, generate_texts, task_accuracy
+from dschat.generation import (
+    answers_cut_by_budget,
+    generate_texts,
+    rank_slice,
+    task_accuracy,
+    verifier_accuracy,
+)
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
@@ -272,17 +278,12 @@ def main(argv: list[str] | None = None) -> int:
             return out
         with sw("eval"):
             zero3 = eng_args.actor_zero_stage == 3
-            # reward of greedy answers on (this rank's slice of) the held-out prompts
-            per = -(-len(held_out) // world)
-            mine = (held_out + held_out[: per * world - len(held_out)])[
-                dist.rank() * per : (dist.rank() + 1) * per
-            ]
+            # greedy answers to this rank's slice of the held-out prompts: their reward and true accuracy
+            mine, weights = rank_slice(held_out)
             with generator.generation_mode() as gen:  # the hybrid engine's fast path, or plain generate
-                acc = task_accuracy(actor.module, tokenizer, held_out, device=actor.device, synced_gpus=zero3,
-                                    max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
                 answers = generate_texts(actor.module, tokenizer, mine, device=actor.device, synced_gpus=zero3,
                                          max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
-                sampled = None
+                acc = verifier_accuracy(mine, answers, weights)
                 if acc:
                     # The same seed at every evaluation (start and end compare like with like), in a forked
                     # RNG so that evaluating never changes the training run's samples.
@@ -290,15 +291,15 @@ def main(argv: list[str] | None = None) -> int:
                         torch.manual_seed(run.seed + 1 + dist.rank())
                         sampled = task_accuracy(actor.module, tokenizer, held_out, device=actor.device,
                                                 synced_gpus=zero3, generator=gen, sampling=sampling)  # fmt: skip
-            if acc:
-                out.update({f"true_{k}": v for k, v in acc.items()})
-                out.update(
-                    {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in sampled.items()}
-                )
+                    out.update({f"true_{k}": v for k, v in acc.items()})
+                    out.update(
+                        {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in sampled.items()}
+                    )
             enc = reward_tok([p + a for p, a in zip(mine, answers)], return_tensors="pt", padding=True,
                              add_special_tokens=True).to(actor.device)  # fmt: skip
-            scores = reward_source.score(mine, answers, enc["input_ids"], enc["attention_mask"])
-            total, n = dist.all_reduce_sum([float(scores.sum()), float(len(mine))])
+            scores = reward_source.score(mine, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
+            w = torch.tensor(weights)
+            total, n = dist.all_reduce_sum([float((scores * w).sum()), float(w.sum())])
             out["held_out_reward"] = total / n
         metrics.log(out, step=step, split="eval")
         log.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
