@@ -45,7 +45,8 @@ def main() -> None:
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     if args.src and not (Path(args.src) / "step2" / "summary.json").is_file():
         p.error(f"--from {args.src}: no step2/summary.json there (not a finished step-2 run)")
-    tmp = None if args.src or args.output_dir else tempfile.TemporaryDirectory()  # removed when the process ends
+    # A temporary directory (removed when the process ends) unless the run is kept or read.
+    tmp = None if args.src or args.output_dir else tempfile.TemporaryDirectory()
     out = Path(args.src or args.output_dir or tmp.name)
     if not args.src and args.suite == "builtin":
         run([sys.executable, str(ROOT / "train.py"), "--step", "1", "2", "--output-dir", str(out)])
