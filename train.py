@@ -439,6 +439,7 @@ class RankWatch:
     def __init__(self) -> None:
         self.pids: dict[int, int] = {}  # pid -> local rank
         self.first: tuple[int, int] | None = None  # (rank, pid)
+        self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
         self.tail = b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -452,20 +453,31 @@ class RankWatch:
     def _poll(self) -> None:
         import psutil
 
-        while not self._stop.wait(0.1):
+        while self.first is None and not self._stop.wait(0.02):
+            ended = []
             for pid, rank in list(self.pids.items()):
                 try:
                     gone = psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
                 except psutil.NoSuchProcess:
                     gone = True
-                if gone and self.first is None:
-                    self.first = (rank, pid)
+                if gone:
+                    ended.append((rank, pid))
+            # Ranks seen ended in the same poll are not ordered (a rank's crash makes its peers' collectives
+            # fail within milliseconds): name them all rather than guess, lowest rank first.
+            if ended:
+                self.first = (ended[0][0], ended[0][1])
+                self.together = sorted(ended)
 
     def report(self) -> str:
         self._stop.set()
         m = self.ROOT_CAUSE.search(self.tail)
         if m:
             return f"torchrun on this node reports rank {int(m[1])} failed first (exit code {int(m[2])})"
+        if len(self.together) > 1:
+            names = ", ".join(f"{r} (pid {p})" for r, p in self.together)
+            return (
+                f"ranks {names} ended within 20 ms of each other; the launcher then stopped the other ranks"
+            )
         if self.first is not None:
             return f"rank {self.first[0]} (pid {self.first[1]}) ended first; the launcher then stopped the other ranks"
         return ""

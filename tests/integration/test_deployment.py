@@ -106,7 +106,10 @@ def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):
     assert last.startswith("error: step 1 (supervised fine-tuning) failed with exit code 13"), proc.stderr[
         -3000:
     ]
-    assert "rank 1 (pid" in last and "ended first" in last, last
+    # The killed rank is named alone, or with the peer whose collective failed in the same 20 ms poll.
+    assert ("rank 1 (pid" in last and "ended first" in last) or (
+        "ranks 0 (pid" in last and ", 1 (pid" in last and "ended within 20 ms" in last
+    ), last
     assert not (tmp_path / "step1" / "summary.json").exists()
     # start-up and 3 steps take ~20 s on 2 cores; without the launcher ending it, rank 0 would wait for the
     # 60 s collective timeout at least
