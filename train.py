@@ -438,7 +438,6 @@ class RankWatch:
 
     def __init__(self) -> None:
         self.pids: dict[int, int] = {}  # pid -> local rank
-        self.first: tuple[int, int] | None = None  # (rank, pid)
         self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
         self.tail = b""
         self._stop = threading.Event()
@@ -449,6 +448,11 @@ class RankWatch:
         self.tail = (self.tail + chunk)[-65536:]
         for m in self.SPAWN.finditer(chunk):
             self.pids[int(m[1])] = int(m[2])
+
+    @property
+    def first(self) -> tuple[int, int] | None:
+        """(rank, pid) of the first rank seen ended (the lowest, if several were seen in the same poll)."""
+        return self.together[0] if self.together else None
 
     def _poll(self) -> None:
         import psutil
@@ -464,9 +468,7 @@ class RankWatch:
                     ended.append((rank, pid))
             # Ranks seen ended in the same poll are not ordered (a rank's crash makes its peers' collectives
             # fail within milliseconds): name them all rather than guess, lowest rank first.
-            if ended:
-                self.first = (ended[0][0], ended[0][1])
-                self.together = sorted(ended)
+            self.together = sorted(ended)
 
     def report(self) -> str:
         self._stop.set()

@@ -74,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     # that says whether PPO's actor will be able to fool this reward model.
     policy_stats: dict[str, dict] = {}
     policy_evals: list = []
-    policy_samples: PolicySamples | None = (
-        None  # the held-out prompts' sampled answers: can this reward model pick the right one?
-    )
+    # the held-out prompts' sampled answers: can this reward model pick the right one?
+    policy_samples: PolicySamples | None = None
     mined: dict[str, list] = {}
     if policy_path:
         t_mine = time.perf_counter()
