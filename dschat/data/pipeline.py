@@ -19,6 +19,7 @@ from dschat.data.collate import pair_example, sft_example
 from dschat.data.schema import Sample
 from dschat.data.sources import fingerprint, load_source
 from dschat.data.split import phase_share
+from dschat.models.cache import cache_root
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 
@@ -38,7 +39,7 @@ class PreparedData:
 def data_cache_dir(args: DataArgs) -> Path:
     if args.data_output_path:
         return Path(args.data_output_path).expanduser()
-    return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat")) / "data"
+    return cache_root() / "data"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -7,9 +7,7 @@ default model exercises exactly the code a real Hugging Face model does.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
+from dschat.models.cache import build_once, models_dir, write_model_dir
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -43,10 +41,6 @@ BUILTIN_MODELS: dict[str, dict[str, int]] = {
 }
 MAX_POSITIONS = 1024
 SPECIALS = ["<pad>", "<s>", "</s>"]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat"))
 
 
 def build_tokenizer():
@@ -100,37 +94,23 @@ def is_builtin(name_or_path: str) -> bool:
 def materialize(name_or_path: str, seed: int = 0) -> str:
     """Directory of builtin model ``name_or_path`` (``builtin:tiny-llama``), created on first use.
 
-    Creation writes a temporary directory and renames it, so concurrent ranks never see half a model.
+    Built once per cache by whichever process gets there first, the others waiting (see
+    :func:`dschat.models.cache.build_once`), so concurrent ranks never see half a model.
     """
-    import torch
-    from transformers import LlamaForCausalLM
-
     name = name_or_path[len(BUILTIN_PREFIX) :]
     if name not in BUILTIN_MODELS:
         raise KeyError(name)
-    final = cache_root() / "models" / f"{name}-v1-seed{seed}"
-    if (final / "config.json").exists():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    tokenizer = build_tokenizer()
-    config = build_config(name, len(tokenizer))
-    devnull_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    torch.random.set_rng_state(devnull_state)
-    from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar on stderr for a one-off cache write
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    def build(tmp) -> dict:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        tokenizer = build_tokenizer()
+        config = build_config(name, len(tokenizer))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+        write_model_dir(model, tokenizer, tmp)
+        return {"builtin": name, "seed": seed}
+
+    return str(build_once(models_dir() / f"{name}-v1-seed{seed}", build))

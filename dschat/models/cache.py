@@ -1,0 +1,92 @@
+"""The model cache: directories that are built once per machine and then only read (built-in models,
+GGUF conversions), under ``$DSCHAT_CACHE/models`` (default ``~/.cache/dschat/models``).
+
+Every entry is built by exactly one process while the others wait on a file lock, written to a
+temporary directory, marked complete, and renamed into place. An entry without the completion mark (a
+build that crashed, or a cache written by an older dschat) is rebuilt, never used. The lock is a file
+lock rather than a collective so that it also serialises ranks before ``torch.distributed`` starts and
+separate jobs sharing one cache; the writer does not depend on the process's rank (transformers'
+``save_pretrained`` writes nothing on a rank other than 0 once ``torch.distributed`` is initialised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+LOG = logging.getLogger("dschat")
+COMPLETE = ".dschat-complete"  # written last into an entry: its presence means the entry is whole
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat"))
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
+
+
+def is_complete(entry: Path) -> bool:
+    return (entry / COMPLETE).is_file()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if needed), held for the ``with`` block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def build_once(entry: Path, build: Callable[[Path], dict | None]) -> Path:
+    """``entry``, built by ``build(tmp_dir)`` unless a complete copy exists; returns ``entry``.
+
+    ``build`` writes the whole entry into ``tmp_dir`` (an empty directory) and may return a dict that
+    is stored in the completion mark (what was built from what). If it raises, nothing is left behind.
+    """
+    if is_complete(entry):
+        return entry
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(entry.with_name(f".{entry.name}.lock")):
+        if is_complete(entry):  # another process built it while this one waited
+            return entry
+        if entry.exists():
+            LOG.warning("model cache: %s is incomplete (an interrupted build?); rebuilding it", entry)
+            shutil.rmtree(entry)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            info = build(tmp) or {}
+            mark = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
+            (tmp / COMPLETE).write_text(json.dumps(mark, indent=2, sort_keys=True, default=str) + "\n")
+            os.replace(tmp, entry)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return entry
+
+
+def write_model_dir(model, tokenizer, path: Path) -> None:
+    """Config, generation config, safetensors weights (tied weights stored once) and tokenizer of
+    ``model`` in ``path``, on whichever rank calls it."""
+    from safetensors.torch import save_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(path)
+    save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

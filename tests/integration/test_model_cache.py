@@ -1,0 +1,94 @@
+"""The model cache under concurrency and failure: one builder, complete entries only, nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.models import builtin, cache
+from dschat.utils.dist import free_port
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "tests" / "integration" / "cache_script.py"
+
+
+def _load_logits(path: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[1, 50, 60, 70]])).logits
+
+
+def _fresh_micro_logits() -> torch.Tensor:
+    from transformers import LlamaForCausalLM
+
+    config = builtin.build_config("micro-llama", len(builtin.build_tokenizer()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[1, 50, 60, 70]])).logits
+
+
+@pytest.mark.slow
+def test_two_ranks_materialise_one_model_concurrently_on_an_empty_cache(tmp_path):
+    # transformers' save_pretrained writes nothing on rank 1 once torch.distributed is up: the old cache
+    # let rank 1's tokenizer-only copy win the rename and every later run failed on it.
+    env = {**os.environ, "DSCHAT_CACHE": str(tmp_path), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPT), "builtin:micro-llama"],
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    paths = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(paths) == 1
+    entry = Path(paths.pop())
+    assert cache.is_complete(entry)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
+    assert not [p for p in entry.parent.iterdir() if p.name.endswith(".tmp")]
+    torch.testing.assert_close(_load_logits(str(entry)), _fresh_micro_logits(), rtol=0, atol=0)
+
+
+def test_an_incomplete_entry_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path))
+    entry = tmp_path / "models" / "micro-llama-v1-seed0"
+    entry.mkdir(parents=True)
+    (entry / "tokenizer.json").write_text("{}")  # what the race used to leave: a tokenizer, no model
+    path = builtin.materialize("builtin:micro-llama")
+    assert Path(path) == entry and cache.is_complete(entry)
+    torch.testing.assert_close(_load_logits(path), _fresh_micro_logits(), rtol=0, atol=0)
+
+
+def test_a_failed_build_leaves_nothing_and_the_next_one_succeeds(tmp_path):
+    entry = tmp_path / "thing"
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half").write_text("x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        cache.build_once(entry, broken)
+    assert not entry.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".thing.lock"]
+
+    calls = []
+
+    def good(tmp: Path) -> dict:
+        calls.append(1)
+        (tmp / "data").write_text("ok")
+        return {"source": "test"}
+
+    assert cache.build_once(entry, good) == entry
+    assert cache.build_once(entry, good) == entry  # complete: not built again
+    assert calls == [1] and (entry / "data").read_text() == "ok"
