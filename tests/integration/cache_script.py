@@ -8,9 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch.distributed as torch_dist  # noqa: E402
+import torch.distributed as torch_dist
 
-from dschat.models.builtin import materialize  # noqa: E402
+from dschat.models.builtin import materialize
 
 torch_dist.init_process_group("gloo")
 torch_dist.barrier()  # both ranks start building at the same moment

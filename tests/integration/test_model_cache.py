@@ -43,13 +43,17 @@ def test_two_ranks_materialise_one_model_concurrently_on_an_empty_cache(tmp_path
     env = {**os.environ, "DSCHAT_CACHE": str(tmp_path), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
     procs = [
-        subprocess.Popen([sys.executable, str(SCRIPT), "builtin:micro-llama"],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), "builtin:micro-llama"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
     assert len(paths) == 1
