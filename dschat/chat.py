@@ -1,14 +1,10 @@
-"""Conversation logic of the chat and prompt-comparison tools: prompt format, history, reply cutting.
+"""Conversation logic of the chat and prompt-comparison tools: history, reply cutting, streaming.
 
 A conversation is a list of Hugging Face style messages, ``{"role": "user" | "assistant",
-"content": str}``. It is rendered either in the Human/Assistant form that dschat trains on (the
-built-in tasks and the HH-RLHF data sets)::
-
-    "\\n\\nHuman: hi\\n\\nAssistant: hello\\n\\nHuman: 2 + 2?\\n\\nAssistant:"
-
-or with the tokenizer's chat template. A model trained on the first form keeps writing the dialogue
-after its answer ("\\n\\nHuman: ..."): :func:`cut_reply` and the streaming :class:`StopFilter` end the
-reply where that invented turn starts.
+"content": str}``, rendered by the model's :class:`dschat.data.prompt_format.PromptFormat` (the same
+object that rendered its training data): the Human/Assistant form or the tokenizer's chat template. A
+model trained on the first form keeps writing the dialogue after its answer ("\\n\\nHuman: ..."):
+:func:`cut_reply` and the streaming :class:`StopFilter` end the reply where that invented turn starts.
 
 Everything here is pure Python except :class:`ReplyStream`, which runs ``model.generate`` in a
 background thread and yields the reply's text as it is generated::
@@ -23,85 +19,11 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dschat.tasks import ASSISTANT, HUMAN
-from dschat.utils.errors import UserError
-
-Message = dict[str, str]
-
-HUMAN_ASSISTANT = "human-assistant"
-CHAT_TEMPLATE = "chat-template"
-FORMATS = ("auto", HUMAN_ASSISTANT, CHAT_TEMPLATE)
-
-# Where a Human/Assistant model starts writing the next turn itself. The single-newline forms catch a
-# model that is sloppy about the blank line; the double-newline forms come first so that a cut at
-# "\n\nHuman:" does not leave a stray newline in the reply.
-TURN_STOPS = ("\n\nHuman:", "\n\nAssistant:", "\nHuman:", "\nAssistant:")
-
-
-def render_human_assistant(messages: list[Message]) -> str:
-    """``"\\n\\nHuman: u1\\n\\nAssistant: a1 ... \\n\\nHuman: uN\\n\\nAssistant:"`` (training format).
-
-    Assistant turns get the single space that training responses start with (``" 432"``).
-    """
-    parts = []
-    for m in messages:
-        if m["role"] == "user":
-            parts.append(HUMAN + m["content"])
-        elif m["role"] == "assistant":
-            parts.append(ASSISTANT + " " + m["content"])
-        else:
-            raise ValueError(f"unknown role {m['role']!r}")
-    return "".join(parts) + ASSISTANT
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """How a conversation becomes model input, and where a reply ends.
-
-    ``add_special_tokens``: whether tokenizing the rendered text adds BOS etc. (a chat template
-    writes them into the text itself, the Human/Assistant form relies on the tokenizer, as in training).
-    """
-
-    name: str
-    render: Callable[[list[Message]], str]
-    add_special_tokens: bool
-    stop_strings: tuple[str, ...]
-
-
-def chat_format(tokenizer, choice: str = "auto", flag: str = "--format") -> ChatFormat:
-    """The prompt format for ``tokenizer``: ``auto`` = its chat template if it has one, else Human/Assistant."""
-    if choice not in FORMATS:
-        raise UserError(f"{flag} {choice}: choose one of {', '.join(FORMATS)}")
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if choice == CHAT_TEMPLATE and not has_template:
-        raise UserError(f"{flag} {CHAT_TEMPLATE}: this tokenizer has no chat template")
-    if choice == CHAT_TEMPLATE or (choice == "auto" and has_template):
-        return ChatFormat(
-            CHAT_TEMPLATE,
-            lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False,
-            stop_strings=(),
-        )
-    return ChatFormat(
-        HUMAN_ASSISTANT, render_human_assistant, add_special_tokens=True, stop_strings=TURN_STOPS
-    )
-
-
-def is_rendered_prompt(text: str) -> bool:
-    """True for a prompt already in Human/Assistant form (it ends with the ``Assistant:`` cue)."""
-    return text.rstrip().endswith("Assistant:") and "Human:" in text
-
-
-def prompt_text(question: str, fmt: ChatFormat) -> str:
-    """A one-turn prompt for ``question``, used verbatim when it is already a rendered dialogue."""
-    if is_rendered_prompt(question):
-        return question
-    return fmt.render([{"role": "user", "content": question}])
+from dschat.data.prompt_format import TURN_STOPS, Message, PromptFormat
 
 
 def fit_history(
@@ -223,7 +145,8 @@ class ReplyStream:
     """One reply, generated in a background thread and iterated as text pieces cut at a stop string.
 
     ``input_ids`` is ``(1, T)`` on the model's device; ``generate_kwargs`` go to ``model.generate``
-    (``max_new_tokens``, ``do_sample``, ...). Iterating yields the shown pieces; afterwards ``text``
+    (``max_new_tokens``, ``do_sample``, ...); ``stops`` are stop strings, ``stop_ids`` the token ids
+    that end a reply (the format's ``stop_ids``; default: the model's EOS). Iterating yields the shown pieces; afterwards ``text``
     is the whole reply and ``ended`` says why it ended: ``"stop"`` (the model began an invented turn),
     ``"end"`` (EOS or ``max_new_tokens``) or ``"cancelled"`` (:meth:`cancel`, e.g. on Ctrl-C).
     """
@@ -235,6 +158,7 @@ class ReplyStream:
         input_ids: torch.Tensor,
         generate_kwargs: dict[str, Any],
         stops: tuple[str, ...] = TURN_STOPS,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
         from transformers import StoppingCriteriaList
 
@@ -251,6 +175,8 @@ class ReplyStream:
             "streamer": self._streamer,
             "stopping_criteria": StoppingCriteriaList([_StopOnEvent(self._event)]),
             "pad_token_id": tokenizer.pad_token_id,
+            # the format's end of turn (a chat template's <|im_end|>) as well as EOS ends the reply
+            **({"eos_token_id": list(stop_ids)} if stop_ids else {}),
         }
 
         def run() -> None:
@@ -309,7 +235,7 @@ class Conversation:
     of a single message that alone is too long.
     """
 
-    def __init__(self, tokenizer, fmt: ChatFormat, budget: int) -> None:
+    def __init__(self, tokenizer, fmt: PromptFormat, budget: int) -> None:
         if budget < 1:
             raise ValueError("budget must be at least one token")
         self.tokenizer, self.fmt, self.budget = tokenizer, fmt, budget

@@ -53,7 +53,19 @@ class ModelArgs:
 
 
 @dataclass
-class DataArgs:
+class FormatArgs:
+    chat_template: str = opt(
+        "auto",
+        "prompt format: 'on' renders every dialogue with the tokenizer's chat template (an error if it has "
+        "none), 'off' uses the Human/Assistant text form, 'auto' the template when there is one",
+        choices=("auto", "on", "off"),
+    )
+
+
+@dataclass
+class DataArgs(FormatArgs):
+    """Data sources and their processing; the prompt format (:class:`FormatArgs`) is part of it."""
+
     data_path: list[str] = opt(
         ["builtin"],
         "data sources, blended: builtin[:TASK], local .json/.jsonl files or directories, or registered hub names",

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dschat.chat import TURN_STOPS, cut_reply
+from dschat.chat import cut_reply
+from dschat.data.prompt_format import TURN_STOPS
 from dschat.utils.errors import UserError
 
 STRATEGIES = ("greedy", "sample", "beam", "contrastive")
@@ -139,18 +140,20 @@ def generate_replies(
     *,
     batch_size: int = 8,
     stops: tuple[str, ...] = TURN_STOPS,
+    stop_ids: tuple[int, ...] = (),
 ) -> list[str]:
     """Replies (text after each prompt, cut at an invented turn, leading space kept) for token-id prompts.
 
     Prompts are left-padded into batches of ``batch_size`` for greedy, sampling and beam search, and run
-    one at a time for contrastive search. Special tokens (EOS, padding) are not part of the text.
+    one at a time for contrastive search. A reply ends at one of ``stop_ids`` (a format's end of turn) or
+    the model's EOS. Special tokens (EOS, padding) are not part of the text.
     """
     device = next(model.parameters()).device
     model.eval()
     replies: list[list[int]] = []
+    ends = eos_ids(model, tokenizer) | set(stop_ids)
     if opts.strategy == "contrastive":
-        stop_ids = eos_ids(model, tokenizer)
-        replies = [contrastive_search(model, p, opts, stop_ids) for p in prompt_ids]
+        replies = [contrastive_search(model, p, opts, ends) for p in prompt_ids]
     else:
         pad = tokenizer.pad_token_id
         for s in range(0, len(prompt_ids), batch_size):
@@ -159,7 +162,7 @@ def generate_replies(
             input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
             seq = model.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=pad,
-                                 **opts.generate_kwargs())  # fmt: skip
+                                 eos_token_id=sorted(ends), **opts.generate_kwargs())  # fmt: skip
             replies.extend(seq[:, width:].tolist())
     texts = tokenizer.batch_decode(replies, skip_special_tokens=True)
     return [cut_reply(t, stops) for t in texts]

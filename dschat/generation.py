@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 
 from dschat import tasks
+from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.rlhf.generation import SamplingConfig
 from dschat.utils import dist
 
@@ -23,9 +24,12 @@ def generate_texts(
     synced_gpus: bool = False,
     generator=None,
     sampling: SamplingConfig | None = None,
+    fmt: PromptFormat | None = None,
 ) -> list[str]:
-    """Greedy completions (text after the prompt) for ``prompts``, left-padded batches; sampled ones
-    with ``sampling`` (its ``max_new_tokens`` then replaces ``max_new_tokens``).
+    """Greedy completions (text after the prompt) for ``prompts`` (dialogue text or bare questions,
+    rendered by ``fmt``: default the tokenizer's own format, as in training), left-padded batches;
+    sampled ones with ``sampling`` (its ``max_new_tokens`` then replaces ``max_new_tokens``). A reply
+    ends at one of the format's stop tokens (EOS, a chat template's end of turn).
 
     ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done. ``generator``
     (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of
@@ -37,9 +41,14 @@ def generate_texts(
     model.eval()
     out: list[str] = []
     cfg = sampling or SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    fmt = fmt or prompt_format(tokenizer)
     try:
         for s in range(0, len(prompts), batch_size):
-            enc = tokenizer(prompts[s : s + batch_size], return_tensors="pt", padding=True).to(device)
+            texts = [fmt.prompt_text(p) for p in prompts[s : s + batch_size]]
+            enc = tokenizer(
+                texts, return_tensors="pt", padding=True, add_special_tokens=fmt.add_special_tokens
+            )
+            enc = enc.to(device)
             if generator is not None:
                 seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg)
             else:
@@ -54,7 +63,7 @@ def generate_texts(
                     max_new_tokens=cfg.max_new_tokens,
                     do_sample=cfg.do_sample,
                     pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
+                    eos_token_id=list(fmt.stop_ids),
                     synced_gpus=synced_gpus,
                     use_cache=True,
                 )
@@ -111,6 +120,7 @@ def task_accuracy(
     max_new_tokens: int = 32,
     generator=None,
     sampling: SamplingConfig | None = None,
+    fmt: PromptFormat | None = None,
 ) -> dict[str, float] | None:
     """Verifier accuracy of greedy answers (sampled ones with ``sampling``) over the prompts a built-in
     task recognises (None if none does).
@@ -131,18 +141,19 @@ def task_accuracy(
         max_new_tokens=max_new_tokens,
         generator=generator,
         sampling=sampling,
+        fmt=fmt,
     )
     return verifier_accuracy(mine, answers, weights)
 
 
-def answers_cut_by_budget(tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[int, int]:
-    """How many built-in prompts' right answers (plus EOS) do not fit in ``max_new_tokens`` new tokens,
-    and the longest such answer in tokens: ``(count, longest)``. A budget that cuts right answers caps
-    true accuracy and punishes right answers during PPO, so the steps warn about it."""
-    lengths = [
-        len(tokenizer(" " + a, add_special_tokens=False)["input_ids"]) + 1
-        for a in (tasks.reference_answer(p) for p in prompts)
-        if a is not None
-    ]
+def answers_cut_by_budget(
+    tokenizer, prompts: list[str], max_new_tokens: int, fmt: PromptFormat | None = None
+) -> tuple[int, int]:
+    """How many built-in prompts' right answers (plus the end token) do not fit in ``max_new_tokens`` new
+    tokens, and the longest such answer in tokens: ``(count, longest)``. A budget that cuts right answers
+    caps true accuracy and punishes right answers during PPO, so the steps warn about it."""
+    fmt = fmt or prompt_format(tokenizer)
+    answers = [" " + a for a in (tasks.reference_answer(p) for p in prompts) if a is not None]
+    lengths = [len(ids) + 1 for ids in fmt.encode_responses(answers)]
     cut = [n for n in lengths if n > max_new_tokens]
     return len(cut), max(lengths, default=0)

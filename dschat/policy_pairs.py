@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dschat import tasks
+from dschat.data.prompt_format import PromptFormat
 from dschat.data.schema import Sample
 from dschat.generation import generate_texts, rank_slice
 from dschat.losses import gather_last
@@ -98,6 +99,7 @@ def mine_policy_negatives(
     device,
     seed: int,
     batch_size: int = 64,
+    fmt: PromptFormat | None = None,
 ) -> tuple[list[Sample], dict[str, float], PolicySamples]:
     """Sample ``samples_per_prompt`` answers per built-in prompt and keep the wrong ones as pairs.
 
@@ -113,7 +115,7 @@ def mine_policy_negatives(
         torch.manual_seed(seed + rank)
         answers = generate_texts(
             model, tokenizer, repeated, device=device, batch_size=batch_size,
-            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature),
+            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), fmt=fmt,
         )  # fmt: skip
     k = samples_per_prompt
     ok = [bool(tasks.verify(p, a)) for p, a in zip(repeated, answers)]
@@ -141,7 +143,7 @@ def mine_policy_negatives(
 @torch.no_grad()
 def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer,
                        samples: PolicySamples, *, batch_size: int, max_len: int,
-                       device: str | torch.device) -> dict[str, float]:  # fmt: skip
+                       device: str | torch.device, fmt: PromptFormat | None = None) -> dict[str, float]:  # fmt: skip
     """How often a scorer's favourite among each prompt's K answers is right, over all ranks, beside a
     random pick's (``sampled_accuracy``) and an oracle's (``pass_at_k``).
 
@@ -150,7 +152,7 @@ def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Te
     """
     prompts = [p for p in samples.prompts for _ in range(samples.k)]
     scores = score_with(score_fn, tokenizer, prompts, samples.answers, batch_size=batch_size, device=device,
-                        max_len=max_len).view(-1, samples.k)  # fmt: skip
+                        max_len=max_len, fmt=fmt).view(-1, samples.k)  # fmt: skip
     sums = selection_metrics(
         scores, torch.tensor(samples.right).view(-1, samples.k), torch.tensor(samples.weight)
     )
@@ -166,7 +168,13 @@ def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Te
 
 @torch.no_grad()
 def evaluate_selection(
-    engine, tokenizer, samples: PolicySamples, *, batch_size: int, max_len: int
+    engine,
+    tokenizer,
+    samples: PolicySamples,
+    *,
+    batch_size: int,
+    max_len: int,
+    fmt: PromptFormat | None = None,
 ) -> dict[str, float]:
     """:func:`selection_accuracy` of a reward engine (values (B, T), scored at the last real token), in
     eval mode and restored afterwards."""
@@ -174,7 +182,7 @@ def evaluate_selection(
     engine.eval()
     try:
         return selection_accuracy(lambda ids, mask: gather_last(engine(ids, mask), mask), tokenizer, samples,
-                                  batch_size=batch_size, max_len=max_len, device=engine.device)  # fmt: skip
+                                  batch_size=batch_size, max_len=max_len, device=engine.device, fmt=fmt)  # fmt: skip
     finally:
         if was_training:
             engine.train()

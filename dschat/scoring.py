@@ -7,29 +7,31 @@ from collections.abc import Callable
 import torch
 
 from dschat.data.collate import pad_right
+from dschat.data.prompt_format import PromptFormat, prompt_format
 
 
 @torch.no_grad()
 def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, batch_size: int = 32,
-                device: str | torch.device = "cpu", max_len: int | None = None) -> torch.Tensor:  # fmt: skip
+                device: str | torch.device = "cpu", max_len: int | None = None,
+                fmt: PromptFormat | None = None) -> torch.Tensor:  # fmt: skip
     """(N,) reward scores of ``prompt + response`` by a reward model (``ScalarHeadModel``), in eval mode;
     see :func:`score_with`."""
     model.eval()
     return score_with(model.score, tokenizer, prompts, responses, batch_size=batch_size, device=device,
-                      max_len=max_len)  # fmt: skip
+                      max_len=max_len, fmt=fmt)  # fmt: skip
 
 
 @torch.no_grad()
 def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer, prompts: list[str],
                responses: list[str], *, batch_size: int = 32, device: str | torch.device = "cpu",
-               max_len: int | None = None) -> torch.Tensor:  # fmt: skip
+               max_len: int | None = None, fmt: PromptFormat | None = None) -> torch.Tensor:  # fmt: skip
     """(N,) scores of ``prompt + response`` by ``score_fn(input_ids, attention_mask) -> (B,)`` (right
-    padded), tokenized exactly as step 2 trains (prompt with special tokens, response without, no EOS),
-    scored at the last real token. Rows longer than ``max_len`` (default: the tokenizer's
+    padded), tokenized exactly as step 2 trains (the prompt rendered by ``fmt``, default the tokenizer's
+    own format; the response without an end token), scored at the last real token. Rows longer than ``max_len`` (default: the tokenizer's
     ``model_max_length``) keep the end of their prompt. Batches are ``ceil(N / batch_size)`` calls, so
     ranks with equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward passes)."""
-    p_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"] if prompts else []
-    r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"] if responses else []
+    fmt = fmt or prompt_format(tokenizer)
+    p_ids, r_ids = fmt.encode_prompts(prompts), fmt.encode_responses(responses)
     limit = max_len or min(getattr(tokenizer, "model_max_length", 10**9), 10**9)
     rows = []
     for p, r in zip(p_ids, r_ids):

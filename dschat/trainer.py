@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, to_dict
+from dschat.config import DataArgs, DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, to_dict
+from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
@@ -228,12 +229,14 @@ class StepSetup:
     log: logging.Logger
     dtype: str  # resolved: fp32 | fp16 | bf16
     world: int
-    model_path: str  # a directory (built-in models are materialised)
+    model_path: str  # a directory (built-in models and GGUF files are materialised)
     tokenizer: Any
+    fmt: PromptFormat  # how dialogues become model input (--chat_template), as in inference
 
 
-def setup_step(model: ModelArgs, run: RunArgs) -> StepSetup:
-    """Check the output directory, start torch.distributed, resolve dtype and model, load the tokenizer."""
+def setup_step(model: ModelArgs, run: RunArgs, data: DataArgs) -> StepSetup:
+    """Check the output directory, start torch.distributed, resolve dtype and model, load the tokenizer
+    and pick the prompt format."""
     log = setup_logging(None)
     check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
     engine_core.init_distributed()
@@ -241,7 +244,8 @@ def setup_step(model: ModelArgs, run: RunArgs) -> StepSetup:
     torch.manual_seed(run.seed)
     model_path = resolve(model.model_name_or_path)
     tokenizer = load_tokenizer(model_path, trust_remote_code=model.trust_remote_code)
-    return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer)
+    fmt = prompt_format(tokenizer, data.chat_template)
+    return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer, fmt)
 
 
 @dataclass

@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from dschat.chat import FORMATS, Conversation, ReplyStream, chat_format
-from dschat.config import ArgumentParser
+from dschat.chat import Conversation, ReplyStream
+from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
+from dschat.data.prompt_format import prompt_format
 from dschat.decoding import DecodeOptions, context_length
 from dschat.models.loading import count_parameters, inference_dtype, load_for_generation
 from dschat.utils.errors import UserError, run_cli
@@ -46,8 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top_p", type=float, default=0.9)
     p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
     p.add_argument("--repetition_penalty", type=float, default=1.0)
-    p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="prompt format: the tokenizer's chat template if it has one (auto), else Human/Assistant")  # fmt: skip
+    add_group(p, FormatArgs, title="prompt format (as in training)")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
@@ -68,7 +68,7 @@ class Chat:
 
     def __init__(self, model, tokenizer, args: argparse.Namespace, out=None) -> None:
         self.model, self.tokenizer, self.out = model, tokenizer, out or sys.stdout
-        self.fmt = chat_format(tokenizer, args.format)
+        self.fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
         strategy = "greedy" if args.greedy else "sample"
         self.opts = DecodeOptions(strategy=strategy, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -92,7 +92,12 @@ class Chat:
             self.note("the message is longer than the model's context; its beginning was cut")
         input_ids = torch.tensor([ids], device=self.model.device)
         stream = ReplyStream(
-            self.model, self.tokenizer, input_ids, self.opts.generate_kwargs(), self.fmt.stop_strings
+            self.model,
+            self.tokenizer,
+            input_ids,
+            self.opts.generate_kwargs(),
+            self.fmt.stop_strings,
+            self.fmt.stop_ids,
         )
         self.out.write(label)
         self.out.flush()

@@ -8,7 +8,7 @@
 
 Prompts are the built-in tasks' held-out questions (``--num_prompts``) or ``--prompts_file``: JSONL with
 a field ``prompt``, or text with one prompt per line (``\\n`` in a line is a line break). A prompt is
-rendered in each model's format (see ``inference/chat.py --format``) unless it already is a
+rendered in each model's format (``--chat_template``, as in training) unless it already is a
 Human/Assistant dialogue ending in ``Assistant:``. On built-in task prompts the verifier's accuracy of
 each model is printed; ``--reward_model`` adds each answer's reward and the fine-tuned model's win
 rate over the baseline (a tie counts half). ``--output PATH`` writes ``PATH.md`` and ``PATH.jsonl``.
@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from dschat import compare
-from dschat.chat import FORMATS, chat_format, keep_last_tokens, prompt_text
-from dschat.config import ArgumentParser
+from dschat.chat import keep_last_tokens
+from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
+from dschat.data.prompt_format import as_dialogue, prompt_format
 from dschat.decoding import STRATEGIES, DecodeOptions, context_length, generate_replies
 from dschat.models.loading import inference_dtype, load_for_generation, load_tokenizer, resolve
 from dschat.models.reward import load_reward_model
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repetition_penalty", type=float, default=1.0)
     p.add_argument("--reward_model", help="reward model (step-2 output) to score every answer")
     p.add_argument("--output", help="write PATH.md (report) and PATH.jsonl (one row per prompt)")
-    p.add_argument("--format", choices=FORMATS, default="auto", help="prompt format (see chat.py --help)")
+    add_group(p, FormatArgs, title="prompt format (as in training)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
@@ -98,19 +99,16 @@ def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args
     """One model's replies to every question (loaded, used, freed); and how many prompts were cut to fit."""
     model, tokenizer = load_for_generation(path, device=args.device, dtype=inference_dtype(args.dtype, args.device),
                                            trust_remote_code=args.trust_remote_code, flag=flag)  # fmt: skip
-    fmt = chat_format(tokenizer, args.format)
+    fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
     budget = context_length(model, tokenizer) - opts.max_new_tokens
     if budget < 1:
         raise UserError(f"--max_new_tokens {opts.max_new_tokens}: leaves no room for a prompt in {path}")
-    ids = [
-        tokenizer(prompt_text(q, fmt), add_special_tokens=fmt.add_special_tokens)["input_ids"]
-        for q in questions
-    ]
+    ids = fmt.encode_prompts([as_dialogue(q) for q in questions])
     cut = sum(len(i) > budget for i in ids)
     ids = [keep_last_tokens(i, budget, tokenizer.bos_token_id) for i in ids]
     torch.manual_seed(args.seed)
     replies = generate_replies(
-        model, tokenizer, ids, opts, batch_size=args.batch_size, stops=fmt.stop_strings
+        model, tokenizer, ids, opts, batch_size=args.batch_size, stops=fmt.stop_strings, stop_ids=fmt.stop_ids
     )
     free(model, tokenizer)
     return replies, cut
@@ -121,10 +119,10 @@ def rewards(questions: list[str], replies: dict[str, list[str]], args) -> dict[s
     tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code, flag="--reward_model")
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
                               require_trained_head=True, flag="--reward_model").to(args.device)  # fmt: skip
-    fmt = chat_format(tokenizer, args.format)
-    prompts = [prompt_text(q, fmt) for q in questions]
+    fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
+    prompts = [as_dialogue(q) for q in questions]
     out = {side: score_texts(model, tokenizer, prompts, replies[side], batch_size=args.batch_size,
-                             device=args.device).tolist() for side in SIDES}  # fmt: skip
+                             device=args.device, fmt=fmt).tolist() for side in SIDES}  # fmt: skip
     free(model, tokenizer)
     return out
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from dschat.config import ArgumentParser
+from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
+from dschat.data.prompt_format import prompt_format
 from dschat.data.sources import read_json_file
 from dschat.models.loading import load_tokenizer, resolve
 from dschat.models.reward import load_reward_model
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_group(p, FormatArgs, title="prompt format (as in training)")
     p.add_argument("--trust_remote_code", action="store_true")
     args = p.parse_args(argv)
     if bool(args.prompt) == bool(args.file):
@@ -71,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = resolve(args.model, "--model")
     tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
                               require_trained_head=True, flag="--model").to(args.device)  # fmt: skip
 
     def score(prompts: list[str], responses: list[str]) -> torch.Tensor:
         return score_texts(
-            model, tokenizer, prompts, responses, batch_size=args.batch_size, device=args.device
+            model, tokenizer, prompts, responses, batch_size=args.batch_size, device=args.device, fmt=fmt
         )
 
     if args.prompt:

@@ -89,18 +89,26 @@ def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 
 @dataclass
 class PromptCollator:
-    """Left-pad prompt token lists (generation continues from the right edge).
+    """Left-pad prompts (generation continues from the right edge): token lists, or
+    ``{"input_ids", "prompt"}`` dicts whose dialogue texts are passed through.
 
-    Returns ``input_ids (B, P)`` and ``attention_mask (B, P)``, P = the longest prompt in the batch.
+    Returns ``input_ids (B, P)`` and ``attention_mask (B, P)``, P = the longest prompt in the batch, and
+    for dicts ``prompts``: the B dialogue texts (what reward functions and verifiers read).
     """
 
     pad_id: int
 
-    def __call__(self, features: list[list[int]]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: list) -> dict:
+        texts = [f["prompt"] for f in features] if features and isinstance(features[0], dict) else None
+        if texts is not None:
+            features = [f["input_ids"] for f in features]
         width = max(len(f) for f in features)
         input_ids = torch.full((len(features), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(features), width), dtype=torch.long)
         for i, f in enumerate(features):
             input_ids[i, width - len(f) :] = torch.tensor(f, dtype=torch.long)
             attention_mask[i, width - len(f) :] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        out: dict = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if texts is not None:
+            out["prompts"] = texts
+        return out

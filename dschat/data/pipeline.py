@@ -16,6 +16,7 @@ import torch
 
 from dschat.config import DataArgs, parse_data_split
 from dschat.data.collate import pair_example, sft_example
+from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.data.schema import Sample
 from dschat.data.sources import fingerprint, load_source
 from dschat.data.split import phase_share
@@ -24,7 +25,7 @@ from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text
 
 
 @dataclass
@@ -52,22 +53,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     )
 
 
-def chat_renderer(tokenizer):
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    return lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-
-
-def gather_samples(
-    args: DataArgs, phase: int, seed: int, tokenizer=None
-) -> tuple[list[Sample], list[Sample]]:
-    """Training samples of step ``phase`` from every source (blended) and the shared eval samples."""
+def gather_samples(args: DataArgs, phase: int, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """Training samples of step ``phase`` from every source (blended) and the shared eval samples; their
+    prompts are dialogue text (rendered for the model only when tokenized, see :class:`PromptFormat`)."""
     fractions = parse_data_split(args.data_split)
-    render = chat_renderer(tokenizer) if tokenizer is not None else None
     train: list[Sample] = []
     evals: list[Sample] = []
     for spec in args.data_path:
-        src = load_source(spec, seed=seed, render_chat=render)
+        src = load_source(spec, seed=seed)
         share = phase_share(src.train, fractions, phase, seed)
         if not share:
             raise UserError(
@@ -77,7 +70,7 @@ def gather_samples(
         evals.extend(src.eval)
     if phase == 1:
         for spec in args.sft_only_data_path:
-            src = load_source(spec, seed=seed, render_chat=render)
+            src = load_source(spec, seed=seed)
             train.extend(src.train)
             evals.extend(src.eval)
     if args.max_eval_samples and len(evals) > args.max_eval_samples:
@@ -86,19 +79,20 @@ def gather_samples(
 
 
 def tokenize_sft(
-    samples: list[Sample], tokenizer, max_seq_len: int, train_on_prompt: bool
+    samples: list[Sample], fmt: PromptFormat, max_seq_len: int, train_on_prompt: bool
 ) -> tuple[list[dict], dict]:
-    """Tokenize prompt and response separately (the boundary is exact) and drop over-long samples."""
+    """Tokenize prompt and response separately (the boundary is exact), the response followed by the
+    format's end token (EOS, or a chat template's end of turn), and drop over-long samples."""
     if not samples:
         return [], {"samples": 0, "kept": 0, "dropped_too_long": 0, "dropped_empty_response": 0}
-    prompts = tokenizer([s.prompt for s in samples], add_special_tokens=True)["input_ids"]
-    responses = tokenizer([s.chosen for s in samples], add_special_tokens=False)["input_ids"]
+    prompts = fmt.encode_prompts([s.prompt for s in samples])
+    responses = fmt.encode_responses([s.chosen for s in samples])
     out, too_long, empty = [], 0, 0
     for p, r in zip(prompts, responses):
         if not r:
             empty += 1
             continue
-        ex = sft_example(p, r, tokenizer.eos_token_id, train_on_prompt)
+        ex = sft_example(p, r, fmt.end_id, train_on_prompt)
         if len(ex["input_ids"]) > max_seq_len:
             too_long += 1
             continue
@@ -111,7 +105,7 @@ def tokenize_sft(
     }
 
 
-def _cache_key(args: DataArgs, phase: int, seed: int, tokenizer, kind: str) -> str:
+def _cache_key(args: DataArgs, phase: int, seed: int, fmt: PromptFormat, kind: str) -> str:
     key = {
         "v": CACHE_VERSION,
         "kind": kind,
@@ -123,15 +117,16 @@ def _cache_key(args: DataArgs, phase: int, seed: int, tokenizer, kind: str) -> s
         "max_seq_len": args.max_seq_len,
         "train_on_prompt": args.train_on_prompt,
         "max_eval": args.max_eval_samples,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "tokenizer": tokenizer_fingerprint(fmt.tokenizer),
+        "format": fmt.fingerprint(),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _build_sft(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData:
-    train_s, eval_s = gather_samples(args, phase, seed, tokenizer)
-    train, tstats = tokenize_sft(train_s, tokenizer, args.max_seq_len, args.train_on_prompt)
-    evals, estats = tokenize_sft(eval_s, tokenizer, args.max_seq_len, args.train_on_prompt)
+def _build_sft(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> PreparedData:
+    train_s, eval_s = gather_samples(args, phase, seed)
+    train, tstats = tokenize_sft(train_s, fmt, args.max_seq_len, args.train_on_prompt)
+    evals, estats = tokenize_sft(eval_s, fmt, args.max_seq_len, args.train_on_prompt)
     if not train:
         raise UserError(
             f"no training samples left for step {phase}: {tstats['dropped_too_long']} of {tstats['samples']} are longer "
@@ -147,7 +142,7 @@ def _build_sft(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
-def tokenize_pairs(samples: list[Sample], tokenizer, max_seq_len: int) -> tuple[list[dict], dict]:
+def tokenize_pairs(samples: list[Sample], fmt: PromptFormat, max_seq_len: int) -> tuple[list[dict], dict]:
     """Preference pairs -> ``{"chosen", "rejected"}`` token lists (see :func:`pair_example`).
 
     Pairs whose responses are identical or empty carry no preference and are dropped; a prompt too
@@ -166,10 +161,10 @@ def tokenize_pairs(samples: list[Sample], tokenizer, max_seq_len: int) -> tuple[
             usable.append(s)
     if not usable:
         return [], stats
-    prompts = tokenizer([s.prompt for s in usable], add_special_tokens=True)["input_ids"]
-    chosen = tokenizer([s.chosen for s in usable], add_special_tokens=False)["input_ids"]
-    rejected = tokenizer([s.rejected for s in usable], add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id
+    prompts = fmt.encode_prompts([s.prompt for s in usable])
+    chosen = fmt.encode_responses([s.chosen for s in usable])
+    rejected = fmt.encode_responses([s.rejected for s in usable])
+    bos = fmt.tokenizer.bos_token_id
     out = []
     for p, c, r in zip(prompts, chosen, rejected):
         budget = max_seq_len - max(len(c), len(r))
@@ -193,12 +188,12 @@ def _check_pairs(samples: list[Sample]) -> None:
             )
 
 
-def _build_pairs(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData:
-    train_s, eval_s = gather_samples(args, phase, seed, tokenizer)
+def _build_pairs(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> PreparedData:
+    train_s, eval_s = gather_samples(args, phase, seed)
     _check_pairs(train_s)
     _check_pairs(eval_s)
-    train, tstats = tokenize_pairs(train_s, tokenizer, args.max_seq_len)
-    evals, estats = tokenize_pairs(eval_s, tokenizer, args.max_seq_len)
+    train, tstats = tokenize_pairs(train_s, fmt, args.max_seq_len)
+    evals, estats = tokenize_pairs(eval_s, fmt, args.max_seq_len)
     if not train:
         raise UserError(
             f"no usable preference pairs for step {phase}: {json.dumps(tstats)} (see --max_seq_len)"
@@ -210,11 +205,12 @@ def _build_pairs(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedDa
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
-def _build_prompts(args: DataArgs, phase: int, seed: int, tokenizer) -> PreparedData:
-    """Prompt token lists (with BOS) of step ``phase``; prompts longer than ``max_seq_len`` are dropped."""
-    train_s, eval_s = gather_samples(args, phase, seed, tokenizer)
-    ids = tokenizer([s.prompt for s in train_s], add_special_tokens=True)["input_ids"] if train_s else []
-    train = [p for p in ids if len(p) <= args.max_seq_len]
+def _build_prompts(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> PreparedData:
+    """Prompts of step ``phase`` as ``{"input_ids": rendered prompt ids, "prompt": dialogue text}`` (the
+    text is what reward functions and verifiers read); prompts longer than ``max_seq_len`` are dropped."""
+    train_s, eval_s = gather_samples(args, phase, seed)
+    ids = fmt.encode_prompts([s.prompt for s in train_s])
+    train = [{"input_ids": p, "prompt": s.prompt} for p, s in zip(ids, train_s) if len(p) <= args.max_seq_len]
     stats = {"samples": len(ids), "kept": len(train), "dropped_too_long": len(ids) - len(train)}
     if not train:
         raise UserError(
@@ -249,11 +245,13 @@ def prepare_prompt_data(
 
 def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int) -> PreparedData:
     """Tokenized train/eval examples of ``kind`` for step ``phase``, cached under the data cache dir.
+    Prompts are rendered in the format ``args.chat_template`` picks for ``tokenizer``.
 
     With several processes, local rank 0 of each node builds and writes the cache while the others
     wait, then everyone reads it; a failure on the builder is re-raised on every rank (no hang).
     """
-    path = data_cache_dir(args) / f"{kind}_{_cache_key(args, phase, seed, tokenizer, kind)}.pt"
+    fmt = prompt_format(tokenizer, args.chat_template)
+    path = data_cache_dir(args) / f"{kind}_{_cache_key(args, phase, seed, fmt, kind)}.pt"
     builder = dist.local_rank() == 0
     data: PreparedData | None = None
     error: UserError | None = None
@@ -261,7 +259,7 @@ def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int)
         try:
             data = _read_cache(path) if path.exists() else None
             if data is None:
-                data = BUILDERS[kind](args, phase, seed, tokenizer)
+                data = BUILDERS[kind](args, phase, seed, fmt)
                 _write_cache(path, data)
         except UserError as exc:
             error = exc

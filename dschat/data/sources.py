@@ -5,7 +5,7 @@ A source spec (``--data_path``) is one of:
 * ``builtin`` or ``builtin:TASK[,TASK]``: generated verifiable tasks (see :mod:`dschat.tasks`);
 * a local ``.json`` / ``.jsonl`` file, or a directory of them (``train*`` and ``test*``/``eval*``
   files become the train and eval splits), with fields ``prompt`` + ``chosen`` [+ ``rejected``],
-  ``prompt`` + ``response``, or ``messages`` (rendered with the tokenizer's chat template);
+  ``prompt`` + ``response``, or ``messages`` (the last one the assistant's response);
 * a Hugging Face dataset name registered in :data:`HUB_ADAPTERS`, loaded with
   ``datasets.load_dataset``. ``DSCHAT_HUB_MIRROR=/dir`` resolves ``org/name`` to ``/dir/org/name``
   (an offline mirror of the hub files) and still goes through ``load_dataset``.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat import tasks
+from dschat.data.prompt_format import dialogue_of
 from dschat.data.schema import Sample
 from dschat.utils.errors import UserError
 
@@ -36,9 +37,6 @@ class SourceData:
     name: str
     train: list[Sample]
     eval: list[Sample]
-
-
-ChatRenderer = Callable[[list[dict[str, str]]], str]
 
 
 # ---------------------------------------------------------------- hub adapters: row -> Sample | None
@@ -84,7 +82,7 @@ HUB_ADAPTERS: dict[str, Callable[[dict[str, Any]], Sample | None]] = {
 
 
 # ---------------------------------------------------------------- local files
-def _row_to_sample(row: Any, where: str, render_chat: ChatRenderer | None) -> Sample:
+def _row_to_sample(row: Any, where: str) -> Sample:
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "messages" in row and "prompt" not in row:
@@ -98,9 +96,13 @@ def _row_to_sample(row: Any, where: str, render_chat: ChatRenderer | None) -> Sa
             raise UserError(
                 f"{where}: field 'messages' must be a list of turns ending with an assistant turn"
             )
-        if render_chat is None:
-            raise UserError(f"{where}: 'messages' rows need a tokenizer with a chat template")
-        return Sample(render_chat(msgs[:-1]), str(msgs[-1].get("content", "")), None, where)
+        try:
+            prompt = dialogue_of([{"role": str(m["role"]), "content": str(m["content"])} for m in msgs[:-1]])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{where}: field 'messages': every turn needs a role (system, user, assistant) "
+                            f"and a content ({exc})") from None  # fmt: skip
+        # A response in dialogue text starts with a space (" 432"), as in the HH-RLHF data.
+        return Sample(prompt, " " + str(msgs[-1].get("content", "")).strip(), None, where)
     if "prompt" not in row:
         raise UserError(
             f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)"
@@ -124,7 +126,7 @@ def _row_to_sample(row: Any, where: str, render_chat: ChatRenderer | None) -> Sa
     return Sample(row["prompt"], response, rejected, where)
 
 
-def read_json_file(path: Path, render_chat: ChatRenderer | None = None) -> list[Sample]:
+def read_json_file(path: Path) -> list[Sample]:
     """Read a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -139,7 +141,7 @@ def read_json_file(path: Path, render_chat: ChatRenderer | None = None) -> list[
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from None
         for i, row in enumerate(rows):
-            samples.append(_row_to_sample(row, f"{path} item {i}", render_chat))
+            samples.append(_row_to_sample(row, f"{path} item {i}"))
         return samples
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -148,7 +150,7 @@ def read_json_file(path: Path, render_chat: ChatRenderer | None = None) -> list[
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
-        samples.append(_row_to_sample(row, f"{path}:{lineno}", render_chat))
+        samples.append(_row_to_sample(row, f"{path}:{lineno}"))
     return samples
 
 
@@ -163,18 +165,18 @@ def _carve_eval(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sa
     return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
 
 
-def _load_local(path: Path, seed: int, render_chat: ChatRenderer | None) -> SourceData:
+def _load_local(path: Path, seed: int) -> SourceData:
     if path.is_file():
-        train, evals = _carve_eval(read_json_file(path, render_chat), seed)
+        train, evals = _carve_eval(read_json_file(path), seed)
         return SourceData(str(path), train, evals)
     files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
     if not files:
         raise UserError(f"{path}: directory holds no .json or .jsonl files")
     eval_files = [p for p in files if p.stem.startswith(("test", "eval", "valid"))]
     train_files = [p for p in files if p not in eval_files]
-    train = [s for p in train_files for s in read_json_file(p, render_chat)]
+    train = [s for p in train_files for s in read_json_file(p)]
     if eval_files:
-        return SourceData(str(path), train, [s for p in eval_files for s in read_json_file(p, render_chat)])
+        return SourceData(str(path), train, [s for p in eval_files for s in read_json_file(p)])
     train, evals = _carve_eval(train, seed)
     return SourceData(str(path), train, evals)
 
@@ -238,12 +240,12 @@ def source_kind(spec: str) -> str:
     )
 
 
-def load_source(spec: str, *, seed: int, render_chat: ChatRenderer | None = None) -> SourceData:
+def load_source(spec: str, *, seed: int) -> SourceData:
     kind = source_kind(spec)
     if kind == "builtin":
         return _load_builtin(spec)
     if kind == "local":
-        return _load_local(Path(spec).expanduser(), seed, render_chat)
+        return _load_local(Path(spec).expanduser(), seed)
     return _load_hub(spec, seed)
 
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from dschat.models import builtin
+from dschat.models import builtin, gguf
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
@@ -25,13 +25,20 @@ DROPOUT_KEYS = (
 
 
 def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
-    """Turn ``builtin:NAME`` into its directory; check that anything else is a model we can find."""
+    """A model spec -> what ``from_pretrained`` loads: ``builtin:NAME`` and GGUF files (a ``.gguf`` path, or
+    a directory holding one) become model-cache directories; a hub name with an offline copy
+    (:data:`dschat.models.gguf.OFFLINE_COPIES`) becomes its hub snapshot when cached or reachable, else
+    its converted offline copy; anything else (a local directory, a hub name) is returned as it is."""
     if builtin.is_builtin(name_or_path):
         try:
             return builtin.materialize(name_or_path)
         except KeyError:
             known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
             raise UserError(f"{flag} {name_or_path}: unknown built-in model (known: {known})") from None
+    if gguf.is_gguf_path(name_or_path):
+        return gguf.convert(name_or_path, flag)
+    if name_or_path in gguf.OFFLINE_COPIES and not os.path.exists(name_or_path):
+        return gguf.resolve_offline_alias(name_or_path, flag)
     return name_or_path
 
 

@@ -81,11 +81,13 @@ class PPOTrainer:
     # ------------------------------------------------------------------ 1. experience
     @torch.no_grad()
     def make_experience(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_texts: list[str]
     ) -> tuple[Experience, dict[str, float]]:
         """Generate ``n_samples_per_prompt`` responses for each of (B, P) left-padded prompts and score them
-        with every model. Rows of the result: B * n_samples_per_prompt, each prompt's responses adjacent."""
+        with every model. ``prompt_texts`` are the B prompts as dialogue text (what a reward function
+        reads). Rows of the result: B * n_samples_per_prompt, each prompt's responses adjacent."""
         tok, h = self.tokenizer, self.hyper
+        prompts = [p for p in prompt_texts for _ in range(h.n_samples_per_prompt)]
         if h.n_samples_per_prompt > 1:
             prompt_ids = prompt_ids.repeat_interleave(h.n_samples_per_prompt, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(h.n_samples_per_prompt, dim=0)
@@ -110,7 +112,6 @@ class PPOTrainer:
             with self.reference_mode() as ref:
                 ref.eval()
                 ref_logprobs = M.logprobs_of(self._logits(ref, sequences, attention_mask), sequences)
-            prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
 

@@ -18,8 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
-HUMAN = "\n\nHuman: "
-ASSISTANT = "\n\nAssistant:"
+from dschat.data.prompt_format import ASSISTANT, make_prompt
 
 
 class Task(Protocol):
@@ -142,10 +141,6 @@ class TaskExample:
     prompt: str  # "\n\nHuman: <question>\n\nAssistant:"
     chosen: str  # " <right answer>"
     rejected: str  # " <plausible wrong answer>"
-
-
-def make_prompt(question: str) -> str:
-    return f"{HUMAN}{question}{ASSISTANT}"
 
 
 def last_question(prompt: str) -> str:

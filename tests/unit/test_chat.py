@@ -7,20 +7,16 @@ import itertools
 import pytest
 
 from dschat import tasks
-from dschat.chat import (
+from dschat.chat import Conversation, StopFilter, cut_reply, fit_history, keep_last_tokens
+from dschat.data.prompt_format import (
     CHAT_TEMPLATE,
     HUMAN_ASSISTANT,
     TURN_STOPS,
-    Conversation,
-    StopFilter,
-    chat_format,
-    cut_reply,
-    fit_history,
-    is_rendered_prompt,
-    keep_last_tokens,
-    prompt_text,
+    as_dialogue,
+    is_dialogue,
     render_human_assistant,
 )
+from dschat.data.prompt_format import prompt_format as chat_format
 from dschat.models.builtin import build_tokenizer
 from dschat.utils.errors import UserError
 
@@ -46,21 +42,29 @@ def test_format_choice():
     tok = build_tokenizer()  # no chat template
     assert chat_format(tok).name == HUMAN_ASSISTANT
     assert chat_format(tok).add_special_tokens
-    with pytest.raises(UserError, match="--format chat-template: this tokenizer has no chat template"):
-        chat_format(tok, CHAT_TEMPLATE)
+    with pytest.raises(UserError, match=r"--chat_template on: the tokenizer of .* has no chat template"):
+        chat_format(tok, "on")
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     fmt = chat_format(tok)
     assert fmt.name == CHAT_TEMPLATE and not fmt.add_special_tokens and fmt.stop_strings == ()
     assert fmt.render([user("a"), bot("b"), user("c")]) == "<user>a<assistant>b<user>c<assistant>"
-    assert chat_format(tok, HUMAN_ASSISTANT).render([user("a")]) == tasks.make_prompt("a")
+    assert chat_format(tok, "off").render([user("a")]) == tasks.make_prompt("a")
+    assert chat_format(tok, "on").name == CHAT_TEMPLATE
 
 
-def test_rendered_prompts_are_used_verbatim():
-    fmt = chat_format(build_tokenizer())
+def test_dialogue_prompts_are_used_verbatim_or_rendered_with_the_template():
+    tok = build_tokenizer()
+    fmt = chat_format(tok)
     rendered = "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: and?\n\nAssistant:"
-    assert is_rendered_prompt(rendered) and prompt_text(rendered, fmt) == rendered
-    assert not is_rendered_prompt("Say Assistant:")  # no Human turn: a question like any other
-    assert prompt_text("Sort: cat dog owl", fmt) == tasks.make_prompt("Sort: cat dog owl")
+    assert is_dialogue(rendered) and fmt.prompt_text(rendered) == rendered
+    assert not is_dialogue("Say Assistant:")  # no Human turn: a question like any other
+    assert as_dialogue("Sort: cat dog owl") == tasks.make_prompt("Sort: cat dog owl")
+    assert as_dialogue(rendered) == rendered
+    assert fmt.prompt_text("raw text") == "raw text"  # a data set's own prompt, byte for byte
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    templated = chat_format(tok)
+    assert templated.prompt_text(rendered) == "<user>hi<assistant>yo<user>and?<assistant>"
+    assert templated.prompt_text("Sort: cat dog owl") == "<user>Sort: cat dog owl<assistant>"
 
 
 def chars(msgs) -> int:

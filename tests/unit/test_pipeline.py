@@ -13,6 +13,7 @@ from dschat.config import DataArgs
 from dschat.data import pipeline
 from dschat.data.collate import IGNORE_INDEX as M
 from dschat.data.pipeline import gather_samples, prepare_sft_data, tokenize_sft
+from dschat.data.prompt_format import prompt_format
 from dschat.data.schema import Sample
 from dschat.models.builtin import build_tokenizer
 from dschat.utils.errors import UserError
@@ -52,7 +53,7 @@ def expected(prompt: str, response: str, train_on_prompt: bool = False) -> dict:
 # ---------------------------------------------------------------- tokenize_sft
 def test_tokenize_sft_by_hand(tokenizer):
     samples = [Sample("ab", " c"), Sample("a", "bcdefgh"), Sample("xy", "")]
-    out, stats = tokenize_sft(samples, tokenizer, max_seq_len=8, train_on_prompt=False)
+    out, stats = tokenize_sft(samples, prompt_format(tokenizer), max_seq_len=8, train_on_prompt=False)
     assert out == [{"input_ids": [1, 67, 68, 223, 69, 2], "labels": [M, M, M, 223, 69, 2]}]
     assert stats == {"samples": 3, "kept": 1, "dropped_too_long": 1, "dropped_empty_response": 1}
 
@@ -60,14 +61,14 @@ def test_tokenize_sft_by_hand(tokenizer):
 def test_tokenize_sft_keeps_exactly_max_seq_len(tokenizer):
     # [<s> a] + [b c d e f g] + [</s>] = 9 tokens
     s = Sample("a", "bcdefg")
-    assert tokenize_sft([s], tokenizer, 9, False)[1]["kept"] == 1
-    assert tokenize_sft([s], tokenizer, 8, False)[1] == {
+    assert tokenize_sft([s], prompt_format(tokenizer), 9, False)[1]["kept"] == 1
+    assert tokenize_sft([s], prompt_format(tokenizer), 8, False)[1] == {
         "samples": 1, "kept": 0, "dropped_too_long": 1, "dropped_empty_response": 0,
     }  # fmt: skip
 
 
 def test_tokenize_sft_train_on_prompt(tokenizer):
-    out, _ = tokenize_sft([Sample("Q1", " A1")], tokenizer, 64, True)
+    out, _ = tokenize_sft([Sample("Q1", " A1")], prompt_format(tokenizer), 64, True)
     assert out == [expected("Q1", " A1", train_on_prompt=True)]
 
 
@@ -151,8 +152,8 @@ def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
     prepare_sft_data(args, tokenizer, seed=0)
     other = dataclasses.replace(args, max_seq_len=8)
-    assert pipeline._cache_key(args, 1, 0, tokenizer, "sft") != pipeline._cache_key(
-        other, 1, 0, tokenizer, "sft"
+    assert pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "sft") != pipeline._cache_key(
+        other, 1, 0, prompt_format(tokenizer), "sft"
     )
     data = prepare_sft_data(other, tokenizer, seed=0)
     assert data.cache_hit is False and len(data.train) == 10
@@ -171,25 +172,29 @@ def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
 )
 def test_cache_key_covers_data_options(data_dir, tmp_path, tokenizer, change):
     args = make_args(data_dir, tmp_path)
-    key = pipeline._cache_key(args, 1, 0, tokenizer, "sft")
-    assert pipeline._cache_key(dataclasses.replace(args), 1, 0, tokenizer, "sft") == key
-    assert pipeline._cache_key(dataclasses.replace(args, **change), 1, 0, tokenizer, "sft") != key
+    key = pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "sft")
+    assert pipeline._cache_key(dataclasses.replace(args), 1, 0, prompt_format(tokenizer), "sft") == key
+    assert (
+        pipeline._cache_key(dataclasses.replace(args, **change), 1, 0, prompt_format(tokenizer), "sft") != key
+    )
 
 
 def test_cache_key_covers_seed_phase_kind_not_output_path(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
-    key = pipeline._cache_key(args, 1, 0, tokenizer, "sft")
-    assert pipeline._cache_key(args, 1, 1, tokenizer, "sft") != key
-    assert pipeline._cache_key(args, 2, 0, tokenizer, "sft") != key
-    assert pipeline._cache_key(args, 1, 0, tokenizer, "rm") != key
+    key = pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "sft")
+    assert pipeline._cache_key(args, 1, 1, prompt_format(tokenizer), "sft") != key
+    assert pipeline._cache_key(args, 2, 0, prompt_format(tokenizer), "sft") != key
+    assert pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "rm") != key
     assert (
-        pipeline._cache_key(dataclasses.replace(args, data_output_path="/elsewhere"), 1, 0, tokenizer, "sft")
+        pipeline._cache_key(
+            dataclasses.replace(args, data_output_path="/elsewhere"), 1, 0, prompt_format(tokenizer), "sft"
+        )
         == key
     )
     # sft-only sources only matter for step 1
     with_extra = dataclasses.replace(args, sft_only_data_path=["builtin"])
-    assert pipeline._cache_key(with_extra, 2, 0, tokenizer, "sft") == pipeline._cache_key(
-        args, 2, 0, tokenizer, "sft"
+    assert pipeline._cache_key(with_extra, 2, 0, prompt_format(tokenizer), "sft") == pipeline._cache_key(
+        args, 2, 0, prompt_format(tokenizer), "sft"
     )
 
 
@@ -258,17 +263,24 @@ def test_source_without_eval_samples_is_a_user_error(tmp_path, tokenizer):
         prepare_sft_data(args, tokenizer, seed=0)
 
 
-def test_chat_template_is_part_of_the_cache_key(tmp_path):
+def test_chat_template_renders_the_data_and_is_part_of_the_cache_key(tmp_path):
     d = tmp_path / "chat"
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     write_jsonl(d / "train.jsonl", [row])
     write_jsonl(d / "test.jsonl", [row])
     args = DataArgs(data_path=[str(d)], data_split="1,0,0", data_output_path=str(tmp_path / "cache"))
     tok_a, tok_b = build_tokenizer(), build_tokenizer()
-    tok_a.chat_template = "{% for m in messages %}U:{{ m.content }}{% endfor %}A:"
-    tok_b.chat_template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    # a ChatML-like template: every message ends with </s>, the end-of-turn token of the response
+    tok_a.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok_b.chat_template = "{% for m in messages %}<{{ m.content }}{% endfor %}"
     a = prepare_sft_data(args, tok_a, seed=0)
     b = prepare_sft_data(args, tok_b, seed=0)
-    assert tok_a.decode(a.train[0]["input_ids"]) == "<s>U:hiA:yo</s>"
+    assert tok_a.decode(a.train[0]["input_ids"]) == "<user>hi</s><assistant>yo</s>"
     assert b.cache_hit is False
-    assert tok_b.decode(b.train[0]["input_ids"]) == "<s><hi>yo</s>"
+    assert tok_b.decode(b.train[0]["input_ids"]) == "<hiyo</s>"  # no end of turn in the template: EOS
+    off = prepare_sft_data(dataclasses.replace(args, chat_template="off"), tok_a, seed=0)
+    assert off.cache_hit is False
+    assert tok_a.decode(off.train[0]["input_ids"]) == "<s>\n\nHuman: hi\n\nAssistant: yo</s>"

@@ -75,41 +75,30 @@ def test_unicode_content(tmp_path):
     assert read_json_file(p)[0] == Sample("¿Qué? 日本", " 😀", None, f"{p}:1")
 
 
-def fake_render(msgs):
-    return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<assistant>"
-
-
-def test_messages_rows_use_the_renderer(tmp_path):
+def test_messages_rows_become_dialogue_text(tmp_path):
+    # rendered for the model (Human/Assistant or its chat template) only when tokenized
     row = {
         "messages": [
             {"role": "system", "content": "S"},
             {"role": "user", "content": "U"},
-            {"role": "assistant", "content": "R"},
+            {"role": "assistant", "content": "R "},
         ]
     }
     p = write_jsonl(tmp_path / "d.jsonl", [row])
-    assert read_json_file(p, render_chat=fake_render) == [
-        Sample("<system>S<user>U<assistant>", "R", None, f"{p}:1")
-    ]
+    assert read_json_file(p) == [Sample("\n\nSystem: S\n\nHuman: U\n\nAssistant:", " R", None, f"{p}:1")]
 
 
 def test_messages_rows_pass_all_but_the_last_turn():
-    seen = []
     row = {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
                         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]}  # fmt: skip
-    s = sources._row_to_sample(row, "w", lambda m: seen.append(m) or "P")
-    assert seen == [row["messages"][:3]]
-    assert s == Sample("P", "a2", None, "w")
+    s = sources._row_to_sample(row, "w")
+    assert s == Sample("\n\nHuman: u1\n\nAssistant: a1\n\nHuman: u2\n\nAssistant:", " a2", None, "w")
 
 
-def test_messages_without_renderer(tmp_path):
-    p = write_jsonl(
-        tmp_path / "d.jsonl",
-        [{"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": "R"}]}],
-    )
-    with pytest.raises(
-        UserError, match=re.escape(f"{p}:1: 'messages' rows need a tokenizer with a chat template")
-    ):
+@pytest.mark.parametrize("turn", [{"role": "narrator", "content": "x"}, {"content": "x"}])
+def test_messages_with_a_bad_turn_name_the_field(tmp_path, turn):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": [turn, {"role": "assistant", "content": "R"}]}])
+    with pytest.raises(UserError, match=re.escape(f"{p}:1: field 'messages': every turn needs a role")):
         read_json_file(p)
 
 
@@ -120,7 +109,7 @@ def test_messages_without_renderer(tmp_path):
 def test_messages_must_end_with_assistant(tmp_path, messages):
     p = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}])
     with pytest.raises(UserError, match=re.escape(f"{p}:1: field 'messages' must be a list of turns ending")):
-        read_json_file(p, render_chat=fake_render)
+        read_json_file(p)
 
 
 def test_malformed_jsonl_line_names_path_and_line(tmp_path):

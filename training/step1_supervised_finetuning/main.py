@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, lora_args, optim, ds_args, run = args
 
     # ---------------------------------------------------------------- 1. setup
-    setup = T.setup_step(model_args, run)
+    setup = T.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             with sw("generation_eval"):
                 acc = task_accuracy(
                     engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
-                    device=engine.device, synced_gpus=ds_args.zero_stage == 3,
+                    device=engine.device, synced_gpus=ds_args.zero_stage == 3, fmt=setup.fmt,
                 )  # fmt: skip
         ev = evaluate_perplexity(engine, evals)
         metrics.log(

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, lora_args, optim, ds_args, run, reward = args
 
     # ---------------------------------------------------------------- 1. setup
-    setup = T.setup_step(model_args, run)
+    setup = T.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     policy_path = (
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         t_mine = time.perf_counter()
         policy = load_causal_lm(policy_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code,
                                 flag="--policy_negatives_from").to(dist.default_device())  # fmt: skip
-        train_s, eval_s = gather_samples(data_args, 2, run.seed, tokenizer)  # this step's prompts, as text
+        train_s, eval_s = gather_samples(data_args, 2, run.seed)  # this step's prompts, as text
         train_prompts, cap = [s.prompt for s in train_s], reward.policy_negatives_max_prompts
         if 0 < cap < len(train_prompts):  # a random subset, not a prefix: sources (tasks) come in order
             train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(train_prompts, cap)
@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             pairs, policy_stats[split], samples = mine_policy_negatives(
                 policy, tokenizer, texts, samples_per_prompt=reward.policy_negatives_per_prompt,
                 max_new_tokens=reward.policy_negatives_max_new_tokens, temperature=reward.policy_negatives_temperature,
-                device=dist.default_device(), seed=run.seed + (split == "eval"),
+                device=dist.default_device(), seed=run.seed + (split == "eval"), fmt=setup.fmt,
             )  # fmt: skip
             mined[split] = pairs
-            examples, _ = tokenize_pairs(pairs, tokenizer, data_args.max_seq_len)
+            examples, _ = tokenize_pairs(pairs, setup.fmt, data_args.max_seq_len)
             if split == "train":
                 data.train = data.train + examples
             else:
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     policy_samples,
                     batch_size=optim.per_device_eval_batch_size,
                     max_len=data_args.max_seq_len,
+                    fmt=setup.fmt,
                 )["best_of_k_accuracy"]
         metrics.log(ev, step=step, split="eval")
         log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s", step, ev["accuracy"],

@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from dschat import config as C
 from dschat import trainer as T
-from dschat.data.collate import PromptCollator, SFTCollator
+from dschat.data.collate import PromptCollator, SFTCollator, pad_right
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
+from dschat.data.prompt_format import prompt_format
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import export_hf_model
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     reward_tok = load_tokenizer(
         reward_path, trust_remote_code=actor_args.trust_remote_code, flag="--reward_model_name_or_path"
     )
+    fmt = prompt_format(tokenizer, data_args.chat_template)
     if reward_tok.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"--reward_model_name_or_path {reward_path}: its tokenizer differs from the actor's "
                         f"({actor_path}); step 3 scores token ids directly, so both must share one tokenizer")  # fmt: skip
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
     held_out = prompts.eval_prompts[: ppo.eval_prompts]
-    cut, longest = answers_cut_by_budget(tokenizer, held_out, ppo.max_answer_seq_len)
+    cut, longest = answers_cut_by_budget(tokenizer, held_out, ppo.max_answer_seq_len, fmt)
     if cut:
         log.warning("--max_answer_seq_len %d cuts the right answers of %d of %d held-out prompts (the longest needs %d "
                     "tokens with EOS): they cannot be answered in full", ppo.max_answer_seq_len, cut, len(held_out), longest)  # fmt: skip
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             mine, weights = rank_slice(held_out)
             with generator.generation_mode() as gen:  # the hybrid engine's fast path, or plain generate
                 answers = generate_texts(actor.module, tokenizer, mine, device=actor.device, synced_gpus=zero3,
-                                         max_new_tokens=ppo.max_answer_seq_len, generator=gen)  # fmt: skip
+                                         max_new_tokens=ppo.max_answer_seq_len, generator=gen, fmt=fmt)  # fmt: skip
                 acc = verifier_accuracy(mine, answers, weights)
                 if acc:
                     # The same seed at every evaluation (start and end compare like with like), in a forked
@@ -290,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
                     with torch.random.fork_rng(devices=[actor.device] if actor.device.type == "cuda" else []):
                         torch.manual_seed(run.seed + 1 + dist.rank())
                         sampled = task_accuracy(actor.module, tokenizer, held_out, device=actor.device,
-                                                synced_gpus=zero3, generator=gen, sampling=sampling)  # fmt: skip
+                                                synced_gpus=zero3, generator=gen, sampling=sampling, fmt=fmt)  # fmt: skip
                     out.update({f"true_{k}": v for k, v in acc.items()})
                     out.update(
                         {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in sampled.items()}
                     )
-            enc = reward_tok([p + a for p, a in zip(mine, answers)], return_tensors="pt", padding=True,
-                             add_special_tokens=True).to(actor.device)  # fmt: skip
+            # prompt + answer tokenized as step 2 trained the reward model (no end token)
+            rows = [p + a for p, a in zip(fmt.encode_prompts(mine), fmt.encode_responses(answers))]
+            enc = {k: v.to(actor.device) for k, v in pad_right(rows, tokenizer.pad_token_id).items()}
             scores = reward_source.score(mine, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
             w = torch.tensor(weights)
             total, n = dist.all_reduce_sum([float((scores * w).sum()), float(w.sum())])
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         # 5a. experience: generate, then log-probs (actor, reference), values (critic), scores, rewards, GAE
         exp, stats = trainer.make_experience(
-            batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device)
+            batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device), batch["prompts"]
         )
         window.add(**stats)
         buffer.append(exp)

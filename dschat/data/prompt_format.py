@@ -1,0 +1,198 @@
+"""How a dialogue becomes model input, identically in training and inference: the one home of the
+prompt format.
+
+Inside dschat a prompt is carried as *dialogue text* in the Human/Assistant form of the HH-RLHF data
+(the built-in tasks use it too)::
+
+    "\\n\\nHuman: hi\\n\\nAssistant: hello\\n\\nHuman: 2 + 2?\\n\\nAssistant:"    ->   response " 4"
+
+A :class:`PromptFormat` turns that text into what the model reads. ``human-assistant`` uses it as it
+is (the tokenizer adds its BOS; a reply ends with EOS, or where the model starts a turn of its own).
+``chat-template`` parses the dialogue into messages and renders them with the tokenizer's chat
+template; a response is the message content (no leading space) followed by the template's end-of-turn
+token (``<|im_end|>`` for ChatML), which is also where generation stops. Every step's data, the
+steps' evaluations, the reward model's inputs and the inference tools go through the same object, so
+the token ids a model is trained on are the ones it is later prompted with.
+
+The choice is ``--chat_template auto|on|off`` (:class:`dschat.config.FormatArgs`): ``auto`` uses the
+template when the tokenizer has one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dschat.utils.errors import UserError
+
+Message = dict[str, str]
+
+HUMAN = "\n\nHuman: "
+ASSISTANT = "\n\nAssistant:"
+SYSTEM = "\n\nSystem: "
+HUMAN_ASSISTANT = "human-assistant"
+CHAT_TEMPLATE = "chat-template"
+CHOICES = ("auto", "on", "off")
+
+# Where a Human/Assistant model starts writing the next turn itself. The single-newline forms catch a
+# model that is sloppy about the blank line; the double-newline forms come first so that a cut at
+# "\n\nHuman:" does not leave a stray newline in the reply.
+TURN_STOPS = ("\n\nHuman:", "\n\nAssistant:", "\nHuman:", "\nAssistant:")
+
+
+def make_prompt(question: str) -> str:
+    """The one-turn dialogue text of ``question``."""
+    return f"{HUMAN}{question}{ASSISTANT}"
+
+
+def is_dialogue(text: str) -> bool:
+    """True for a prompt already in Human/Assistant form (it ends with the ``Assistant:`` cue)."""
+    return text.rstrip().endswith("Assistant:") and "Human:" in text
+
+
+def render_human_assistant(messages: list[Message]) -> str:
+    """``"\\n\\nHuman: u1\\n\\nAssistant: a1 ... \\n\\nHuman: uN\\n\\nAssistant:"`` (the training form).
+
+    Assistant turns get the single space that training responses start with (``" 432"``); a system
+    message becomes a leading ``"\\n\\nSystem: ..."`` turn.
+    """
+    parts = []
+    for m in messages:
+        if m["role"] == "user":
+            parts.append(HUMAN + m["content"])
+        elif m["role"] == "assistant":
+            parts.append(ASSISTANT + " " + m["content"])
+        elif m["role"] == "system":
+            parts.append(SYSTEM + m["content"])
+        else:
+            raise ValueError(f"unknown role {m['role']!r}")
+    return "".join(parts) + ASSISTANT
+
+
+def parse_dialogue(text: str) -> list[Message]:
+    """Dialogue text -> messages, the inverse of :func:`render_human_assistant`.
+
+    Turns start at ``Human:``, ``Assistant:`` or ``System:`` at the start of the text or after a blank
+    line (as in the HH-RLHF data); text before the first turn is dropped; the final ``Assistant:`` cue
+    (the turn to be written) is not a message.
+    """
+    body = text.rstrip()
+    if body.endswith("Assistant:"):
+        body = body[: -len("Assistant:")]
+    pieces = _TURN.split(body)
+    roles = {"Human": "user", "Assistant": "assistant", "System": "system"}
+    messages = [
+        {"role": roles[pieces[i]], "content": pieces[i + 1].strip()} for i in range(1, len(pieces) - 1, 2)
+    ]
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError("no 'Human:' turn")
+    return messages
+
+
+_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant|System):")
+
+
+def as_dialogue(text: str) -> str:
+    """A question typed by a person (inference tools) as dialogue text; a dialogue stays as it is."""
+    return text if is_dialogue(text) else make_prompt(text)
+
+
+def dialogue_of(messages: list[Message]) -> str:
+    """Messages ending with a user turn -> dialogue text (how ``messages`` rows enter the pipeline)."""
+    return render_human_assistant(messages)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """The prompt format of one tokenizer (see the module docstring).
+
+    ``end_id``: the token that ends a response in training (EOS, or the template's end of turn).
+    ``stop_ids``: every token id at which generation stops. ``stop_strings``: text at which a reply is
+    cut (a Human/Assistant model inventing the next turn).
+    """
+
+    name: str
+    tokenizer: Any = field(repr=False, compare=False)
+    end_id: int | None
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+    _render: Callable[[list[Message]], str] = field(repr=False, compare=False)
+
+    @property
+    def add_special_tokens(self) -> bool:
+        """Whether tokenizing a rendered prompt adds special tokens: a chat template writes them itself."""
+        return self.name == HUMAN_ASSISTANT
+
+    def render(self, messages: list[Message]) -> str:
+        """Messages ending with a user turn -> the text the model continues."""
+        return self._render(messages)
+
+    def prompt_text(self, prompt: str) -> str:
+        """A data set's prompt -> the text the model continues. In the Human/Assistant form the prompt is
+        used byte for byte as the data holds it; with a chat template a dialogue is parsed into messages
+        and any other text is one user message."""
+        if self.name == HUMAN_ASSISTANT:
+            return prompt
+        if is_dialogue(prompt):
+            return self.render(parse_dialogue(prompt))
+        return self.render([{"role": "user", "content": prompt}])
+
+    def response_text(self, response: str) -> str:
+        """A response as the data holds it (``" 432"``) -> as it follows the prompt in this format."""
+        return response if self.name == HUMAN_ASSISTANT else response.strip()
+
+    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+        if not prompts:
+            return []
+        texts = [self.prompt_text(p) for p in prompts]
+        return self.tokenizer(texts, add_special_tokens=self.add_special_tokens)["input_ids"]
+
+    def encode_responses(self, responses: list[str]) -> list[list[int]]:
+        """Response token ids without the end token (what a reward model scores)."""
+        if not responses:
+            return []
+        texts = [self.response_text(r) for r in responses]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def fingerprint(self) -> str:
+        """What identifies this format in a data-cache key (with the tokenizer's own fingerprint)."""
+        return f"{self.name}|{self.end_id}"
+
+
+def _template_end_id(tokenizer) -> int | None:
+    """The first token the template writes after an assistant message's content: its end of turn."""
+    mark = "\u2063dschat-response\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}], tokenize=False
+    )
+    after = text.split(mark, 1)[1] if mark in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    return ids[0] if ids else tokenizer.eos_token_id
+
+
+def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template") -> PromptFormat:
+    """The format for ``tokenizer``: ``auto`` = its chat template if it has one, ``on`` = the template (an
+    error without one), ``off`` = Human/Assistant."""
+    if choice not in CHOICES:
+        raise UserError(f"{flag} {choice}: choose one of {', '.join(CHOICES)}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if choice == "on" and not has_template:
+        name = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise UserError(f"{flag} on: the tokenizer of {name} has no chat template")
+    eos = tokenizer.eos_token_id
+    if choice == "on" or (choice == "auto" and has_template):
+        end = _template_end_id(tokenizer)
+        stops = tuple(dict.fromkeys(i for i in (end, eos) if i is not None))
+        return PromptFormat(
+            CHAT_TEMPLATE,
+            tokenizer,
+            end,
+            stops,
+            (),
+            lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+        )
+    return PromptFormat(
+        HUMAN_ASSISTANT, tokenizer, eos, (eos,) if eos is not None else (), TURN_STOPS, render_human_assistant
+    )

