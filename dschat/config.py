@@ -43,6 +43,12 @@ class ModelArgs:
     )
     dropout: float | None = opt(None, "override every dropout probability in the model config", type=float)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    trainable_layers: int = opt(
+        0,
+        "train only the top K decoder layers (with the final norm and a reward/value head; LoRA goes into "
+        "those K layers only): the embeddings and the layers below are frozen, so the backward pass stops "
+        "at the first trainable layer (0 = train every layer)",
+    )
     trust_remote_code: bool = opt(
         False, "allow model code from the model repository to run (off: safe default)"
     )
@@ -50,6 +56,8 @@ class ModelArgs:
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--{prefix}dropout must be in [0, 1), got {self.dropout}")
+        if self.trainable_layers < 0:
+            raise UserError(f"--{prefix}trainable_layers must be >= 0, got {self.trainable_layers}")
 
 
 @dataclass

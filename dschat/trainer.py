@@ -23,6 +23,7 @@ from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
 from dschat.lm import eval_batches, train_loader
+from dschat.models.layers import freeze_below, top_block_names
 from dschat.models.loading import load_tokenizer, resolve
 from dschat.models.lora import inject_lora
 from dschat.utils import dist
@@ -62,25 +63,36 @@ def train_ds_config(optim: OptimArgs, ds: DeepSpeedArgs, dtype: str) -> dict[str
     )
 
 
-def apply_lora(
-    model: torch.nn.Module, lora: LoraArgs, prefix: str = "", keep_trainable: tuple[str, ...] = ()
+def set_trainable(
+    model: torch.nn.Module,
+    lora: LoraArgs,
+    prefix: str = "",
+    keep_trainable: tuple[str, ...] = (),
+    trainable_layers: int = 0,
 ):
-    """peft LoRA per ``lora`` (no-op when ``lora_dim`` is 0). ``keep_trainable`` names parameters
+    """What trains: peft LoRA per ``lora`` (none when ``lora_dim`` is 0) and, with ``trainable_layers``
+    K > 0, only the top K decoder blocks (LoRA goes into those alone; the embeddings and the blocks below
+    are frozen, see :func:`dschat.models.layers.freeze_below`). ``keep_trainable`` names parameters
     (substrings) that stay trainable under ``--only_optimize_lora``, e.g. a new value head."""
-    if not lora.lora_dim:
-        return model
-    model = inject_lora(
-        model,
-        dim=lora.lora_dim,
-        alpha=lora.lora_alpha,
-        dropout=lora.lora_dropout,
-        module_name=lora.lora_module_name,
-        only_optimize_lora=lora.only_optimize_lora,
-        flag_prefix=prefix,
-    )
-    for name, p in model.named_parameters():
-        if any(k in name for k in keep_trainable):
-            p.requires_grad_(True)
+    within = top_block_names(model, trainable_layers) if trainable_layers else None
+    if lora.lora_dim:
+        model = inject_lora(
+            model,
+            dim=lora.lora_dim,
+            alpha=lora.lora_alpha,
+            dropout=lora.lora_dropout,
+            module_name=lora.lora_module_name,
+            only_optimize_lora=lora.only_optimize_lora,
+            flag_prefix=prefix,
+            within=within,
+        )
+        for name, p in model.named_parameters():
+            if any(k in name for k in keep_trainable):
+                p.requires_grad_(True)
+    if trainable_layers:
+        counts = freeze_below(model, trainable_layers, flag=f"--{prefix}trainable_layers")
+        LOG.info("training the top %d of %d layers: %.2fM of %.2fM parameters", trainable_layers, counts["layers"],
+                 counts["trainable"] / 1e6, counts["total"] / 1e6)  # fmt: skip
     return model
 
 

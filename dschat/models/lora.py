@@ -8,9 +8,16 @@ from torch import nn
 from dschat.utils.errors import UserError
 
 
-def lora_target_modules(model: nn.Module, module_name: str) -> list[str]:
-    """Full names of the ``nn.Linear`` modules whose name contains ``module_name``."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and module_name in name]
+def lora_target_modules(model: nn.Module, module_name: str, within: list[str] | None = None) -> list[str]:
+    """Full names of the ``nn.Linear`` modules whose name contains ``module_name`` (and, with ``within``,
+    that sit inside one of those modules)."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and module_name in name
+        and (within is None or any(name.startswith(w + ".") for w in within))
+    ]
 
 
 def inject_lora(
@@ -22,15 +29,17 @@ def inject_lora(
     module_name: str = "layers.",
     only_optimize_lora: bool = False,
     flag_prefix: str = "",
+    within: list[str] | None = None,
 ):
     """Wrap ``model`` in a peft ``PeftModel`` with rank-``dim`` LoRA on the matching Linear layers.
 
     peft freezes the base weights; unless ``only_optimize_lora`` they are unfrozen again so that LoRA
-    is an added capacity (DeepSpeed-Chat's semantics) rather than the only trainable part.
+    is an added capacity (DeepSpeed-Chat's semantics) rather than the only trainable part. ``within``
+    (module names, e.g. the top decoder blocks) limits where LoRA goes.
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_target_modules(model, module_name)
+    targets = lora_target_modules(model, module_name, within)
     if not targets:
         raise UserError(
             f"--{flag_prefix}lora_module_name {module_name!r} matches no Linear layer of the model"

@@ -337,3 +337,31 @@ def test_second_identical_run_hits_the_data_cache_and_overwrite_replaces_the_run
     assert summary(out)["eval_loss_start"] == start
     # --overwrite started over: one run's rows in metrics.jsonl, not two.
     assert [step for step, _ in eval_losses(out)] == [0, 5]
+
+
+# ---------------------------------------------------------------- 6b. training only the top layers
+def test_trainable_layers_zero3_equals_zero0_and_freezes_the_rest(tmp_path):
+    """--trainable_layers 1 on the 2-layer micro Llama: layer 0 and the embeddings (and, untied, the LM
+    head) come out bit-identical, layer 1 and the final norm change; ZeRO-3 follows ZeRO-0 step by step.
+    (LoRA inside the top layers only: tests/unit/test_layers.py.)"""
+    from safetensors.torch import load_file
+
+    flags = [*REFERENCE_RUN_FLAGS, *MICRO, "--max_steps", "8", "--trainable_layers", "1"]
+    runs = {}
+    for stage in (0, 3):
+        runs[stage] = tmp_path / f"z{stage}"
+        assert_ok(step1(runs[stage], *flags, "--zero_stage", str(stage)))
+    ref, z3 = train_losses(runs[0]), train_losses(runs[3])
+    assert sorted(ref) == sorted(z3) and ref[8] < ref[1]
+    for step, loss in ref.items():
+        assert z3[step] == pytest.approx(loss, rel=1e-3), f"step {step}"
+    for run in runs.values():
+        weights, base = load_file(str(run / "model.safetensors")), base_weights(run)
+        frozen = [k for k in base if ".layers.0." in k or "embed_tokens" in k or "lm_head" in k]
+        trained = [k for k in base if ".layers.1." in k and k.endswith("_proj.weight")] + [
+            "model.norm.weight"
+        ]
+        for k in frozen:
+            assert (weights[k] == base[k]).all(), f"frozen {k} changed"
+        for k in trained:
+            assert not (weights[k] == base[k]).all(), f"{k} did not train"

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             dropout=model_args.dropout,
             trust_remote_code=model_args.trust_remote_code,
         )
-    model = T.apply_lora(model, lora_args)
+    model = T.set_trainable(model, lora_args, trainable_layers=model_args.trainable_layers)
     n_params = count_parameters(model)
     engine = T.build_engine(
         model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,

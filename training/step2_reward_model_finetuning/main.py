@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             dropout=model_args.dropout,
             trust_remote_code=model_args.trust_remote_code,
         ).model
-    hf_model = T.apply_lora(hf_model, lora_args, keep_trainable=("score.",))
+    hf_model = T.set_trainable(
+        hf_model, lora_args, keep_trainable=("score.",), trainable_layers=model_args.trainable_layers
+    )
     model = ScalarHeadModel(hf_model)
     n_params = count_parameters(model)
     engine = T.build_engine(

@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     with engine_core.zero3_loading(actor_cfg):
         actor_model = load_causal_lm(actor_path, tokenizer=tokenizer, dropout=actor_args.dropout,
                                      trust_remote_code=actor_args.trust_remote_code, flag="--actor_model_name_or_path")  # fmt: skip
-    actor_model = T.apply_lora(actor_model, actor_lora, prefix="actor_")
+    actor_model = T.set_trainable(
+        actor_model, actor_lora, prefix="actor_", trainable_layers=actor_args.trainable_layers
+    )
     actor = T.build_engine(actor_model, optim=actor_optim, ds=actor_ds, lora=actor_lora, ds_config=actor_cfg,
                            total_steps=total_updates, gradient_checkpointing=actor_args.gradient_checkpointing)  # fmt: skip
 
@@ -206,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         with engine_core.zero3_loading(critic_cfg):
             critic_hf = load_reward_model(critic_path, tokenizer=tokenizer, dropout=critic_args.dropout,
                                           trust_remote_code=critic_args.trust_remote_code, flag="--critic_model_name_or_path").model  # fmt: skip
-        critic_hf = T.apply_lora(critic_hf, critic_lora, prefix="critic_", keep_trainable=("score.",))
+        critic_hf = T.set_trainable(critic_hf, critic_lora, prefix="critic_", keep_trainable=("score.",),
+                                    trainable_layers=critic_args.trainable_layers)  # fmt: skip
         critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=critic_lora,
                                 ds_config=critic_cfg, total_steps=total_updates,
                                 gradient_checkpointing=critic_args.gradient_checkpointing)  # fmt: skip

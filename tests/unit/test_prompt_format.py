@@ -1,0 +1,109 @@
+"""The prompt format: dialogue parsing, template rendering, the end-of-turn token, and the same token ids
+in training (steps 1-3) and inference (chat, prompt comparison, reward scoring)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dschat import tasks
+from dschat.chat import Conversation
+from dschat.config import DataArgs
+from dschat.data.collate import IGNORE_INDEX, pad_right
+from dschat.data.pipeline import prepare_prompt_data, tokenize_pairs, tokenize_sft
+from dschat.data.prompt_format import (
+    CHAT_TEMPLATE,
+    as_dialogue,
+    parse_dialogue,
+    prompt_format,
+    render_human_assistant,
+)
+from dschat.data.schema import Sample
+from dschat.models.builtin import build_tokenizer
+from dschat.utils.errors import UserError
+
+# ChatML as SmolLM2 writes it (a default system message when the dialogue has none)
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture
+def chatml():
+    """The byte-level tokenizer with <|im_start|>/<|im_end|> specials and the ChatML template."""
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def test_parse_dialogue_inverts_rendering():
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2 + 2?"},
+    ]
+    assert parse_dialogue(render_human_assistant(msgs)) == msgs
+    assert parse_dialogue("Human: x\n\nAssistant:") == [{"role": "user", "content": "x"}]
+    # "Human:" inside a turn is text, not a new turn (turns start after a blank line)
+    assert parse_dialogue("\n\nHuman: say Human: hi\n\nAssistant:") == [
+        {"role": "user", "content": "say Human: hi"}
+    ]
+    with pytest.raises(ValueError, match="no 'Human:' turn"):
+        parse_dialogue("\n\nAssistant: only me")
+
+
+def test_the_end_of_turn_token_ends_responses_and_generation(chatml):
+    fmt = prompt_format(chatml)
+    im_end = chatml.convert_tokens_to_ids("<|im_end|>")
+    assert fmt.name == CHAT_TEMPLATE and fmt.end_id == im_end
+    assert fmt.stop_ids == (im_end, chatml.eos_token_id)
+    prompt = tasks.make_prompt("Sort: dog cat")
+    assert fmt.prompt_text(prompt) == (
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nSort: dog cat<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert fmt.response_text(" cat dog") == "cat dog"  # no leading space after "assistant\n"
+    assert prompt_format(chatml, "off").prompt_text(prompt) == prompt
+
+
+def test_on_without_a_template_is_one_line(tokenizer):
+    with pytest.raises(UserError, match=r"^--chat_template on: the tokenizer of .* has no chat template$"):
+        prompt_format(tokenizer, "on")
+
+
+@pytest.mark.parametrize("choice", ["auto", "off"])
+def test_training_and_inference_see_the_same_prompt_ids(chatml, tmp_path, choice):
+    """A built-in prompt is tokenized by steps 1, 2 and 3 exactly as chat.py and prompt_eval.py tokenize
+    the question a person types."""
+    args = DataArgs(data_path=["builtin:sort"], data_split="1,1,1", chat_template=choice,
+                    data_output_path=str(tmp_path))  # fmt: skip
+    fmt = prompt_format(chatml, choice)
+    row = prepare_prompt_data(args, chatml, seed=0, max_prompt_len=256).train[0]  # step 3: ids + dialogue
+    question = tasks.last_question(row["prompt"])
+    answer = " " + tasks.reference_answer(row["prompt"])
+
+    chat_ids, _, _ = Conversation(chatml, fmt, budget=10_000).prompt_ids(question)  # chat.py
+    assert chat_ids == row["input_ids"]
+    assert fmt.encode_prompts([as_dialogue(question)])[0] == row["input_ids"]  # prompt_eval.py
+    if choice == "auto":
+        assert chatml.decode(row["input_ids"]).endswith(
+            f"user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+    (sft,), _ = tokenize_sft([Sample(row["prompt"], answer)], fmt, 256, False)  # step 1
+    n = len(row["input_ids"])
+    assert sft["input_ids"][:n] == row["input_ids"]
+    assert sft["labels"][:n] == [IGNORE_INDEX] * n
+    assert sft["input_ids"][n:] == [*fmt.encode_responses([answer])[0], fmt.end_id]  # ends with end of turn
+
+    (pair,), _ = tokenize_pairs([Sample(row["prompt"], answer, " wrong")], fmt, 256)  # step 2
+    assert pair["chosen"][:n] == row["input_ids"] == pair["rejected"][:n]
+    assert pair["chosen"][n:] == fmt.encode_responses([answer])[0]  # scored on the content: no end token
+    # and the reward scoring of the inference tools and step 3's evaluation tokenizes the same way
+    assert pad_right([pair["chosen"]], 0)["input_ids"][0].tolist() == (
+        fmt.encode_prompts([as_dialogue(question)])[0] + fmt.encode_responses([answer])[0]
+    )
