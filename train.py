@@ -116,7 +116,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--preset",
         help="YAML preset under configs/presets (name or path), or 'none'; default: the preset of "
-        "--actor-model and the deployment type if there is one, builtin-tiny without --actor-model",
+        "--actor-model and the deployment type if there is one, smollm2-135m (SmolLM2-135M-Instruct) without "
+        "--actor-model; builtin-tiny is the 3M-parameter model built in code (tests, smoke runs)",
     )
     p.add_argument(
         "--estimate-memory",
@@ -252,6 +253,9 @@ def processes(args: argparse.Namespace) -> tuple[int, int]:
 
 
 PRESETS = ROOT / "configs" / "presets"
+DEFAULT_PRESET = (
+    "smollm2-135m"  # the main job: a real pretrained chat model (builtin-tiny: tests, smoke runs)
+)
 
 
 PRESET_KEYS = {"model", "reward_model", "deployment_type", "step1", "step2", "step3"}
@@ -297,7 +301,8 @@ def preset_for_model(model: str, deployment: str | None) -> tuple[Path | None, s
 
 def load_preset(args: argparse.Namespace) -> dict:
     """The preset (``{"model": ..., "step1": {"--flag": value}, ...}``, empty if none) and ``_name``,
-    ``_why`` for the report. Explicit ``--preset``, else the one of ``--actor-model``, else builtin-tiny."""
+    ``_why`` for the report. Explicit ``--preset``, else the one of ``--actor-model``, else
+    :data:`DEFAULT_PRESET`."""
     if args.preset == "none":
         return {}
     if args.preset:
@@ -310,7 +315,11 @@ def load_preset(args: argparse.Namespace) -> dict:
             return {}
         name = path.stem
     else:
-        name, path, why = "builtin-tiny", PRESETS / "builtin-tiny.yaml", "the default without --actor-model"
+        name, path, why = (
+            DEFAULT_PRESET,
+            PRESETS / f"{DEFAULT_PRESET}.yaml",
+            "the default without --actor-model",
+        )
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise UserError(f"--preset {name}: no such preset (known: {known})")
@@ -419,7 +428,9 @@ def reward_start_model(args: argparse.Namespace, preset: dict | None = None) -> 
     step1 = Path(args.output_dir) / "step1"
     if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
         return str(step1)
-    return args.actor_model or "builtin:tiny-llama"  # the builtin-tiny preset's model
+    from dschat.config import DEFAULT_MODEL
+
+    return args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
 
 
 class RankWatch:
@@ -693,7 +704,9 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
     if 3 in steps:
         result, start = out / "step3" / "actor", str(out / "step1")
     elif 1 in steps:
-        result, start = out / "step1", args.actor_model or (preset or {}).get("model") or "builtin:tiny-llama"
+        from dschat.config import DEFAULT_MODEL
+
+        result, start = out / "step1", args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
     else:
         return []  # step 2 alone made a reward model: nothing to talk to
     if (out / "step2" / "summary.json").exists():

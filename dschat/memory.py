@@ -210,6 +210,7 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "meta-llama/Meta-Llama-3-8B": _llama(4096, 14336, 32, 32, 8, vocab=128256),
     "mistralai/Mistral-7B-v0.1": _llama(4096, 14336, 32, 32, 8, kind="mistral"),
     "Qwen/Qwen2.5-0.5B": _llama(896, 4864, 24, 14, 2, vocab=151936, tie=True, kind="qwen2"),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _llama(576, 1536, 30, 9, 3, vocab=49152, tie=True),
     "openai-community/gpt2": {
         "model_type": "gpt2",
         "vocab_size": 50257,
@@ -225,9 +226,14 @@ for _size in ("7b", "13b", "70b"):
 
 
 def load_model_config(name_or_path: str, flag: str = "--actor-model") -> tuple[dict[str, Any], str]:
-    """``(config dict, where it came from)`` for a local directory or ``config.json``, ``builtin:NAME``,
-    a model of :data:`KNOWN_CONFIGS`, or a hub name whose config is in the local Hugging Face cache."""
+    """``(config dict, where it came from)`` for a local directory or ``config.json``, a GGUF file (its
+    metadata), ``builtin:NAME``, a model of :data:`KNOWN_CONFIGS`, or a hub name whose config is in the
+    local Hugging Face cache."""
+    from dschat.models import gguf
+
     path = Path(name_or_path).expanduser()
+    if gguf.is_gguf_path(name_or_path):
+        return gguf.gguf_config(gguf.gguf_file_of(name_or_path, flag), flag), "GGUF metadata"
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.is_file():

@@ -118,6 +118,23 @@ def inspect(path: Path, flag: str) -> GGUFInfo:
     )
 
 
+def gguf_config(path: Path, flag: str) -> dict:
+    """The Hugging Face config (a dict) of a GGUF file, from its metadata alone (the memory planner's
+    view: no conversion)."""
+    inspect(path, flag)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise UserError(
+            f"{flag} {path}: cannot read a model config from the GGUF file ({_first(exc)})"
+        ) from None
+    out = config.to_dict()
+    out.pop("quantization_config", None)
+    return out
+
+
 def convert(spec: str, flag: str = "--model_name_or_path") -> str:
     """The model-cache directory of the GGUF file ``spec`` names, converting it on first use."""
     path = gguf_file_of(spec, flag).resolve()
