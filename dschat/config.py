@@ -86,6 +86,11 @@ class DataArgs(FormatArgs):
         "", "cache directory for tokenized data (default: $DSCHAT_CACHE/data, ~/.cache/dschat/data)"
     )
     train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
+    group_by_length: bool = opt(
+        False,
+        "batch samples of similar length (sorted within groups of 50 batches, batch order shuffled): far less "
+        "padding on data of mixed lengths such as HH-RLHF",
+    )
     max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:

@@ -12,11 +12,20 @@ from dschat.losses import token_nll
 from dschat.utils import dist
 
 
-def train_loader(examples: list, *, batch_size: int, seed: int, collate, accumulation: int = 1) -> DataLoader:
-    """Shuffled, rank-sharded, resumable loader over ``examples`` (any step's tokenized examples)."""
+def train_loader(
+    examples: list,
+    *,
+    batch_size: int,
+    seed: int,
+    collate,
+    accumulation: int = 1,
+    lengths: list[int] | None = None,
+) -> DataLoader:
+    """Shuffled, rank-sharded, resumable loader over ``examples`` (any step's tokenized examples); with
+    ``lengths`` (one per example), batches of similar length."""
     sampler = ResumableDistributedSampler(
         len(examples), batch_size=batch_size, rank=dist.rank(), world=dist.world_size(), seed=seed,
-        accumulation=accumulation,
+        accumulation=accumulation, lengths=lengths,
     )  # fmt: skip
     # A private generator: creating a DataLoader iterator draws a seed, and drawing it from the global
     # RNG would shift the sampling RNG of step 3 between an uninterrupted and a resumed run.

@@ -42,6 +42,7 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of the current epoch consumed (per rank)
     tokens: float = 0.0  # real (non-padding) tokens processed, all ranks
+    positions: float = 0.0  # token positions processed, padding included, all ranks
     train_seconds: float = 0.0
     global_batch_size: int = 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # step-specific (e.g. the KL coefficient)
@@ -282,11 +283,20 @@ def save_step_config(
     return resolved
 
 
-def make_batches(data, optim: OptimArgs, collate, seed: int) -> Batches:
-    """Training loader, evaluation batches and step counts of a prepared data set."""
+def example_length(example: dict) -> int:
+    """Padded width an example needs: its tokens (SFT) or its longer side (a preference pair)."""
+    if "input_ids" in example:
+        return len(example["input_ids"])
+    return max(len(example["chosen"]), len(example["rejected"]))
+
+
+def make_batches(data, optim: OptimArgs, collate, seed: int, group_by_length: bool = False) -> Batches:
+    """Training loader (with ``group_by_length``, batches of similar length), evaluation batches and step
+    counts of a prepared data set."""
+    lengths = [example_length(ex) for ex in data.train] if group_by_length else None
     loader = train_loader(
         data.train, batch_size=optim.per_device_train_batch_size, seed=seed, collate=collate,
-        accumulation=optim.gradient_accumulation_steps,
+        accumulation=optim.gradient_accumulation_steps, lengths=lengths,
     )  # fmt: skip
     evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
     total_steps = count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))

@@ -7,13 +7,34 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+MEGA_BATCH = 50  # global batches per length-sorted group (Hugging Face's LengthGroupedSampler uses 50)
+
+
+def group_by_length(
+    order: list[int], lengths: list[int], chunk: int, generator: torch.Generator
+) -> list[int]:
+    """Reorder a shuffled index list so that each run of ``chunk`` consecutive indices (one global batch)
+    holds samples of similar length: the list is cut into mega-batches of ``MEGA_BATCH`` global batches,
+    each sorted by length, and the global batches are then shuffled, so the data order stays random at
+    the scale of batches while padding within a batch nearly disappears."""
+    mega = chunk * MEGA_BATCH
+    batches: list[list[int]] = []
+    for s in range(0, len(order), mega):
+        group = sorted(order[s : s + mega], key=lambda i: -lengths[i])
+        batches += [group[b : b + chunk] for b in range(0, len(group), chunk)]
+    full = [b for b in batches if len(b) == chunk]
+    rest = [i for b in batches if len(b) < chunk for i in b]
+    perm = torch.randperm(len(full), generator=generator).tolist()
+    return [i for k in perm for i in full[k]] + rest
+
 
 class ResumableDistributedSampler(Sampler[int]):
     """Shuffle ``n`` indices per epoch by ``(seed, epoch)``, give rank ``r`` every ``world``-th one.
 
     Each epoch is truncated to a multiple of ``world * batch_size * accumulation`` so that every rank
     runs the same number of full micro-batches and every epoch ends on an optimizer step.
-    ``start_batch`` skips the first batches of the current epoch, for resume.
+    ``start_batch`` skips the first batches of the current epoch, for resume. With ``lengths`` (one per
+    sample) every global batch holds samples of similar length (:func:`group_by_length`).
     """
 
     def __init__(
@@ -26,8 +47,12 @@ class ResumableDistributedSampler(Sampler[int]):
         seed: int,
         shuffle: bool = True,
         accumulation: int = 1,
+        lengths: list[int] | None = None,
     ):
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"{len(lengths)} lengths for {n} samples")
         self.n, self.batch_size, self.rank, self.world = n, batch_size, rank, world
+        self.lengths = lengths
         self.accumulation = accumulation
         self.seed, self.shuffle = seed, shuffle
         self.epoch = 0
@@ -47,11 +72,10 @@ class ResumableDistributedSampler(Sampler[int]):
         return (self.batches_per_epoch() - self.start_batch) * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
+        if self.lengths is not None:
+            order = group_by_length(order, self.lengths, self.world * self.batch_size, g)
         usable = self.batches_per_epoch() * self.world * self.batch_size
         mine = order[self.rank : usable : self.world]
         return iter(mine[self.start_batch * self.batch_size :])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dschat.data.sampler import ResumableDistributedSampler
 
@@ -83,3 +84,35 @@ def test_seed_changes_order():
 def test_fewer_samples_than_a_global_batch():
     s = make(n=3, bs=2, world=2)
     assert len(s) == 0 and list(s) == []
+
+
+def test_group_by_length_batches_similar_lengths_and_keeps_every_sample():
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 200, (1000,), generator=rng).tolist()
+    world, bs = 2, 4
+    samplers = [
+        ResumableDistributedSampler(1000, batch_size=bs, rank=r, world=world, seed=3, lengths=lengths)
+        for r in range(world)
+    ]
+    per_rank = [list(s) for s in samplers]
+    seen = [i for idx in per_rank for i in idx]
+    assert len(seen) == len(set(seen)) == samplers[0].batches_per_epoch() * world * bs
+    # the micro-batches of one optimizer step (rank 0's and rank 1's j-th batch) come from one global
+    # batch of similar lengths: the spread inside it is far below the spread of a random batch
+    spreads = []
+    for j in range(samplers[0].batches_per_epoch()):
+        batch = [lengths[i] for idx in per_rank for i in idx[j * bs : (j + 1) * bs]]
+        spreads.append(max(batch) - min(batch))
+    assert sum(spreads) / len(spreads) < 15  # random batches of 8 from 10..199: about 140
+    # deterministic in (seed, epoch), different across epochs, and resumable mid-epoch
+    again = ResumableDistributedSampler(1000, batch_size=bs, rank=0, world=world, seed=3, lengths=lengths)
+    assert list(again) == per_rank[0]
+    again.set_epoch(1)
+    assert list(again) != per_rank[0]
+    again.set_epoch(0, start_batch=5)
+    assert list(again) == per_rank[0][5 * bs :]
+
+
+def test_group_by_length_needs_one_length_per_sample():
+    with pytest.raises(ValueError, match="3 lengths for 4 samples"):
+        ResumableDistributedSampler(4, batch_size=2, rank=0, world=1, seed=0, lengths=[1, 2, 3])

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 2. data
     data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
     collate = SFTCollator(tokenizer.pad_token_id)
-    batches = T.make_batches(data, optim, collate, run.seed)
+    batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = (
         batches.loader,
         batches.evals,
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         # 5b. backward and step; DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary
         engine.backward(loss)
         engine.step()
-        window.add(loss=loss, micro=1, tokens=batch["attention_mask"].sum(), seconds=clock() - t0)
+        window.add(loss=loss, micro=1, tokens=batch["attention_mask"].sum(), positions=batch["attention_mask"].numel(),
+                   seconds=clock() - t0)  # fmt: skip
         if state.batch_in_epoch % optim.gradient_accumulation_steps:
             continue
         state.step += 1
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if T.should_log(state.step, run.log_interval, total_steps):
             w = window.reduce()
             state.tokens += w["tokens"]
+            state.positions += w["positions"]
             state.train_seconds += w["seconds"] / world
             row = {"loss": w["loss"] / w["micro"], "lr": engine.get_lr()[0], "epoch": state.epoch,
                    "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9), "tokens": state.tokens}  # fmt: skip
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval_perplexity_start": eval_start["perplexity"],
         "eval_perplexity_end": eval_end["perplexity"],
         "train_tokens": state.tokens,
+        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
         "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
         "train_seconds": state.train_seconds,
         "wall_seconds": sw.wall(),

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning(
                 "--policy_negatives_from: no built-in task prompts in this step's data; no pairs were added"
             )
-    batches = T.make_batches(data, optim, collate, run.seed)
+    batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = (
         batches.loader,
         batches.evals,
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.backward(loss)
         engine.step()
         window.add(loss=loss, micro=1, pairs=b, right=(chosen > rejected).sum(), margin=(chosen - rejected).sum(),
-                   tokens=mask.sum(), seconds=time.perf_counter() - t0)  # fmt: skip
+                   tokens=mask.sum(), positions=mask.numel(), seconds=time.perf_counter() - t0)  # fmt: skip
         if state.batch_in_epoch % optim.gradient_accumulation_steps:
             continue
         state.step += 1
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if T.should_log(state.step, run.log_interval, total_steps):
             w = window.reduce()
             state.tokens += w["tokens"]
+            state.positions += w["positions"]
             state.train_seconds += w["seconds"] / world
             row = {"loss": w["loss"] / w["micro"], "accuracy": w["right"] / w["pairs"], "margin": w["margin"] / w["pairs"],
                    "lr": engine.get_lr()[0], "samples_per_sec": 2 * w["pairs"] / max(w["seconds"] / world, 1e-9),
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
         "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
         "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
+        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
         "train_seconds": state.train_seconds,
         "wall_seconds": sw.wall(),
         "seconds_by_phase": sw.totals,

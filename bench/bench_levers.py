@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""What makes a 100M-class model trainable on a few CPU cores: each speed lever of steps 1 and 2 measured
+on the real entry points, printed as one JSON object.
+
+    python bench/bench_levers.py                                   # SmolLM2-135M-Instruct, HH data
+    python bench/bench_levers.py --model builtin:llama-100m --steps 4 --levers full_bf16 top8_bf16
+
+Every lever is one run of ``training/step1_supervised_finetuning/main.py`` or
+``training/step2_reward_model_finetuning/main.py`` (``deepspeed.initialize``, the real data pipeline and
+chat template) for ``--steps`` optimizer steps on HH-RLHF dialogues (``../shared/data``; the built-in
+tasks where it is absent), read back from its ``summary.json`` and ``metrics.jsonl``:
+
+* ``full_fp32``, ``full_bf16``, ``full_bf16_ckpt``: every weight trains (fp32; bf16; bf16 with gradient
+  checkpointing, what full fine-tuning needs for memory at longer lengths);
+* ``top8_bf16``: ``--trainable_layers 8``, the body below frozen, so backward stops there;
+* ``top8_bf16_grouped``: the same with ``--group_by_length`` (padding nearly gone);
+* ``lora_all_bf16``: LoRA r=16 in every layer with the base frozen (backward still runs through every
+  layer); ``lora_top8_bf16``: LoRA only in the top 8 layers (backward stops there too);
+* ``rm_top8_bf16`` (step 2): a reward model that never computes the 49152-way LM head, top 8 layers;
+  ``rm_top8_bf16_grouped``.
+
+Throughput counts real (non-padding) tokens; ``padding_fraction`` is the share of padded positions. MFU
+is the model FLOPs per real token (forward through every layer and the head it uses, backward through
+what it must: weight and input gradients of trainable layers, input gradients of frozen layers above a
+trainable one, the LM head's input gradient) times tokens/s, over the bf16 (or fp32) matmul peak
+measured at the start of this run. Attention-score FLOPs (under 7% at 256 tokens) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_step1 import matmul_peak  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+STEP1 = ROOT / "training" / "step1_supervised_finetuning" / "main.py"
+STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
+
+# name -> (step, extra flags, what trains: "all" | int K top layers | ("lora", K or 0 = every layer))
+LEVERS: dict[str, tuple[int, list[str], object]] = {
+    "full_fp32": (1, ["--dtype", "fp32"], "all"),
+    "full_bf16": (1, ["--dtype", "bf16"], "all"),
+    "full_bf16_ckpt": (1, ["--dtype", "bf16", "--gradient_checkpointing"], "all"),
+    "top8_bf16": (1, ["--dtype", "bf16", "--trainable_layers", "8"], 8),
+    "top8_bf16_grouped": (1, ["--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
+    "lora_all_bf16": (1, ["--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora"], ("lora", 0)),
+    "lora_top8_bf16": (1, ["--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora", "--trainable_layers", "8"],
+                       ("lora", 8)),
+    "rm_top8_bf16": (2, ["--dtype", "bf16", "--trainable_layers", "8"], 8),
+    "rm_top8_bf16_grouped": (2, ["--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
+}  # fmt: skip
+
+
+def model_shape(model: str) -> dict[str, int]:
+    """Layers, parameters per decoder layer and the LM head's size, from the model's config."""
+    from dschat.memory import load_model_config, shape_from_config
+
+    s = shape_from_config(load_model_config(model, "--model")[0])
+    kv = s.num_kv_heads * s.head_dim
+    attn = s.hidden_size * (s.num_heads * s.head_dim) * 2 + s.hidden_size * kv * 2
+    mlp = s.hidden_size * s.intermediate_size * (3 if s.gated_mlp else 2)
+    return {"layers": s.num_layers, "per_layer": attn + mlp, "head": s.vocab_size * s.hidden_size,
+            "hidden": s.hidden_size}  # fmt: skip
+
+
+def flops_per_token(shape: dict[str, int], step: int, trains: object) -> float:
+    """Model FLOPs per token of one training step (see the module docstring), without recomputation."""
+    n_layers, per_layer = shape["layers"], shape["per_layer"]
+    head = shape["head"] if step == 1 else shape["hidden"]  # the reward model's head is hidden x 1
+    forward = 2 * (n_layers * per_layer + head)
+    if trains == "all":
+        return forward + 4 * n_layers * per_layer + 2 * head  # (the tied head's weight gradient aside)
+    if isinstance(trains, tuple):  # LoRA: input gradients through every layer LoRA sits in or above
+        k = trains[1] or n_layers
+        return forward + 2 * k * per_layer + 2 * head
+    return forward + 4 * int(trains) * per_layer + 2 * head  # weight + input gradients of the top K
+
+
+def data_flags(step: int, max_seq_len: int) -> list[str]:
+    sft, pairs = SHARED / "sft" / "train.jsonl", SHARED / "hh_rlhf" / "train.jsonl"
+    source = sft if step == 1 else pairs
+    data = str(source) if source.exists() else "builtin"
+    return ["--data_path", data, "--data_split", "1,1,1" if data == "builtin" else "1,0,0" if step == 1 else "0,1,0",
+            "--max_seq_len", str(max_seq_len)]  # fmt: skip
+
+
+def run(model: str, lever: str, steps: int, batch: int, max_seq_len: int) -> dict:
+    step, extra, _ = LEVERS[lever]
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            sys.executable, str(STEP1 if step == 1 else STEP2), "--model_name_or_path", model, "--output_dir", out,
+            "--max_steps", str(steps), "--per_device_train_batch_size", str(batch), "--eval_interval", "0",
+            "--save_steps", "0", "--max_eval_samples", "16", "--log_interval", "1",
+            *(["--eval_generation_samples", "0"] if step == 1 else []), *data_flags(step, max_seq_len), *extra,
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"lever": lever, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    steady = train[1:] if len(train) > 1 else train  # the first step warms allocators and kernels
+    tps = sum(r["tokens_per_sec"] for r in steady) / len(steady)
+    return {"lever": lever, "step": step, "dtype": summary["dtype"], "steps": summary["steps"],
+            "real_tokens_per_sec": tps, "wall_seconds": time.perf_counter() - t0,
+            "padding_fraction": summary.get("padding_fraction")}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max_seq_len", type=int, default=256)
+    args = p.parse_args()
+    peaks = {"bf16": matmul_peak(torch.bfloat16), "fp32": matmul_peak(torch.float32)}
+    shape = model_shape(args.model)
+    results = []
+    for lever in args.levers:
+        r = run(args.model, lever, args.steps, args.batch, args.max_seq_len)
+        if "real_tokens_per_sec" in r:
+            f = flops_per_token(shape, r["step"], LEVERS[lever][2])
+            r["model_gflops_per_token"] = f / 1e9
+            r["mfu"] = f * r["real_tokens_per_sec"] / peaks[r["dtype"]]
+        results.append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+    base = next((r["real_tokens_per_sec"] for r in results if r["lever"] == "full_bf16" and "mfu" in r), None)
+    for r in results:
+        if base and "real_tokens_per_sec" in r:
+            r["speedup_over_full_bf16"] = r["real_tokens_per_sec"] / base
+    print(json.dumps({
+        "benchmark": "speed_levers",
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
+        "measured_matmul_peak_tflops": {k: v / 1e12 for k, v in peaks.items()},
+        "micro_batch": args.batch, "max_seq_len": args.max_seq_len, "steps": args.steps,
+        "results": results,
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
