@@ -7,9 +7,44 @@ import math
 import torch
 from torch.utils.data import DataLoader
 
+from dschat.data.collate import IGNORE_INDEX
 from dschat.data.sampler import ResumableDistributedSampler
 from dschat.losses import token_nll
 from dschat.utils import dist
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether the Hugging Face model inside ``model`` (a DeepSpeed engine, a peft wrapper or the model
+    itself) takes keyword ``name`` in its forward."""
+    import inspect
+
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    try:
+        return name in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def target_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits (B, K, V), labels (B, K))``: the LM head applied only to the last K positions, those
+    that predict a target token in some row (position t predicts label t+1), and the labels aligned with
+    them, so :func:`dschat.losses.token_nll` gives the same loss as on the full sequence.
+
+    A response is the end of each row, while prompts (a chat template's system message included) are
+    most of the tokens: the 49152-way head of a model like SmolLM2 then runs on a fraction of them, and
+    the (B, T, V) fp32 logits are never materialised. Models without ``logits_to_keep`` get full logits.
+    """
+    t = labels.shape[1]
+    targets = labels != IGNORE_INDEX
+    rows = targets.any(dim=1)
+    first = int(targets.float().argmax(dim=1)[rows].min()) if bool(rows.any()) else t - 1
+    k = min(t - first + 1, t)
+    extra = {"logits_to_keep": k} if k < t and accepts(model, "logits_to_keep") else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+    return logits[:, -k:], labels[:, -k:]
 
 
 def train_loader(
@@ -62,10 +97,13 @@ def evaluate_perplexity(engine, batches: list[tuple[dict, torch.Tensor]]) -> dic
     device = engine.device
     nll_sum, tokens = 0.0, 0.0
     for batch, weight in batches:
-        logits = engine(
-            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-        ).logits
-        nll, n = token_nll(logits, batch["labels"].to(device))
+        logits, labels = target_logits(
+            engine,
+            batch["input_ids"].to(device),
+            batch["attention_mask"].to(device),
+            batch["labels"].to(device),
+        )
+        nll, n = token_nll(logits, labels)
         w = weight.to(nll.device)
         nll_sum += float((nll * w).sum())
         tokens += float((n * w).sum())

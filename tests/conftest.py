@@ -30,14 +30,25 @@ def dschat_cache(tmp_path_factory):
 
 
 def run_cmd(
-    args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path = ROOT
+    args: list[str],
+    *,
+    timeout: int = 600,
+    env: dict | None = None,
+    cwd: Path = ROOT,
+    input_text: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run a command with the project's interpreter; output captured as text."""
+    """Run a command with the project's interpreter; output captured as text; ``input_text`` on stdin."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+        input=input_text,
     )
 
 

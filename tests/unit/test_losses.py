@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from dschat.data.collate import IGNORE_INDEX
 from dschat.losses import mean_token_nll, token_nll
 
 M = -100
@@ -78,3 +80,30 @@ def test_gradient_reaches_only_used_positions():
     nll.sum().backward()
     # d(-log softmax(z)[1]) / dz = softmax(z) - onehot(1) = [1/2, -1/2] at position 1; nothing elsewhere
     assert torch.allclose(logits.grad, torch.tensor([[[0.0, 0.0], [0.5, -0.5], [0.0, 0.0]]]))
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_target_logits_give_the_full_sequence_loss(train_on_prompt):
+    """The LM head on the last positions only (those predicting a target) gives the same loss, for right
+    padding, rows of different prompt lengths and a prompt-included loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.lm import target_logits
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()  # fmt: skip
+    ids = torch.randint(3, 50, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[2, 7:] = 0  # right padding
+    labels = ids.clone()
+    if not train_on_prompt:
+        for row, start in enumerate((5, 3, 6)):  # prompts of 5, 3 and 6 tokens
+            labels[row, :start] = IGNORE_INDEX
+    labels[mask == 0] = IGNORE_INDEX
+    full, n_full = mean_token_nll(model(input_ids=ids, attention_mask=mask).logits, labels)
+    logits, kept = target_logits(model, ids, mask, labels)
+    part, n_part = mean_token_nll(logits, kept)
+    assert logits.shape[1] == (9 if train_on_prompt else 9 - 3 + 1)  # from the earliest target's predictor
+    assert float(n_part) == float(n_full)
+    torch.testing.assert_close(part, full, rtol=1e-6, atol=1e-6)

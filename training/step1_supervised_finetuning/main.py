@@ -29,7 +29,7 @@ from dschat.data.pipeline import prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.generation import task_accuracy
-from dschat.lm import evaluate_perplexity
+from dschat.lm import evaluate_perplexity, target_logits
 from dschat.losses import mean_token_nll
 from dschat.models.loading import count_parameters, load_causal_lm
 from dschat.utils import dist
@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for batch in T.micro_batches(loader, state, optim.num_train_epochs):
         t0 = clock()
         batch = {k: v.to(engine.device) for k, v in batch.items()}
-        # 5a. forward: mean NLL over this micro-batch's target (response) tokens
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss, _ = mean_token_nll(logits, batch["labels"])
+        # 5a. forward: mean NLL over this micro-batch's target (response) tokens; the LM head runs only on
+        # the positions that predict one
+        logits, labels = target_logits(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        loss, _ = mean_token_nll(logits, labels)
         # 5b. backward and step; DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary
         engine.backward(loss)
         engine.step()
