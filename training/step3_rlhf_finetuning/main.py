@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     hyper = PPOHyper(kl_coef=ppo.kl_coef, clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
                      cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
                      whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef,
-                     n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator)  # fmt: skip
+                     n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator,
+                     temperature=ppo.temperature)  # fmt: skip
     trainer = PPOTrainer(actor=actor, reference=reference, critic=critic, reward_source=reward_source,
                          generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl)  # fmt: skip
     critic_desc = (f"{critic_path} ({count_parameters(critic.module) / 1e6:.2f}M, ZeRO-{eng_args.critic_zero_stage})"
