@@ -7,6 +7,8 @@ are about the maths of one round, not DeepSpeed, which tests/integration/test_st
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,45 @@ def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monk
     (new, old, mask), *_ = calls
     assert torch.equal(old, exp.logprobs)
     assert torch.allclose(new * mask, want * mask, atol=1e-5)
+
+
+# ---------------------------------------------------------------- item 6: no dropout by default in step 3
+def step3_model_args(*argv: str):
+    """(actor, critic) ModelArgs as step 3's own parser resolves them (its STEP_DEFAULTS included)."""
+    spec = importlib.util.spec_from_file_location("dschat_train_py_ppo", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train
+    spec.loader.exec_module(train)
+    groups = train.parse_step(3, list(argv))
+    return groups[0], groups[1]
+
+
+def first_minibatch_log_ratio(path: str, dropout: float | None, tokenizer, monkeypatch) -> torch.Tensor:
+    """Step 3's first round with the actor loaded from ``path`` with ``dropout``: the log-ratio
+    log pi_new - log pi_old of the first minibatch of the first PPO epoch, on the actions."""
+    from dschat.models.loading import load_causal_lm
+
+    actor = load_causal_lm(path, tokenizer=tokenizer, dropout=dropout)
+    reference = load_causal_lm(path, tokenizer=tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0)
+    calls = spy_policy_loss(monkeypatch)
+    torch.manual_seed(3)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    ppo.train(exp)
+    new, old, mask = calls[0]
+    return (new - old)[mask > 0]
+
+
+def test_step3_turns_dropout_off_so_the_first_ratio_is_exactly_one(tokenizer, tmp_path, monkeypatch):
+    """A checkpoint with dropout 0.1 in its config (as OPT and GPT-2 ship): experience is taken in eval
+    mode, the update in train mode, so with the model's dropout the first ratio is not 1."""
+    micro_llama(len(tokenizer), attention_dropout=0.1).save_pretrained(tmp_path / "m")
+    actor_args, critic_args = step3_model_args()
+    assert (actor_args.dropout, critic_args.dropout) == (0.0, 0.0)
+    log_ratio = first_minibatch_log_ratio(str(tmp_path / "m"), actor_args.dropout, tokenizer, monkeypatch)
+    assert log_ratio.numel() > 8 and torch.equal(log_ratio, torch.zeros_like(log_ratio))
+    # overridable: --actor_dropout 0.1 keeps the checkpoint's dropout, and the ratio moves off 1
+    actor_args, critic_args = step3_model_args("--actor_dropout", "0.1", "--critic_dropout", "0.05")
+    assert (actor_args.dropout, critic_args.dropout) == (0.1, 0.05)
+    log_ratio = first_minibatch_log_ratio(str(tmp_path / "m"), actor_args.dropout, tokenizer, monkeypatch)
+    assert log_ratio.abs().max() > 1e-3

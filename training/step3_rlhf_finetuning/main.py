@@ -70,7 +70,11 @@ GROUPS = (
     C.RunArgs,
 )
 STEP_DEFAULTS = {
-    C.RunArgs: {"output_dir": "output/step3", "eval_interval": 20, "log_interval": 1, "save_steps": 50}
+    C.RunArgs: {"output_dir": "output/step3", "eval_interval": 20, "log_interval": 1, "save_steps": 50},
+    # No dropout in actor and critic (DeepSpeed-Chat's --disable_actor_dropout): experience is taken in
+    # eval mode and the update runs in train mode, so with dropout every update would start from a ratio
+    # away from 1 and clip against noise. --actor_dropout / --critic_dropout turn it back on.
+    C.ModelArgs: {"dropout": 0.0},
 }
 
 
