@@ -125,6 +125,31 @@ def test_resume_continues_to_the_same_actor(models, tmp_path):
         assert (ca[k] == cb[k]).all(), k
 
 
+def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_update(models, tmp_path):
+    """--generation_batches 2: every update trains on two rounds whose prompt blocks usually differ in width
+    (the collator pads a round to its own longest prompt). 6 prompts per round, minibatches of 4: three
+    updates per two rounds; the actor sits out the first update round (--freezing_actor_steps 2). Both
+    cosine schedules are as long as their real optimizer steps: they end at 0 after the last update."""
+    actor, rm = models
+    out = tmp_path / "g2"
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "4", "--generation_batches", "2", "--freezing_actor_steps", "2",
+                 "--per_device_generation_batch_size", "6", "--per_device_training_batch_size", "4",
+                 "--eval_prompts", "8")  # fmt: skip
+    assert_ok(proc)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    assert (cfg["actor_optimizer_steps"], cfg["critic_optimizer_steps"]) == (3, 6)
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    a, c = cfg["actor_learning_rate"], cfg["critic_learning_rate"]
+    # the learning rate after each round: no update in rounds 1 and 3; the critic's 3 of 6 steps after
+    # round 2 (cosine at half way: half the peak), the actor's none; both at 0 after the last update
+    assert [r["actor_lr"] for r in rows] == pytest.approx([a, a, a, 0.0], abs=1e-15)
+    assert [r["critic_lr"] for r in rows] == pytest.approx([c, c / 2, c / 2, 0.0], abs=1e-15)
+    assert rows[-1]["actor_lr"] == 0.0 and rows[-1]["critic_lr"] == 0.0
+    assert "policy_loss" in rows[-1] and "value_loss" in rows[-1] and "policy_loss" not in rows[1]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
 def test_zero3_two_ranks(models, tmp_path):

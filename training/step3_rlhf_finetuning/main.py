@@ -152,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"(--per_device_generation_batch_size {ppo.per_device_generation_batch_size} x {world} ranks)")  # fmt: skip
     total_steps = rounds_per_epoch * ppo.num_train_epochs
     total_steps = min(total_steps, ppo.max_steps) if ppo.max_steps else total_steps
-    rows_per_round = ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt
-    updates_per_round = ppo.ppo_epochs * rows_per_round // ppo.per_device_training_batch_size
-    total_updates = total_steps * updates_per_round
+    # the schedules' lengths: the optimizer steps the loop below will take (the actor's skip the frozen rounds)
+    actor_updates, critic_updates = M.ppo_optimizer_steps(
+        total_steps, rows_per_round=ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt,
+        generation_batches=ppo.generation_batches, micro_batch=ppo.per_device_training_batch_size,
+        ppo_epochs=ppo.ppo_epochs, freezing_actor_steps=ppo.freezing_actor_steps,
+    )  # fmt: skip
     unsup_iter = None
     if ppo.unsupervised_dataset_name:
         unsup_data = prepare_sft_data(
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "step": 3, "actor": C.to_dict(actor_args, actor_lora), "critic": C.to_dict(critic_args, critic_lora),
         **C.to_dict(eng_args, ppo, data_args, run), "resolved_actor_path": actor_path, "resolved_critic_path": critic_path,
         "resolved_reward_path": reward_path, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
-        "total_steps": total_steps, "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
+        "total_steps": total_steps, "actor_optimizer_steps": actor_updates, "critic_optimizer_steps": critic_updates,
+        "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
     }  # fmt: skip
     save_resolved_config(run.output_dir, resolved)
     log.info("prompts: %d (dropped %d longer than --max_prompt_seq_len), %d generation rounds of %d prompts",
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                                      trust_remote_code=actor_args.trust_remote_code, flag="--actor_model_name_or_path")  # fmt: skip
     actor_model = T.apply_lora(actor_model, actor_lora, prefix="actor_")
     actor = T.build_engine(actor_model, optim=actor_optim, ds=actor_ds, lora=actor_lora, ds_config=actor_cfg,
-                           total_steps=total_updates, gradient_checkpointing=actor_args.gradient_checkpointing)  # fmt: skip
+                           total_steps=actor_updates, gradient_checkpointing=actor_args.gradient_checkpointing)  # fmt: skip
 
     reference = None
     if not eng_args.share_reference_with_actor:
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                                           trust_remote_code=critic_args.trust_remote_code, flag="--critic_model_name_or_path").model  # fmt: skip
         critic_hf = T.apply_lora(critic_hf, critic_lora, prefix="critic_", keep_trainable=("score.",))
         critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=critic_lora,
-                                ds_config=critic_cfg, total_steps=total_updates,
+                                ds_config=critic_cfg, total_steps=critic_updates,
                                 gradient_checkpointing=critic_args.gradient_checkpointing)  # fmt: skip
 
     sources = []
@@ -356,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
                 "kl_to_reference": w["kl_sum"] / rows, "kl_coef": kl_ctl.value, "entropy": w["entropy_sum"] / rows,
                 "response_length": w["length_sum"] / rows,
                 "generation_seconds": trainer.timing["generation"], "experience_seconds": trainer.timing["experience"],
-                "train_seconds": trainer.timing["train"],
+                "train_seconds": trainer.timing["train"], "actor_lr": actor.get_lr()[0],
             }  # fmt: skip
+            if critic is not None:
+                row["critic_lr"] = critic.get_lr()[0]
             if w.get("updates"):
                 u, ua = w["updates"], max(w.get("actor_updates", 0.0), 1.0)
                 for k in ("value_loss", "value_clip_fraction"):  # critic updates (none without a critic)
