@@ -267,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 4. resume or start; held-out evaluation
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     state = T.resume_state(engines, run, global_batch)
-    if "kl_coef" in state.extra:
-        kl_ctl.value = state.extra["kl_coef"]
+    if "kl_controller" in state.extra:
+        kl_ctl.load_state_dict(state.extra["kl_controller"])
+    elif "kl_coef" in state.extra:  # a checkpoint written before the controller saved its own state
+        kl_ctl.load_state_dict({"value": state.extra["kl_coef"]})
     start_step = state.step
     metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device)
         )
         window.add(**stats)
+        # this round's mean KL per sequence over all ranks: the adaptive controller follows every round
+        round_kl, round_rows = dist.all_reduce_sum([stats["kl_sum"], stats["rows"]])
         buffer.append(exp)
         state.step += 1
         bar.update(1)
@@ -372,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss"):  # actor updates only
                     if k in w:
                         row[k] = w[k] / ua
-            kl_ctl.update(row["kl_to_reference"], n_steps=int(rows))
             first_round = first_round or row
             last_round = row
             metrics.log(row, step=state.step, split="train")
@@ -382,12 +385,14 @@ def main(argv: list[str] | None = None) -> int:
                          total_steps, row["reward_mean"], row["score_mean"], row["kl_to_reference"],
                          row["response_length"], row.get("policy_loss", float("nan")),
                          f" value {row['value_loss']:.4f}" if "value_loss" in row else "")  # fmt: skip
-        # 5d. evaluate on held-out prompts
+        # 5d. the KL coefficient for the next round (after the log line, which shows the one used in this round)
+        kl_ctl.update(round_kl / max(round_rows, 1.0), n_steps=int(round_rows))
+        # 5e. evaluate on held-out prompts
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
             evaluate(state.step)
-        # 5e. checkpoint actor + critic + state (only between PPO rounds: the buffer is empty there)
+        # 5f. checkpoint actor + critic + state (only between PPO rounds: the buffer is empty there)
         if not buffer:
-            state.extra = {"kl_coef": kl_ctl.value}
+            state.extra = {"kl_controller": kl_ctl.state_dict()}
             with sw("checkpoint"):
                 T.maybe_checkpoint(engines, run, state, total_steps)
         if state.step >= total_steps:
