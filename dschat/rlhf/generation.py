@@ -15,8 +15,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.clamp_min(0)
 
 
-def generation_config_for(sampling: SamplingConfig, tokenizer):
+def generation_config_for(sampling: SamplingConfig, tokenizer) -> GenerationConfig:
     """The Hugging Face ``GenerationConfig`` of ``sampling``: greedy, or one draw from the tempered and
     filtered distribution, stopping at the tokenizer's EOS."""
     from transformers import GenerationConfig
