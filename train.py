@@ -629,6 +629,12 @@ def memory_plan(
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    # The steps' own --resume / --overwrite after -- are train.py's: they reach every step either way, and
+    # the output-directory checks, the memory plan and the log here must know about them too.
+    for name in ("resume", "overwrite"):
+        if f"--{name}" in extra:
+            setattr(args, name, True)
+            extra = [a for a in extra if a != f"--{name}"]
     steps = steps_of(args)
     for n in steps:
         if not STEPS[n].built:

@@ -340,9 +340,11 @@ class PPOArgs:
     gamma: float = opt(1.0, "discount")
     lam: float = opt(0.95, "GAE lambda")
     whiten_advantages: bool = opt(False, "normalise advantages over the batch's response tokens")
-    temperature: float = opt(1.0, "sampling temperature of generation")
-    top_p: float = opt(1.0, "nucleus sampling p")
-    top_k: int = opt(0, "top-k sampling (0 = off)")
+    temperature: float = opt(
+        1.0, "sampling temperature of generation; every PPO log-prob, the KL and the entropy use it too"
+    )
+    top_p: float = opt(1.0, "nucleus sampling p; only 1.0 (off): PPO's log-probs would not follow the filter")
+    top_k: int = opt(0, "top-k sampling; only 0 (off): PPO's log-probs would not follow the filter")
     reward_fn: str | None = opt(
         None, "module:function (prompts, responses) -> scores, e.g. dschat.tasks:verifier_reward", type=str
     )
@@ -395,6 +397,12 @@ class PPOArgs:
             raise UserError(f"--kl_target must be > 0, got {self.kl_target}")
         if self.temperature <= 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        # A filtered sampler draws from a distribution the old, new and reference log-probs do not model
+        # (tokens outside the filter keep their probability there): the ratio and the KL would be wrong.
+        for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0)):
+            if value != off:
+                raise UserError(f"--{name} {value}: step 3 samples from softmax(logits / --temperature) only, the "
+                                f"distribution PPO's log-probs and KL are taken of; leave --{name} at {off}")  # fmt: skip
         if self.reward_fn and ":" not in self.reward_fn:  # "" = none (to undo a preset's)
             raise UserError(f"--reward_fn {self.reward_fn}: expected module:function")
 

@@ -9,7 +9,8 @@ import torch
 
 @dataclass
 class Experience:
-    """One batch of rollouts with everything PPO needs. B = batch, T = prompt_len + generated length.
+    """One batch of rollouts with everything PPO needs. B = batch, T = prompt_len + generated length
+    (after :meth:`cat`, the widest prompt_len and the longest row).
 
     Positions t = 0..T-2 index *actions*: the token at t+1 chosen after seeing tokens 0..t.
     """
@@ -36,30 +37,40 @@ class Experience:
 
     @staticmethod
     def cat(parts: list[Experience], pad_id: int) -> Experience:
-        """Concatenate rollouts of different lengths: right-pad sequences and per-action tensors to the
-        longest (padding has zero masks, so it changes no loss)."""
-        prompt_len = parts[0].prompt_len
-        if any(p.prompt_len != prompt_len for p in parts):
-            raise ValueError("experiences to concatenate must share prompt_len")
-        t = max(p.sequences.shape[1] for p in parts)
+        """Concatenate rollouts of any prompt and response widths (``--generation_batches``: each round's
+        prompts are padded to that round's longest).
 
-        def pad(x: torch.Tensor, width: int, value: float) -> torch.Tensor:
-            if x.shape[1] == width:
+        Each part's prompt block is left-padded to the widest ``prompt_len`` P and its end right-padded
+        to the longest sequence: sequences with ``pad_id``, masks and per-action tensors with 0. Action t
+        predicts token t+1, so shifting a part's tokens by ``P - prompt_len`` shifts its actions by as
+        much. Padding is masked out of every loss, and positions come from the attention mask
+        (``position_ids_from_mask``), so the extra left padding changes no log-prob either.
+        """
+        prompt_len = max(p.prompt_len for p in parts)
+        t = max(prompt_len - p.prompt_len + p.sequences.shape[1] for p in parts)
+
+        def pad(x: torch.Tensor, left: int, width: int, value: float) -> torch.Tensor:
+            """(B, n) -> (B, width): ``left`` columns of ``value`` before ``x``, the rest after it."""
+            if left == 0 and x.shape[1] == width:
                 return x
-            extra = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
-            return torch.cat([x, extra], dim=1)
+            out = torch.full((x.shape[0], width), value, dtype=x.dtype, device=x.device)
+            out[:, left : left + x.shape[1]] = x
+            return out
 
         out = {}
         for f in fields(Experience):
-            vals = [getattr(p, f.name) for p in parts]
             if f.name == "prompt_len":
                 out[f.name] = prompt_len
-            elif f.name == "scores":
-                out[f.name] = torch.cat(vals)
-            elif f.name == "sequences":
-                out[f.name] = torch.cat([pad(v, t, pad_id) for v in vals])
-            elif f.name == "attention_mask":
-                out[f.name] = torch.cat([pad(v, t, 0) for v in vals])
-            else:
-                out[f.name] = torch.cat([pad(v, t - 1, 0) for v in vals])
+                continue
+            vals = []
+            for p in parts:
+                v, left = getattr(p, f.name), prompt_len - p.prompt_len
+                if f.name == "sequences":
+                    v = pad(v, left, t, pad_id)
+                elif f.name == "attention_mask":
+                    v = pad(v, left, t, 0)
+                elif f.name != "scores":  # per-action: (B, T-1)
+                    v = pad(v, left, t - 1, 0)
+                vals.append(v)
+            out[f.name] = torch.cat(vals)
         return Experience(**out)

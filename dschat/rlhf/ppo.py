@@ -31,6 +31,10 @@ class PPOHyper:
     unsup_coef: float
     n_samples_per_prompt: int = 1
     advantage_estimator: str = "gae"  # gae (critic) | rloo | group_norm (per-prompt baseline, no critic)
+    # The sampling temperature. Rollouts are drawn from softmax(logits / temperature), so every log-prob
+    # PPO takes (old, new, reference; the KL and the entropy) is of that distribution, as in OpenRLHF and
+    # veRL: with raw logits the ratio and the KL would belong to a policy that did not act.
+    temperature: float = 1.0
 
 
 class PPOTrainer:
@@ -106,12 +110,14 @@ class PPOTrainer:
 
             self.actor.eval()
             logits = self._logits(self.actor, sequences, attention_mask)
-            logprobs = M.logprobs_of(logits, sequences)
-            entropy = M.masked_mean(M.entropy_of(logits), action_mask)
+            logprobs = M.logprobs_of(logits, sequences, h.temperature)
+            entropy = M.masked_mean(M.entropy_of(logits, h.temperature), action_mask)
             del logits
             with self.reference_mode() as ref:
                 ref.eval()
-                ref_logprobs = M.logprobs_of(self._logits(ref, sequences, attention_mask), sequences)
+                ref_logprobs = M.logprobs_of(
+                    self._logits(ref, sequences, attention_mask), sequences, h.temperature
+                )
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
 
@@ -187,7 +193,7 @@ class PPOTrainer:
         h = self.hyper
         self.actor.train()
         logits = self._logits(self.actor, exp.sequences, exp.attention_mask)
-        logprobs = M.logprobs_of(logits, exp.sequences)
+        logprobs = M.logprobs_of(logits, exp.sequences, h.temperature)
         pg_loss, pg_stats = M.policy_loss(
             logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange
         )

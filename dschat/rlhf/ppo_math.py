@@ -4,6 +4,10 @@ Conventions (T = prompt + response length, positions t = 0..T-2 are *actions*):
 ``logprobs[:, t]`` is log pi(token t+1 | tokens <= t); ``values[:, t]`` is the critic's value of the
 state after token t; ``action_mask[:, t]`` is 1 where token t+1 is a response token (up to and
 including the first EOS, never padding).
+
+Masked positions may hold anything, including -inf or nan (a prompt token's log-prob under a policy
+that has moved far, padding): every function here selects with ``torch.where`` before a value can
+reach ``exp`` or a sum, because ``0 * inf`` is nan and would poison the whole batch.
 """
 
 from __future__ import annotations
@@ -14,15 +18,28 @@ import torch
 import torch.nn.functional as F
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """logits (B, T, V), tokens (B, T) -> log-prob of tokens[:, 1:] under logits[:, :-1]: (B, T-1)."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax of logits (B, T, V) at positions 0..T-2, divided by ``temperature`` first."""
+    x = logits[:, :-1].float()
+    if temperature != 1.0:
+        x = x / temperature
+    return F.log_softmax(x, dim=-1)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (B, T, V), tokens (B, T) -> log-prob of tokens[:, 1:] under softmax(logits[:, :-1] / temperature):
+    (B, T-1).
+
+    ``temperature`` is the sampling temperature: the rollouts were drawn from the tempered distribution,
+    so the policy PPO evaluates (old, new and reference log-probs, the KL) must be that one too.
+    """
+    logp = _log_softmax(logits, temperature)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_of(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at positions 0..T-2: (B, T-1)."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the (tempered) next-token distribution at positions 0..T-2: logits (B, T, V) -> (B, T-1)."""
+    logp = _log_softmax(logits, temperature)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -46,20 +63,26 @@ def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_
     return mask
 
 
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x * mask`` that stays finite where the mask is 0 whatever ``x`` holds there (same shape)."""
+    return torch.where(mask != 0, x, torch.zeros_like(x)) * mask
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is nonzero (weighted by it); 0 over an empty mask."""
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp_min(1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+        return masked(x, mask).sum() / mask.sum().clamp_min(1.0)
+    return masked(x, mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (mean kept if ``shift_mean`` is False)."""
+    """(x - mean) / std over the masked entries (mean kept if ``shift_mean`` is False); 0 outside."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return masked(out, mask)
 
 
 def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
@@ -82,13 +105,13 @@ def kl_shaped_rewards(
     score: (B,); the others (B, T-1). Returns (rewards (B, T-1), per-token KL estimate (B, T-1)),
     both zero outside the action mask.
     """
-    kl = (logprobs - ref_logprobs) * action_mask
+    kl = masked(logprobs - ref_logprobs, action_mask)
     rewards = -kl_coef * kl
     last = last_action_index(action_mask)
     clipped = score.float().clamp(-clip_reward_value, clip_reward_value)
     rewards = rewards.clone()
     rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += clipped
-    return rewards * action_mask, kl
+    return masked(rewards, action_mask), kl
 
 
 def gae(
@@ -100,7 +123,8 @@ def gae(
     advantage after a row's last action are 0 (the episode ends there). Returns (advantages, returns =
     advantages + values), both zero outside the mask.
     """
-    values = values * action_mask
+    values = masked(values, action_mask)
+    rewards = masked(rewards, action_mask)
     b, t = rewards.shape
     adv = torch.zeros_like(rewards)
     last_gae = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
@@ -112,8 +136,8 @@ def gae(
         last_gae = last_gae * m  # outside the response nothing flows
         adv[:, i] = last_gae
         next_value = torch.where(m > 0, values[:, i], next_value * 0)
-    returns = (adv + values) * action_mask
-    return adv * action_mask, returns
+    returns = masked(adv + values, action_mask)
+    return masked(adv, action_mask), returns
 
 
 def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) -> torch.Tensor:
@@ -143,6 +167,7 @@ def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: 
     The critic-free estimators use it as the advantage: with the score on the last action and the
     KL penalty on every action, ``G_t`` is the (baseline-subtracted) score plus the KL still to come.
     """
+    rewards = masked(rewards, action_mask)
     out = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
     for i in reversed(range(rewards.shape[1])):
@@ -158,8 +183,13 @@ def policy_loss(
     action_mask: torch.Tensor,
     cliprange: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))`` over actions; r = exp(logp - logp_old)."""
-    log_ratio = logprobs - old_logprobs
+    """Clipped surrogate ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))`` over actions; r = exp(logp - logp_old).
+
+    All inputs (B, T-1). The log-ratio is zeroed outside the mask *before* ``exp``: a masked slot with
+    log-probs -120 (old) and -20 (new) would give r = inf and, times a zero mask, a nan loss (and a nan
+    gradient through ``exp`` even if the product were selected away afterwards).
+    """
+    log_ratio = masked(logprobs - old_logprobs, action_mask)
     ratio = torch.exp(log_ratio)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
@@ -188,6 +218,29 @@ def value_loss(
     with torch.no_grad():
         stats = {"value_clip_fraction": masked_mean((l2 > l1).float(), action_mask)}
     return loss, stats
+
+
+def ppo_optimizer_steps(
+    rounds: int,
+    *,
+    rows_per_round: int,
+    generation_batches: int,
+    micro_batch: int,
+    ppo_epochs: int,
+    freezing_actor_steps: int = 0,
+) -> tuple[int, int]:
+    """(actor, critic) optimizer steps of ``rounds`` generation rounds of step 3: the length of their
+    learning-rate schedules.
+
+    The loop it counts: after every ``generation_batches``-th round (G, 2G, ...; a last incomplete
+    group is never trained on) come ``ppo_epochs`` passes over the ``G * rows_per_round`` rows
+    collected, in minibatches of ``micro_batch`` (the last one may be short), one optimizer step each.
+    The critic steps on every minibatch; the actor only after round ``freezing_actor_steps``.
+    """
+    per_update = ppo_epochs * math.ceil(generation_batches * rows_per_round / micro_batch)
+    update_rounds = range(generation_batches, rounds + 1, generation_batches)
+    actor_rounds = sum(1 for r in update_rounds if r > freezing_actor_steps)
+    return actor_rounds * per_update, len(update_rounds) * per_update
 
 
 class FixedKLController:

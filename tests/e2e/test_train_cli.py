@@ -43,3 +43,21 @@ def test_bad_flag_combinations_are_one_line(tmp_path, args, needles):
     proc = train_py("--step", "1", "--output-dir", str(tmp_path), *args)  # a later --step wins
     error_line(proc, *needles)
     assert not (tmp_path / "step1").exists()
+
+
+@pytest.mark.parametrize("spelling", [["--resume"], ["--", "--resume"]], ids=["train-py-flag", "step-flag"])
+def test_an_unfinished_step_resumes_with_either_spelling_of_resume(tmp_path, spelling):
+    """train.py's --resume and the step's own after -- are one request: both pass the output-directory check
+    and reach the step once (the step's --resume used to be refused with 'pass --resume to continue it')."""
+    import shlex
+
+    ckpt = tmp_path / "step1" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("step5\n")
+    common = ["--dry-run", "--step", "1", "--actor-model", "builtin:micro-llama", "--preset", "none",
+              "--output-dir", str(tmp_path)]  # fmt: skip
+    error_line(train_py(*common), "holds checkpoints of an unfinished run", "--resume")
+    proc = train_py(*common, *spelling)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("==> step 1 ("))
+    assert shlex.split(line.split(": ", 1)[1]).count("--resume") == 1

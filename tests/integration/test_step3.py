@@ -98,17 +98,9 @@ def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path):
 
 def test_resume_continues_to_the_same_actor(models, tmp_path):
     actor, rm = models
-    flags = [
-        *EASY,
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "3",
-        "--dtype",
-        "fp32",
-        "--actor_learning_rate",
-        "1e-3",
-    ]
+    # an adaptive KL controller: its coefficient, saved in the checkpoint, shapes the rewards after resuming
+    flags = [*EASY, "--max_steps", "6", "--save_steps", "3", "--dtype", "fp32", "--actor_learning_rate", "1e-3",
+             "--kl_target", "1e6", "--kl_horizon", "320"]  # fmt: skip
     full = tmp_path / "full"
     assert_ok(step3(full, actor, rm, *flags))
     cut = tmp_path / "cut"
@@ -123,6 +115,50 @@ def test_resume_continues_to_the_same_actor(models, tmp_path):
     ca, cb = load_file(full / "critic" / "model.safetensors"), load_file(cut / "critic" / "model.safetensors")
     for k in ca:
         assert (ca[k] == cb[k]).all(), k
+    # every round's KL is far below the target: x (1 - 0.2 * 16 / 320) per round, six rounds either way
+    kl_end = [json.loads((d / "summary.json").read_text())["kl_coef_end"] for d in (full, cut)]
+    assert kl_end[0] == kl_end[1] == pytest.approx(0.1 * 0.99**6, rel=1e-9)
+
+
+def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_update(models, tmp_path):
+    """--generation_batches 2: every update trains on two rounds whose prompt blocks usually differ in width
+    (the collator pads a round to its own longest prompt). 6 prompts per round, minibatches of 4: three
+    updates per two rounds; the actor sits out the first update round (--freezing_actor_steps 2). Both
+    cosine schedules are as long as their real optimizer steps: they end at 0 after the last update."""
+    actor, rm = models
+    out = tmp_path / "g2"
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "4", "--generation_batches", "2", "--freezing_actor_steps", "2",
+                 "--per_device_generation_batch_size", "6", "--per_device_training_batch_size", "4",
+                 "--eval_prompts", "8")  # fmt: skip
+    assert_ok(proc)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    assert (cfg["actor_optimizer_steps"], cfg["critic_optimizer_steps"]) == (3, 6)
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    a, c = cfg["actor_learning_rate"], cfg["critic_learning_rate"]
+    # the learning rate after each round: no update in rounds 1 and 3; the critic's 3 of 6 steps after
+    # round 2 (cosine at half way: half the peak), the actor's none; both at 0 after the last update
+    assert [r["actor_lr"] for r in rows] == pytest.approx([a, a, a, 0.0], abs=1e-15)
+    assert [r["critic_lr"] for r in rows] == pytest.approx([c, c / 2, c / 2, 0.0], abs=1e-15)
+    assert rows[-1]["actor_lr"] == 0.0 and rows[-1]["critic_lr"] == 0.0
+    assert "policy_loss" in rows[-1] and "value_loss" in rows[-1] and "policy_loss" not in rows[1]
+
+
+def test_adaptive_kl_coefficient_moves_every_round_without_log_lines(models, tmp_path):
+    """--log_interval 0 writes no train line until the last round; the controller still follows every
+    round. With a target far above any KL, each round scales the coefficient by 1 - 0.2 * rows / horizon."""
+    actor, rm = models
+    out = tmp_path / "kl"
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "3", "--log_interval", "0", "--kl_target", "1e6",
+                 "--kl_horizon", "8", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
+                 "--eval_prompts", "4")  # fmt: skip
+    assert_ok(proc)
+    # 4 rows per round: x (1 - 0.2 * 4 / 8) = x 0.9 in each of the 3 rounds
+    assert json.loads((out / "summary.json").read_text())["kl_coef_end"] == pytest.approx(
+        0.1 * 0.9**3, rel=1e-9
+    )
+    assert [r["step"] for r in train_rows(out)] == [3]
 
 
 @pytest.mark.slow

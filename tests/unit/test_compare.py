@@ -14,7 +14,7 @@ def test_builtin_prompts_are_held_out_questions_of_every_task():
     qs = compare.builtin_prompts(7)
     assert len(qs) == 7 == len(set(qs))
     assert all(tasks.is_held_out(tasks.make_prompt(q)) for q in qs)
-    assert [compare.task_name(q) for q in qs[:3]] == list(tasks.TASKS)  # tasks in turn
+    assert [compare.task_name(q) for q in qs[: len(tasks.TASKS)]] == list(tasks.TASKS)  # tasks in turn
     assert compare.builtin_prompts(7) == qs  # fixed set, comparable between runs
 
 

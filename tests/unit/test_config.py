@@ -214,6 +214,9 @@ def test_parse_data_split_names_the_given_flag():
         (RewardArgs(policy_negatives_max_prompts=-1), "--policy_negatives_max_prompts must be >= 0, got -1"),
         (RewardArgs(policy_negatives_temperature=0.0), "--policy_negatives_temperature must be > 0, got 0.0"),
         (PPOArgs(advantage_estimator="rloo"), "--advantage_estimator rloo compares each prompt's responses"),
+        # top-k / top-p sampling is refused in step 3: PPO's log-probs would not be of the filtered sampler
+        (PPOArgs(top_k=50), "--top_k 50: step 3 samples from softmax(logits / --temperature) only"),
+        (PPOArgs(top_p=0.9), "--top_p 0.9: step 3 samples from softmax(logits / --temperature) only"),
         (
             PPOArgs(advantage_estimator="group_norm", n_samples_per_prompt=4, freezing_actor_steps=3),
             "--freezing_actor_steps trains the critic alone, and --advantage_estimator group_norm has no critic",
@@ -256,6 +259,7 @@ def test_validation_uses_the_prefix():
         # 16 prompts x 4 responses = 64 rows, 2 updates of 32
         PPOArgs(advantage_estimator="rloo", n_samples_per_prompt=4, per_device_training_batch_size=32),
         PPOArgs(n_samples_per_prompt=2),  # GAE with two responses per prompt is allowed
+        PPOArgs(temperature=0.5, top_k=0, top_p=1.0),
     ],
 )
 def test_valid_edge_values_are_accepted(obj):

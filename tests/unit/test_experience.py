@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-import pytest
 import torch
 
 from dschat.rlhf.experience import Experience
@@ -105,6 +104,87 @@ def test_cat_then_slice_recovers_a_part():
     assert torch.equal(s.returns, b.returns)
 
 
-def test_cat_rejects_different_prompt_len():
-    with pytest.raises(ValueError, match="prompt_len"):
-        Experience.cat([make(1, 4, prompt_len=2), make(1, 4, prompt_len=3)], pad_id=0)
+def test_cat_left_pads_narrower_prompt_blocks():
+    # a: prompt_len 2, T 4 (3 actions); b: prompt_len 4, T 5 (4 actions). Result: prompt_len 4, T 6:
+    # a's rows move right by 2 (left padding), b's get one column of right padding.
+    a, b = make(1, 4, prompt_len=2), make(1, 5, prompt_len=4, base=1000.0)
+    a.attention_mask[0, 0] = 0  # a's own left padding stays where it was, relative to its tokens
+    a.action_mask[0, 0] = 0  # prompt positions are no actions
+    out = Experience.cat([a, b], pad_id=7)
+    assert out.prompt_len == 4
+    assert out.sequences.tolist() == [[7, 7, 10, 11, 12, 13], [1010, 1011, 1012, 1013, 1014, 7]]
+    assert out.attention_mask.tolist() == [[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 0]]
+    # action t predicts token t+1: a's actions 0..2 are now 2..4
+    assert out.action_mask.tolist() == [[0, 0, 0, 1, 1], [1, 1, 1, 1, 0]]
+    assert out.logprobs.tolist() == [[0, 0, 101, 102, 103], [1101, 1102, 1103, 1104, 0]]
+    for name in PER_ACTION:
+        assert torch.equal(getattr(out, name)[0, 2:], getattr(a, name)[0]), name
+        assert torch.equal(getattr(out, name)[1, :4], getattr(b, name)[0]), name
+    assert out.scores.tolist() == [0.0, 1000.0]
+    # and the other order
+    assert Experience.cat([b, a], pad_id=7).sequences.tolist() == out.sequences.flip(0).tolist()
+
+
+def rollout(model, prompts: list[list[int]], responses: list[list[int]], seed: int) -> Experience:
+    """An Experience of left-padded ``prompts`` (padded to the longest) and ``responses`` (right-padded
+    with EOS = 2), with the model's log-probs and values and random advantages."""
+    from dschat.rlhf import ppo_math as M
+    from dschat.rlhf.generation import position_ids_from_mask
+
+    p, r = max(map(len, prompts)), max(map(len, responses))
+    seq = torch.tensor([[0] * (p - len(x)) + x + y + [2] * (r - len(y)) for x, y in zip(prompts, responses)])
+    prompt_mask = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts])
+    action_mask = M.action_mask_from(seq, p, eos_id=2, pad_id=0)
+    attention_mask = torch.cat([prompt_mask, action_mask[:, p - 1 :].long()], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask)).logits  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    lp = M.logprobs_of(logits, seq)
+    per_action = {k: torch.randn(lp.shape, generator=g) * action_mask for k in PER_ACTION[2:]}
+    return Experience(
+        sequences=seq, attention_mask=attention_mask, action_mask=action_mask,
+        logprobs=(lp + 0.1 * torch.randn(lp.shape, generator=g)) * action_mask, **per_action,
+        scores=torch.randn(len(seq), generator=g), prompt_len=p,
+    )  # fmt: skip
+
+
+def test_cat_of_different_prompt_widths_keeps_every_log_prob_and_loss():
+    """G = 2 rounds whose prompt blocks differ in width (3 and 6) and responses in length: the model's
+    log-probs on the concatenation equal those on each part, and so do the policy and value losses."""
+    from transformers import LlamaForCausalLM
+
+    from dschat.models.builtin import build_config
+    from dschat.rlhf import ppo_math as M
+    from dschat.rlhf.generation import position_ids_from_mask
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(build_config("micro-llama", vocab_size=64)).eval()
+    a = rollout(model, [[5, 9, 11], [7, 3]], [[4, 4, 2], [8, 2]], seed=1)
+    b = rollout(model, [[6, 6, 7, 8, 9, 10], [12, 13, 14]], [[20, 21, 22, 23, 2], [30, 2]], seed=2)
+    assert (a.prompt_len, b.prompt_len) == (3, 6)
+    both = Experience.cat([a, b], pad_id=0)
+
+    def new_logprobs(e: Experience) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=e.sequences, attention_mask=e.attention_mask,
+                           position_ids=position_ids_from_mask(e.attention_mask)).logits  # fmt: skip
+        return M.logprobs_of(logits, e.sequences)
+
+    def losses(e: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy and value loss summed over the actions (masked mean x number of actions)."""
+        n = e.action_mask.sum()
+        pg, _ = M.policy_loss(new_logprobs(e), e.logprobs, e.advantages, e.action_mask, 0.2)
+        v, _ = M.value_loss(e.values + 0.3, e.values, e.returns, e.action_mask, 0.2)
+        return pg * n, v * n
+
+    lp = new_logprobs(both) * both.action_mask
+    for rows, part in ((slice(0, 2), a), (slice(2, 4), b)):
+        left = both.prompt_len - part.prompt_len
+        mine = new_logprobs(part) * part.action_mask
+        assert torch.allclose(lp[rows, left : left + mine.shape[1]], mine, atol=1e-5)
+        assert torch.count_nonzero(lp[rows]) == torch.count_nonzero(mine)
+    got = losses(both)
+    want = [x + y for x, y in zip(losses(a), losses(b))]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5), (g, w)

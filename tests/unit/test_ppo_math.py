@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from dschat.rlhf.ppo_math import (
     masked_mean,
     masked_whiten,
     policy_loss,
+    ppo_optimizer_steps,
     value_loss,
 )
 
@@ -79,6 +81,20 @@ def test_entropy_of_hand_values():
     h = entropy_of(tiny_logits())
     assert h.shape == (1, 2)
     assert close(h, [[math.log(6.0) / 6 + LN3 / 3 + LN2 / 2, LN3]])
+
+
+def test_logprobs_and_entropy_at_temperature_one_half():
+    # logits / 0.5 at position 0: [0, 2 ln2, 2 ln3] -> probs [1, 4, 9] / 14; position 1 stays uniform
+    tokens = torch.tensor([[1, 2, 0]])
+    lp = logprobs_of(tiny_logits(), tokens, temperature=0.5)
+    assert close(lp, [[math.log(9 / 14), -LN3]])
+    p = t([1.0, 4.0, 9.0]) / 14
+    h = entropy_of(tiny_logits(), temperature=0.5)
+    assert close(h, [[float(-(p * p.log()).sum()), LN3]])
+    # the default temperature is 1 (the raw logits)
+    assert torch.equal(
+        logprobs_of(tiny_logits(), tokens, temperature=1.0), logprobs_of(tiny_logits(), tokens)
+    )
 
 
 # ---------------------------------------------------------------- action mask
@@ -332,6 +348,50 @@ def test_policy_loss_ratio_one_is_minus_mean_advantage():
     assert float(stats["approx_kl"]) == 0.0
 
 
+def test_policy_loss_ignores_extreme_log_probs_at_masked_slots():
+    # policy_case's masked slot (index 5) now holds old -120, new -20: r = e^100 overflows fp32 to inf,
+    # and inf * 0 would make the loss, approx-KL and gradient nan. Masked before exp: nothing changes.
+    logp, old, adv, mask = policy_case()
+    logp_x, old_x = logp.clone(), old.clone()
+    logp_x[0, 5], old_x[0, 5] = -20.0, -120.0
+    logp_x.requires_grad_(True)
+    loss, stats = policy_loss(logp_x, old_x, adv, mask, cliprange=0.2)
+    assert math.isclose(float(loss.detach()), -0.08, abs_tol=1e-6)  # test_policy_loss_hand_values
+    assert math.isclose(float(stats["clip_fraction"]), 0.4, abs_tol=1e-6)
+    assert math.isclose(
+        float(stats["approx_kl"]), (2 * math.log(4 / 3) + 0.1 - math.log(1.1)) / 5, abs_tol=1e-6
+    )
+    loss.backward()
+    assert close(logp_x.grad, [[0.0, -0.1, 0.6, 0.0, -0.66, 0.0]], atol=1e-5)
+
+
+def test_masked_slots_holding_inf_or_nan_change_no_reward_advantage_or_loss():
+    # A masked slot may hold -inf (a log-prob under a policy that has moved far) or nan: the rewards,
+    # GAE, reward-to-go, whitening and value loss must equal those of the same row with a harmless value.
+    mask = t([[0, 1, 1, 1, 0]])
+    logp, ref = t([[0.0, -1.0, -2.0, -0.5, 0.0]]), t([[0.0, -1.5, -1.0, -0.5, 0.0]])
+    values, returns = t([[0.0, 1.0, 2.0, 3.0, 0.0]]), t([[0.0, 1.5, 1.0, 2.0, 0.0]])
+    for junk in (float("-inf"), float("inf"), float("nan")):
+        bad = {k: v.clone() for k, v in dict(logp=logp, ref=ref, values=values, returns=returns).items()}
+        for v in bad.values():
+            v[0, 0] = v[0, 4] = junk
+        rewards, kl = kl_shaped_rewards(t([1.0]), logp, ref, mask, 0.1, 5.0)
+        rewards_x, kl_x = kl_shaped_rewards(t([1.0]), bad["logp"], bad["ref"], mask, 0.1, 5.0)
+        assert torch.equal(rewards_x, rewards) and torch.equal(kl_x, kl), junk
+        rewards_junk = rewards.clone()
+        rewards_junk[0, 0] = rewards_junk[0, 4] = junk
+        adv, ret = gae(rewards, values, mask, 1.0, 0.95)
+        adv_x, ret_x = gae(rewards_junk, bad["values"], mask, 1.0, 0.95)
+        assert torch.equal(adv_x, adv) and torch.equal(ret_x, ret), junk
+        assert torch.equal(
+            discounted_returns(rewards_junk, mask, 0.9), discounted_returns(rewards, mask, 0.9)
+        )
+        assert torch.equal(masked_whiten(bad["values"], mask), masked_whiten(values, mask)), junk
+        assert float(masked_mean(bad["values"], mask)) == 2.0
+        loss, _ = value_loss(bad["values"], values, bad["returns"], mask, 0.2)
+        assert float(loss) == float(value_loss(values, values, returns, mask, 0.2)[0]), junk
+
+
 # ---------------------------------------------------------------- value loss
 
 
@@ -394,6 +454,79 @@ def test_masked_whiten_keep_mean():
     out = masked_whiten(x, mask, shift_mean=False)
     # (x - 3) / s + 3 on the mask, 0 outside
     assert close(out, [[3 - 2 / s, 3 - 1 / s, 3.0, 0.0, 3 + 3 / s]])
+
+
+# ---------------------------------------------------------------- optimizer steps (schedule length)
+
+
+def simulate_step3(rounds, gen_bs, n, g, mb, epochs, freezing, scheduler_type="linear"):
+    """Drive two real schedules through step 3's loop (experience each round; every G rounds, PPO epochs
+    over the collected rows in minibatches; the actor only after the frozen rounds): (lr of each actor
+    update, lr of each critic update, lr of both after the run)."""
+    from dschat.engine.core import make_scheduler
+
+    actor_steps, critic_steps = ppo_optimizer_steps(rounds, rows_per_round=gen_bs * n, generation_batches=g,
+                                                    micro_batch=mb, ppo_epochs=epochs, freezing_actor_steps=freezing)  # fmt: skip
+    opts = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for _ in range(2)]
+    scheds = [
+        make_scheduler(o, scheduler_type, 0, steps) for o, steps in zip(opts, (actor_steps, critic_steps))
+    ]
+    used: tuple[list[float], list[float]] = ([], [])
+    buffer = 0
+    for step in range(1, rounds + 1):
+        buffer += gen_bs * n
+        if buffer == g * gen_bs * n:
+            for _ in range(epochs):
+                for _ in range(0, buffer, mb):
+                    for k, on in enumerate((step > freezing, True)):
+                        if on:
+                            used[k].append(opts[k].param_groups[0]["lr"])
+                            opts[k].step()
+                            scheds[k].step()
+            buffer = 0
+    return (actor_steps, critic_steps), used, [o.param_groups[0]["lr"] for o in opts]
+
+
+@pytest.mark.parametrize(
+    ("rounds", "gen_bs", "n", "g", "mb", "epochs", "freezing"),
+    [
+        (8, 4, 1, 3, 6, 1, 0),  # the issue's example: gen_bs 4, G 3, micro-batch 6 (a last round unused)
+        (8, 6, 1, 2, 4, 1, 0),  # the issue's: gen_bs 6, G 2, micro-batch 4 (decayed to 0, then climbed)
+        (6, 16, 1, 1, 16, 1, 0),  # the defaults
+        (6, 8, 4, 1, 16, 2, 0),  # rloo: 32 rows per round, two minibatches, two PPO epochs
+        (10, 4, 1, 2, 2, 2, 3),  # frozen actor for three rounds: one update round without the actor
+        (5, 4, 1, 1, 4, 1, 5),  # frozen for the whole run: no actor step
+        (7, 3, 2, 2, 4, 3, 2),  # 12 rows per update, minibatches of 4
+    ],
+)
+def test_schedules_end_exactly_at_the_last_update(rounds, gen_bs, n, g, mb, epochs, freezing):
+    (actor_steps, critic_steps), (actor_lrs, critic_lrs), after = simulate_step3(
+        rounds, gen_bs, n, g, mb, epochs, freezing
+    )
+    # the counted lengths are the real numbers of optimizer steps
+    assert (len(actor_lrs), len(critic_lrs)) == (actor_steps, critic_steps)
+    for lrs, steps in ((actor_lrs, actor_steps), (critic_lrs, critic_steps)):
+        # linear decay from 1 over exactly those steps: step k runs at 1 - k/N, the last at 1/N, never rising
+        assert lrs == pytest.approx([1 - k / steps for k in range(steps)], abs=1e-12)
+        assert all(b <= a for a, b in itertools.pairwise(lrs))
+    assert after == [0.0 if actor_steps else 1.0, 0.0]
+
+
+def test_schedule_counts_of_the_issue():
+    # gen_bs 4, G 3, micro-batch 6: 2 updates per 3 rounds (8 rounds: 2 update rounds, the 8th round unused)
+    steps = ppo_optimizer_steps(8, rows_per_round=4, generation_batches=3, micro_batch=6, ppo_epochs=1)
+    assert steps == (4, 4)
+    # gen_bs 6, G 2, micro-batch 4: 3 updates per 2 rounds
+    steps = ppo_optimizer_steps(8, rows_per_round=6, generation_batches=2, micro_batch=4, ppo_epochs=1)
+    assert steps == (12, 12)
+    # update rounds 2, 4, .., 10 of 2 epochs x 4 minibatches; the actor skips round 2 (frozen for 3 rounds)
+    kw = dict(rows_per_round=4, generation_batches=2, micro_batch=2, ppo_epochs=2)
+    assert ppo_optimizer_steps(10, freezing_actor_steps=3, **kw) == (32, 40)
+    # a cosine schedule over these lengths ends at 0 after the last update and never climbs back
+    _, (actor_lrs, _), after = simulate_step3(8, 6, 1, 2, 4, 1, 0, "cosine")
+    assert len(actor_lrs) == 12 and actor_lrs[-1] > 0
+    assert all(b <= a for a, b in itertools.pairwise(actor_lrs))
+    assert after == [0.0, 0.0]
 
 
 # ---------------------------------------------------------------- KL controllers

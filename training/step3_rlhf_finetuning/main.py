@@ -71,7 +71,11 @@ GROUPS = (
     C.RunArgs,
 )
 STEP_DEFAULTS = {
-    C.RunArgs: {"output_dir": "output/step3", "eval_interval": 20, "log_interval": 1, "save_steps": 50}
+    C.RunArgs: {"output_dir": "output/step3", "eval_interval": 20, "log_interval": 1, "save_steps": 50},
+    # No dropout in actor and critic (DeepSpeed-Chat's --disable_actor_dropout): experience is taken in
+    # eval mode and the update runs in train mode, so with dropout every update would start from a ratio
+    # away from 1 and clip against noise. --actor_dropout / --critic_dropout turn it back on.
+    C.ModelArgs: {"dropout": 0.0},
 }
 
 
@@ -150,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"(--per_device_generation_batch_size {ppo.per_device_generation_batch_size} x {world} ranks)")  # fmt: skip
     total_steps = rounds_per_epoch * ppo.num_train_epochs
     total_steps = min(total_steps, ppo.max_steps) if ppo.max_steps else total_steps
-    rows_per_round = ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt
-    updates_per_round = ppo.ppo_epochs * rows_per_round // ppo.per_device_training_batch_size
-    total_updates = total_steps * updates_per_round
+    # the schedules' lengths: the optimizer steps the loop below will take (the actor's skip the frozen rounds)
+    actor_updates, critic_updates = M.ppo_optimizer_steps(
+        total_steps, rows_per_round=ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt,
+        generation_batches=ppo.generation_batches, micro_batch=ppo.per_device_training_batch_size,
+        ppo_epochs=ppo.ppo_epochs, freezing_actor_steps=ppo.freezing_actor_steps,
+    )  # fmt: skip
     unsup_iter = None
     if ppo.unsupervised_dataset_name:
         unsup_data = prepare_sft_data(
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         "step": 3, "actor": C.to_dict(actor_args, actor_lora), "critic": C.to_dict(critic_args, critic_lora),
         **C.to_dict(eng_args, ppo, data_args, run), "resolved_actor_path": actor_path, "resolved_critic_path": critic_path,
         "resolved_reward_path": reward_path, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
-        "total_steps": total_steps, "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
+        "total_steps": total_steps, "actor_optimizer_steps": actor_updates, "critic_optimizer_steps": critic_updates,
+        "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
     }  # fmt: skip
     save_resolved_config(run.output_dir, resolved)
     log.info("prompts: %d (dropped %d longer than --max_prompt_seq_len), %d generation rounds of %d prompts",
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         actor_model, actor_lora, prefix="actor_", trainable_layers=actor_args.trainable_layers
     )
     actor = T.build_engine(actor_model, optim=actor_optim, ds=actor_ds, lora=actor_lora, ds_config=actor_cfg,
-                           total_steps=total_updates, gradient_checkpointing=actor_args.gradient_checkpointing)  # fmt: skip
+                           total_steps=actor_updates, gradient_checkpointing=actor_args.gradient_checkpointing)  # fmt: skip
 
     reference = None
     if not eng_args.share_reference_with_actor:
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         critic_hf = T.set_trainable(critic_hf, critic_lora, prefix="critic_", keep_trainable=("score.",),
                                     trainable_layers=critic_args.trainable_layers)  # fmt: skip
         critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=critic_lora,
-                                ds_config=critic_cfg, total_steps=total_updates,
+                                ds_config=critic_cfg, total_steps=critic_updates,
                                 gradient_checkpointing=critic_args.gradient_checkpointing)  # fmt: skip
 
     sources = []
@@ -250,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     hyper = PPOHyper(kl_coef=ppo.kl_coef, clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
                      cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
                      whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef,
-                     n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator)  # fmt: skip
+                     n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator,
+                     temperature=ppo.temperature)  # fmt: skip
     trainer = PPOTrainer(actor=actor, reference=reference, critic=critic, reward_source=reward_source,
                          generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl)  # fmt: skip
     critic_desc = (f"{critic_path} ({count_parameters(critic.module) / 1e6:.2f}M, ZeRO-{eng_args.critic_zero_stage})"
@@ -263,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 4. resume or start; held-out evaluation
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     state = T.resume_state(engines, run, global_batch)
-    if "kl_coef" in state.extra:
-        kl_ctl.value = state.extra["kl_coef"]
+    if "kl_controller" in state.extra:
+        kl_ctl.load_state_dict(state.extra["kl_controller"])
+    elif "kl_coef" in state.extra:  # a checkpoint written before the controller saved its own state
+        kl_ctl.load_state_dict({"value": state.extra["kl_coef"]})
     start_step = state.step
     metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
@@ -327,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device), batch["prompts"]
         )
         window.add(**stats)
+        # this round's mean KL per sequence over all ranks: the adaptive controller follows every round
+        round_kl, round_rows = dist.all_reduce_sum([stats["kl_sum"], stats["rows"]])
         buffer.append(exp)
         state.step += 1
         bar.update(1)
@@ -357,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                 "kl_to_reference": w["kl_sum"] / rows, "kl_coef": kl_ctl.value, "entropy": w["entropy_sum"] / rows,
                 "response_length": w["length_sum"] / rows,
                 "generation_seconds": trainer.timing["generation"], "experience_seconds": trainer.timing["experience"],
-                "train_seconds": trainer.timing["train"],
+                "train_seconds": trainer.timing["train"], "actor_lr": actor.get_lr()[0],
             }  # fmt: skip
+            if critic is not None:
+                row["critic_lr"] = critic.get_lr()[0]
             if w.get("updates"):
                 u, ua = w["updates"], max(w.get("actor_updates", 0.0), 1.0)
                 for k in ("value_loss", "value_clip_fraction"):  # critic updates (none without a critic)
@@ -367,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss"):  # actor updates only
                     if k in w:
                         row[k] = w[k] / ua
-            kl_ctl.update(row["kl_to_reference"], n_steps=int(rows))
             first_round = first_round or row
             last_round = row
             metrics.log(row, step=state.step, split="train")
@@ -377,12 +391,14 @@ def main(argv: list[str] | None = None) -> int:
                          total_steps, row["reward_mean"], row["score_mean"], row["kl_to_reference"],
                          row["response_length"], row.get("policy_loss", float("nan")),
                          f" value {row['value_loss']:.4f}" if "value_loss" in row else "")  # fmt: skip
-        # 5d. evaluate on held-out prompts
+        # 5d. the KL coefficient for the next round (after the log line, which shows the one used in this round)
+        kl_ctl.update(round_kl / max(round_rows, 1.0), n_steps=int(round_rows))
+        # 5e. evaluate on held-out prompts
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
             evaluate(state.step)
-        # 5e. checkpoint actor + critic + state (only between PPO rounds: the buffer is empty there)
+        # 5f. checkpoint actor + critic + state (only between PPO rounds: the buffer is empty there)
         if not buffer:
-            state.extra = {"kl_coef": kl_ctl.value}
+            state.extra = {"kl_controller": kl_ctl.state_dict()}
             with sw("checkpoint"):
                 T.maybe_checkpoint(engines, run, state, total_steps)
         if state.step >= total_steps:

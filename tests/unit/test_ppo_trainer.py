@@ -1,0 +1,201 @@
+"""dschat.rlhf.ppo and dschat.rlhf.generation on a micro Llama: the distribution rollouts are sampled from
+is the one every PPO log-prob is taken of (temperature, no checkpoint generation settings, no dropout).
+
+The engines are a minimal stand-in (forward, ``backward``, ``step`` with a torch optimizer): these tests
+are about the maths of one round, not DeepSpeed, which tests/integration/test_step3.py runs for real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.models.builtin import build_config
+from dschat.rlhf import ppo_math as M
+from dschat.rlhf.fast_decode import decode
+from dschat.rlhf.generation import PlainGenerator, SamplingConfig, position_ids_from_mask
+from dschat.rlhf.ppo import PPOHyper, PPOTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Engine(torch.nn.Module):
+    """What PPOTrainer and PlainGenerator use of a DeepSpeed engine."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, module: torch.nn.Module, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+class Scores:
+    """A reward source: a fixed score per row."""
+
+    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+        return torch.arange(len(responses), dtype=torch.float32)
+
+
+def micro_llama(vocab: int, seed: int = 0, **config):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = build_config("micro-llama", vocab_size=vocab)
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def prompts(tokenizer) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Two left-padded prompts (B=2, P=5) of ordinary tokens, and their (dialogue) texts."""
+    ids = torch.tensor([[0, 40, 41, 42, 43], [50, 60, 70, 80, 90]])
+    ids[0, 0] = tokenizer.pad_token_id
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+    return ids, (torch.arange(5) >= torch.tensor([[1], [0]])).long(), texts
+
+
+def trainer(actor, reference, tokenizer, temperature: float, max_new_tokens: int = 6) -> PPOTrainer:
+    """A critic-free (rloo, 2 responses per prompt) trainer whose actor samples with ``temperature``."""
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    hyper = PPOHyper(kl_coef=0.1, clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+                     whiten_advantages=False, unsup_coef=0.0, n_samples_per_prompt=2, advantage_estimator="rloo",
+                     temperature=temperature)  # fmt: skip
+    return PPOTrainer(actor=actor, reference=reference, critic=None, reward_source=Scores(),
+                      generator=PlainGenerator(actor, tokenizer, sampling, zero3=False), tokenizer=tokenizer,
+                      hyper=hyper, kl_ctl=M.FixedKLController(0.1))  # fmt: skip
+
+
+def spy_policy_loss(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Record (new log-probs, old log-probs, action mask) of every policy loss the trainer computes."""
+    calls = []
+    real = M.policy_loss
+
+    def spy(logprobs, old_logprobs, advantages, action_mask, cliprange):
+        calls.append((logprobs.detach().clone(), old_logprobs.clone(), action_mask.clone()))
+        return real(logprobs, old_logprobs, advantages, action_mask, cliprange)
+
+    monkeypatch.setattr(M, "policy_loss", spy)
+    return calls
+
+
+def tempered_logprobs(model, sequences, attention_mask, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) of each next token, computed here from scratch: (B, T-1)."""
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask)).logits  # fmt: skip
+    logp = torch.log_softmax(logits[:, :-1].double() / temperature, dim=-1)
+    return logp.gather(-1, sequences[:, 1:, None]).squeeze(-1).float()
+
+
+# ---------------------------------------------------------------- item 4: one distribution everywhere
+def test_plain_generation_ignores_the_checkpoints_generation_settings(tokenizer):
+    """A hub checkpoint's generation_config (repetition penalty, top-k, min-p ...) must not change what
+    step 3 samples: the plain generator draws the same tokens as the hybrid engine's decode loop, which
+    samples from softmax(logits / temperature) alone."""
+    from transformers import GenerationConfig
+
+    model = micro_llama(len(tokenizer))
+    ids, mask, _ = prompts(tokenizer)
+    own = GenerationConfig(do_sample=True, temperature=3.0, top_k=3, min_p=0.2, repetition_penalty=1.8,
+                           no_repeat_ngram_size=2, max_new_tokens=2)  # fmt: skip
+    model.generation_config = own
+    for s in (
+        SamplingConfig(max_new_tokens=8, temperature=0.5),
+        SamplingConfig(max_new_tokens=8, do_sample=False),
+    ):
+        torch.manual_seed(11)
+        plain = PlainGenerator(Engine(model), tokenizer, s, zero3=False).generate(ids, mask)
+        torch.manual_seed(11)
+        ref = decode(
+            model, ids, mask, s, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
+        assert torch.equal(plain, ref.sequences), s
+    assert model.generation_config is own  # the checkpoint's settings are back (they are exported with it)
+
+
+def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monkeypatch):
+    """At temperature 0.5 the old, reference and new log-probs, the KL and the entropy are those of
+    softmax(logits / 0.5), the distribution the tokens were sampled from (test above)."""
+    t = 0.5
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=t)
+    calls = spy_policy_loss(monkeypatch)
+    torch.manual_seed(5)
+    exp, stats = ppo.make_experience(*prompts(tokenizer))
+    m = exp.action_mask
+    assert m.sum() > 8  # sampled responses, not only EOS
+    want = tempered_logprobs(actor, exp.sequences, exp.attention_mask, t)
+    want_ref = tempered_logprobs(reference, exp.sequences, exp.attention_mask, t)
+    assert torch.allclose(exp.logprobs * m, want * m, atol=1e-5)
+    assert torch.allclose(exp.ref_logprobs * m, want_ref * m, atol=1e-5)
+    # the KL to the reference is that of the tempered policies (per sequence, summed over rows)
+    assert stats["kl_sum"] == pytest.approx(float(((want - want_ref) * m).sum()), abs=1e-4)
+    # the entropy is that of the tempered distribution (mean over actions, times rows)
+    with torch.no_grad():
+        logits = actor(input_ids=exp.sequences, attention_mask=exp.attention_mask,
+                       position_ids=position_ids_from_mask(exp.attention_mask)).logits  # fmt: skip
+    p = torch.softmax(logits[:, :-1].double() / t, dim=-1)
+    entropy = -(p * p.log()).sum(-1).float()
+    assert stats["entropy_sum"] == pytest.approx(float(M.masked_mean(entropy, m)) * len(exp), rel=1e-5)
+    # the update's new log-probs are tempered too: the same numbers at the first minibatch
+    ppo.train(exp)
+    (new, old, mask), *_ = calls
+    assert torch.equal(old, exp.logprobs)
+    assert torch.allclose(new * mask, want * mask, atol=1e-5)
+
+
+# ---------------------------------------------------------------- item 6: no dropout by default in step 3
+def step3_model_args(*argv: str):
+    """(actor, critic) ModelArgs as step 3's own parser resolves them (its STEP_DEFAULTS included)."""
+    spec = importlib.util.spec_from_file_location("dschat_train_py_ppo", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train
+    spec.loader.exec_module(train)
+    groups = train.parse_step(3, list(argv))
+    return groups[0], groups[1]
+
+
+def first_minibatch_log_ratio(path: str, dropout: float | None, tokenizer, monkeypatch) -> torch.Tensor:
+    """Step 3's first round with the actor loaded from ``path`` with ``dropout``: the log-ratio
+    log pi_new - log pi_old of the first minibatch of the first PPO epoch, on the actions."""
+    from dschat.models.loading import load_causal_lm
+
+    actor = load_causal_lm(path, tokenizer=tokenizer, dropout=dropout)
+    reference = load_causal_lm(path, tokenizer=tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0)
+    calls = spy_policy_loss(monkeypatch)
+    torch.manual_seed(3)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    ppo.train(exp)
+    new, old, mask = calls[0]
+    return (new - old)[mask > 0]
+
+
+def test_step3_turns_dropout_off_so_the_first_ratio_is_exactly_one(tokenizer, tmp_path, monkeypatch):
+    """A checkpoint with dropout 0.1 in its config (as OPT and GPT-2 ship): experience is taken in eval
+    mode, the update in train mode, so with the model's dropout the first ratio is not 1."""
+    micro_llama(len(tokenizer), attention_dropout=0.1).save_pretrained(tmp_path / "m")
+    actor_args, critic_args = step3_model_args()
+    assert (actor_args.dropout, critic_args.dropout) == (0.0, 0.0)
+    log_ratio = first_minibatch_log_ratio(str(tmp_path / "m"), actor_args.dropout, tokenizer, monkeypatch)
+    assert log_ratio.numel() > 8 and torch.equal(log_ratio, torch.zeros_like(log_ratio))
+    # overridable: --actor_dropout 0.1 keeps the checkpoint's dropout, and the ratio moves off 1
+    actor_args, critic_args = step3_model_args("--actor_dropout", "0.1", "--critic_dropout", "0.05")
+    assert (actor_args.dropout, critic_args.dropout) == (0.1, 0.05)
+    log_ratio = first_minibatch_log_ratio(str(tmp_path / "m"), actor_args.dropout, tokenizer, monkeypatch)
+    assert log_ratio.abs().max() > 1e-3
