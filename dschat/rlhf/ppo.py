@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from dschat.lm import accepts
 from dschat.losses import mean_token_nll
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
@@ -74,13 +76,31 @@ class PPOTrainer:
         with self.actor.module.disable_adapter():
             yield self.actor
 
-    @staticmethod
-    def _logits(engine, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return engine(
-            input_ids=sequences,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-        ).logits
+    def action_logprobs(
+        self,
+        engine,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_len: int,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (B, T-1) of the tokens at the tempered sampling distribution, and with ``entropy`` the
+        per-position entropy (B, T-1); both 0 at positions before ``prompt_len - 1`` (prompt tokens, never
+        actions).
+
+        The LM head runs only on the positions that predict a response token (``logits_to_keep``): the
+        prompt is most of every row, and a 49152-way head with fp32 log-softmax over it would be most of
+        the cost of the pass. Values equal those of the full-sequence computation.
+        """
+        t = sequences.shape[1]
+        keep = t - prompt_len + 1  # logits at positions prompt_len - 1 .. T-1
+        extra = {"logits_to_keep": keep} if keep < t and accepts(engine, "logits_to_keep") else {}
+        logits = engine(input_ids=sequences, attention_mask=attention_mask,
+                        position_ids=position_ids_from_mask(attention_mask), **extra).logits[:, -keep:]  # fmt: skip
+        temperature, pad = self.hyper.temperature, (t - keep, 0)
+        logprobs = F.pad(M.logprobs_of(logits, sequences[:, -keep:], temperature), pad)
+        ent = F.pad(M.entropy_of(logits, temperature), pad) if entropy else None
+        return logprobs, ent
 
     # ------------------------------------------------------------------ 1. experience
     @torch.no_grad()
@@ -109,15 +129,13 @@ class PPOTrainer:
             reward_mask = attention_mask * (~is_eos).long()
 
             self.actor.eval()
-            logits = self._logits(self.actor, sequences, attention_mask)
-            logprobs = M.logprobs_of(logits, sequences, h.temperature)
-            entropy = M.masked_mean(M.entropy_of(logits, h.temperature), action_mask)
-            del logits
+            logprobs, per_token_entropy = self.action_logprobs(
+                self.actor, sequences, attention_mask, prompt_len, entropy=True
+            )
+            entropy = M.masked_mean(per_token_entropy, action_mask)
             with self.reference_mode() as ref:
                 ref.eval()
-                ref_logprobs = M.logprobs_of(
-                    self._logits(ref, sequences, attention_mask), sequences, h.temperature
-                )
+                ref_logprobs, _ = self.action_logprobs(ref, sequences, attention_mask, prompt_len)
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
 
@@ -192,8 +210,7 @@ class PPOTrainer:
         # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)
         h = self.hyper
         self.actor.train()
-        logits = self._logits(self.actor, exp.sequences, exp.attention_mask)
-        logprobs = M.logprobs_of(logits, exp.sequences, h.temperature)
+        logprobs, _ = self.action_logprobs(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
         pg_loss, pg_stats = M.policy_loss(
             logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange
         )

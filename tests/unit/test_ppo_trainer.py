@@ -199,3 +199,20 @@ def test_step3_turns_dropout_off_so_the_first_ratio_is_exactly_one(tokenizer, tm
     assert (actor_args.dropout, critic_args.dropout) == (0.1, 0.05)
     log_ratio = first_minibatch_log_ratio(str(tmp_path / "m"), actor_args.dropout, tokenizer, monkeypatch)
     assert log_ratio.abs().max() > 1e-3
+
+
+def test_action_logprobs_run_the_head_on_the_response_only_and_equal_the_full_pass(tokenizer):
+    model = micro_llama(len(tokenizer))
+    ppo = trainer(Engine(model), Engine(micro_llama(len(tokenizer), seed=1)), tokenizer, temperature=0.7)
+    ids, mask, _ = prompts(tokenizer)  # (2, 5), row 0 left-padded
+    seq = torch.cat([ids, torch.tensor([[7, 8, 9], [10, 11, 12]])], dim=1)
+    attn = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+    widths = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: widths.append(i[0].shape[1]))
+    lp, ent = ppo.action_logprobs(ppo.actor, seq, attn, prompt_len=5, entropy=True)
+    hook.remove()
+    assert widths == [4]  # positions 4..7 predict the 3 response tokens (and the one after)
+    full = tempered_logprobs(model, seq, attn, 0.7)
+    assert lp.shape == full.shape == (2, 7)
+    torch.testing.assert_close(lp[:, 4:], full[:, 4:], rtol=1e-5, atol=1e-5)
+    assert (lp[:, :4] == 0).all() and (ent[:, :4] == 0).all() and (ent[:, 4:] > 0).all()
