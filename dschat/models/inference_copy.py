@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dschat.models.layers import contiguous_head_input
+
 LOG = logging.getLogger("dschat")
 
 FAST_ATTENTION = "dschat_sdpa"
@@ -229,7 +231,7 @@ class InferenceCopy:
         if self.fast_attention:
             register_fast_attention()
             model.config._attn_implementation = FAST_ATTENTION
-        self.model = model.eval()
+        self.model = contiguous_head_input(model).eval()
         self.fills: list[_Fill] = []
         self._materialize(base)
         self._install_all_reduce()

@@ -63,6 +63,21 @@ def freeze_below(model: nn.Module, k: int, *, flag: str = "--trainable_layers") 
     return parameter_counts(model) | {"layers": len(blocks), "trainable_layers": k}
 
 
+def contiguous_head_input(model: nn.Module) -> nn.Module:
+    """Make the LM head's input contiguous before its matmul; returns ``model``.
+
+    A causal LM applies its head to a slice of the hidden states (``logits_to_keep``: the last position
+    when ``generate`` prefills, the response positions in PPO and SFT). On CPU, a bf16 matmul of a
+    strided slice takes a slow path: 3.2 s instead of 0.1 s for 64 x 8 positions of a 576 x 49152 head
+    (torch 2.13, measured), more than the whole model's forward. A copy of the slice costs nothing.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Module) and not getattr(head, "_dschat_contiguous", False):
+        head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))
+        head._dschat_contiguous = True
+    return model
+
+
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Trainable and total parameters (ZeRO-3 partitioned ones by their full size)."""
     seen: set[int] = set()

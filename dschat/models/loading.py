@@ -14,6 +14,7 @@ import os
 import torch
 
 from dschat.models import builtin, gguf
+from dschat.models.layers import contiguous_head_input
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
@@ -114,7 +115,7 @@ def load_causal_lm(
     if tokenizer is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.config.use_cache = False  # training; generation turns it back on
-    return model
+    return contiguous_head_input(model)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
