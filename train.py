@@ -724,8 +724,14 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
         rel = os.path.relpath(ROOT / "inference" / name)
         return str(ROOT / "inference" / name) if rel.startswith("..") else rel
 
+    # the run's own built-in tasks (a preset's --data_path builtin:sort,reverse_words), if it used some
+    data = args.data_path or [
+        str(v) for v in str((preset or {}).get("step1", {}).get("--data_path", "")).split()
+    ]
+    names = [t for d in data if d.startswith("builtin:") for t in d.split(":", 1)[1].split(",")]
     compare = ["python", script("prompt_eval.py"), "--model_name_or_path_baseline", start,
                "--model_name_or_path_finetune", str(result), *(["--reward_model", reward] if reward else []),
+               *(["--tasks", ",".join(names)] if names else []),
                "--output", str(out / f"prompt_eval_step{3 if 3 in steps else 1}")]  # fmt: skip
     return [
         f"==> talk to the result: {shlex.join(['python', script('chat.py'), '--path', str(result)])}",

@@ -19,9 +19,10 @@ from dschat.data.sources import BUILTIN_SEED
 from dschat.utils.errors import UserError
 
 
-def builtin_prompts(n: int) -> list[str]:
-    """``n`` questions of the built-in tasks' held-out set (the one steps 1-3 evaluate on), tasks in turn."""
-    names = list(tasks.TASKS)
+def builtin_prompts(n: int, names: list[str] | None = None) -> list[str]:
+    """``n`` questions of the built-in tasks' held-out set (the one steps 1-3 evaluate on), tasks in turn:
+    ``names`` (default: every task)."""
+    names = names or list(tasks.TASKS)
     per_task = math.ceil(n / len(names))
     examples = tasks.generate(names, per_task, BUILTIN_SEED + 1, held_out=True)
     by_task = [[tasks.last_question(e.prompt) for e in examples if e.task == t] for t in names]

@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--num_prompts", type=int, default=12, help="built-in held-out prompts to use without --prompts_file"
     )
+    p.add_argument("--tasks", help="built-in tasks to draw them from, comma-separated (default: every task)")
     p.add_argument("--decoding", choices=STRATEGIES, default="greedy")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--num_beams", type=int, default=4, help="beam search width")
@@ -83,6 +84,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available")
     if args.num_prompts < 1:
         p.error(f"--num_prompts {args.num_prompts}: must be at least 1")
+    from dschat import tasks
+
+    unknown = [t for t in (args.tasks or "").split(",") if t and t not in tasks.TASKS]
+    if unknown:
+        p.error(f"--tasks {args.tasks}: unknown task {unknown[0]!r} (known: {', '.join(tasks.TASKS)})")
+    if args.tasks and args.prompts_file:
+        p.error("--tasks picks built-in prompts and --prompts_file gives your own: give one")
     if args.batch_size < 1:
         p.error(f"--batch_size {args.batch_size}: must be at least 1")
     return args
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = (
         compare.read_prompts(args.prompts_file)
         if args.prompts_file
-        else compare.builtin_prompts(args.num_prompts)
+        else compare.builtin_prompts(args.num_prompts, args.tasks.split(",") if args.tasks else None)
     )
     if args.reward_model:  # fail on a bad reward model before minutes of generation
         from dschat.models.reward import has_value_head

@@ -69,3 +69,13 @@ def test_preset_values_can_name_the_output_dir(train):
     ]  # fmt: skip
     args, extra = train.parse_args(["--step", "2", "--output-dir", "runs/b"])
     assert "runs/b/step1" in train.step_args(2, args, extra, preset)
+
+
+def test_the_comparison_uses_the_runs_own_built_in_tasks(train, tmp_path):
+    preset = {"model": "m", "step1": {"--data_path": "builtin:sort,reverse_words"}}
+    _, cmp = commands(train, ["--output-dir", str(tmp_path)], preset=preset)
+    assert flag(cmp, "--tasks") == "sort,reverse_words"
+    _, cmp = commands(train, ["--output-dir", str(tmp_path), "--data-path", "builtin:add"], preset=preset)
+    assert flag(cmp, "--tasks") == "add"
+    _, cmp = commands(train, ["--output-dir", str(tmp_path), "--data-path", "my.jsonl"], preset=preset)
+    assert flag(cmp, "--tasks") is None
