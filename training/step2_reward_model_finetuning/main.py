@@ -31,7 +31,7 @@ from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
 from dschat.losses import gather_last, pairwise_loss
-from dschat.models.loading import count_parameters, load_causal_lm, resolve
+from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_policy_negatives
 from dschat.ranking import evaluate_ranking
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     mined: dict[str, list] = {}
     if policy_path:
         t_mine = time.perf_counter()
+        # sampled in the training dtype (bf16 samples about 1.5x faster than fp32 on CPU)
         policy = load_causal_lm(policy_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code,
+                                dtype=inference_dtype(dtype, str(dist.default_device())),
                                 flag="--policy_negatives_from").to(dist.default_device())  # fmt: skip
         train_s, eval_s = gather_samples(data_args, 2, run.seed)  # this step's prompts, as text
         train_prompts, cap = [s.prompt for s in train_s], reward.policy_negatives_max_prompts
