@@ -6,8 +6,11 @@
 
 Reports per step its wall time, step 1's eval perplexity and true accuracy, step 2's pairwise
 accuracy, and step 3's reward, KL, true accuracy before/after and where its time went (generation,
-experience forward passes, training). Targets: true accuracy +10 points over the step-1 model,
-mean reward up, KL below the documented bound, the whole job within 20 minutes on 2 CPU cores.
+experience forward passes, training). Targets (the real-model issue, default job on SmolLM2-135M-Instruct):
+the whole job within 30 minutes on 2 CPU cores, step 1 raises true accuracy over the untuned model, step 2's
+reward model reaches 0.95 on held-out built-in pairs, step 3 raises true accuracy over the step-1 model
+(both measured by step 3 on the same held-out prompts: its evaluation at round 0 is of the step-1 model),
+with the held-out reward up and KL below the documented bound.
 """
 
 from __future__ import annotations
@@ -44,15 +47,17 @@ def main() -> None:
             print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:]}))
             sys.exit(1)
     s1, s2, s3 = (json.loads((out / f"step{n}" / "summary.json").read_text()) for n in (1, 2, 3))
+    # Step 3 evaluates its starting model (the step-1 model) at round 0 on the same prompts as at the end.
     gain = None
-    if s3.get("true_accuracy_end") is not None and s1.get("true_accuracy_end") is not None:
-        gain = s3["true_accuracy_end"] - s1["true_accuracy_end"]
+    if s3.get("true_accuracy_end") is not None and s3.get("true_accuracy_start") is not None:
+        gain = s3["true_accuracy_end"] - s3["true_accuracy_start"]
     split = {k: s3[k] for k in ("generation_seconds", "experience_seconds", "train_seconds")}
     total = sum(split.values()) or 1.0
     result = {
         "benchmark": "default_three_step_pipeline",
         "total_wall_seconds": wall,
         "step_wall_seconds": {"step1": s1["wall_seconds"], "step2": s2["wall_seconds"], "step3": s3["wall_seconds"]},
+        "steps_wall_seconds_sum": s1["wall_seconds"] + s2["wall_seconds"] + s3["wall_seconds"],
         "step1": {k: s1.get(k) for k in ("eval_perplexity_start", "eval_perplexity_end", "true_accuracy_start",
                                          "true_accuracy_end", "train_tokens_per_sec")},
         "step2": {k: s2.get(k) for k in ("eval_accuracy_start", "eval_accuracy_end", "eval_policy_negatives_accuracy_end", "eval_chosen_mean",
@@ -63,14 +68,17 @@ def main() -> None:
                                          "true_accuracy_sampled_end", "generation_tokens_per_sec")},
         "step3_time_split": {k: v / total for k, v in split.items()},
         "targets": {
-            "true_accuracy_gain_over_step1": gain,
-            "true_accuracy_gain_at_least_0.10": gain is not None and gain >= 0.10,
-            "sampled_true_accuracy_gain_in_step3": (s3["true_accuracy_sampled_end"] - s3["true_accuracy_sampled_start"]
-                                                    if s3.get("true_accuracy_sampled_end") is not None else None),
-            "reward_rises": (s3.get("reward_end") or 0) > (s3.get("reward_start") or 0),
+            "step1_true_accuracy_gain_over_untuned": (s1["true_accuracy_end"] - s1["true_accuracy_start"]
+                                                      if s1.get("true_accuracy_end") is not None else None),
+            "step2_accuracy_at_least_0.95": s2["eval_accuracy_end"] >= 0.95,
+            "step3_true_accuracy_gain_over_step1": gain,
+            "step3_raises_true_accuracy": gain is not None and gain > 0,
+            "step3_sampled_true_accuracy_gain": (s3["true_accuracy_sampled_end"] - s3["true_accuracy_sampled_start"]
+                                                 if s3.get("true_accuracy_sampled_end") is not None else None),
+            "held_out_reward_rises": (s3.get("held_out_reward_end") or 0) > (s3.get("held_out_reward_start") or 0),
             "kl_end_below_bound": s3.get("kl_end") is not None and s3["kl_end"] < KL_BOUND,
             "kl_bound_nats_per_response": KL_BOUND,
-            "within_20_minutes": wall is None or wall <= 1200,
+            "within_30_minutes": wall is None or wall <= 1800,
         },
     }  # fmt: skip
     print(json.dumps(result, indent=2))

@@ -21,7 +21,7 @@ CHAT = str(ROOT / "inference" / "chat.py")
 # the outputs still chat, not how much they learn (that is the default job's and the benchmarks' part).
 SHORT = {
     "step1": {"--max_steps": 3, "--max_eval_samples": 16, "--eval_generation_samples": 16},
-    "step2": {"--max_steps": 3, "--max_eval_samples": 16},
+    "step2": {"--max_steps": 3, "--max_eval_samples": 16, "--policy_negatives_max_prompts": 8},
     "step3": {"--max_steps": 2, "--eval_prompts": 16, "--per_device_generation_batch_size": 4,
               "--per_device_training_batch_size": 16},
 }  # fmt: skip
