@@ -86,9 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--num_prompts {args.num_prompts}: must be at least 1")
     from dschat import tasks
 
-    unknown = [t for t in (args.tasks or "").split(",") if t and t not in tasks.TASKS]
-    if unknown:
-        p.error(f"--tasks {args.tasks}: unknown task {unknown[0]!r} (known: {', '.join(tasks.TASKS)})")
+    if args.tasks:
+        try:
+            tasks.resolve_tasks([t for t in args.tasks.split(",") if t])
+        except KeyError as exc:
+            p.error(f"--tasks {args.tasks}: {exc.args[0]}")
     if args.tasks and args.prompts_file:
         p.error("--tasks picks built-in prompts and --prompts_file gives your own: give one")
     if args.batch_size < 1:

@@ -213,8 +213,13 @@ def _load_hub(name: str, seed: int) -> SourceData:
     return SourceData(name, splits["train"], splits["test"])
 
 
+def builtin_task_names(spec: str) -> list[str] | None:
+    """``builtin:sort,reverse`` -> ``["sort", "reverse"]``; ``builtin`` -> None (the default tasks)."""
+    return spec.split(":", 1)[1].split(",") if ":" in spec else None
+
+
 def _load_builtin(spec: str) -> SourceData:
-    names = spec.split(":", 1)[1].split(",") if ":" in spec else None
+    names = builtin_task_names(spec)
     try:
         train_ex = tasks.generate(names, BUILTIN_TRAIN_PER_TASK, BUILTIN_SEED, held_out=False)
     except KeyError as exc:
