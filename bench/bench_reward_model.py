@@ -50,6 +50,7 @@ def main() -> None:
         "--learning_rate", type=float, default=5e-5, help="pretrained models: step-2 learning rate"
     )
     p.add_argument("--epochs", type=int, default=1, help="pretrained models: passes over the HH pairs")
+    p.add_argument("--ranking_loss", default="last_token", choices=("last_token", "divergence"))
     args = p.parse_args()
     pretrained = not args.model.startswith("builtin:")
     args.max_seq_len = args.max_seq_len or (320 if pretrained else 768)
@@ -78,7 +79,8 @@ def main() -> None:
                  *common])  # fmt: skip
             start = str(out / "step1")
         rm_flags = (["--trainable_layers", str(args.trainable_layers), "--group_by_length", "--learning_rate",
-                     str(args.learning_rate), "--num_train_epochs", str(args.epochs), "--log_interval", "20"]
+                     str(args.learning_rate), "--num_train_epochs", str(args.epochs), "--log_interval", "20",
+                     "--ranking_loss", args.ranking_loss]
                     if pretrained else [])  # fmt: skip
         # Train on all of hh_rlhf/train.jsonl, evaluate on hh_rlhf/test.jsonl (a directory with both files).
         pairs = out / "hh"
@@ -103,6 +105,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": f"reward_model_{args.suite}",
         "model": args.model,
+        "ranking_loss": args.ranking_loss,
         "steps": s["steps"],
         "eval_accuracy_start": s["eval_accuracy_start"],
         "eval_accuracy_end": s["eval_accuracy_end"],

@@ -201,6 +201,12 @@ class RunArgs:
 @dataclass
 class RewardArgs:
     margin: float = opt(0.0, "ranking margin m in -log sigmoid(r_chosen - r_rejected - m)")
+    ranking_loss: str = opt(
+        "last_token",
+        "last_token = compare the scores at each answer's last token; divergence = compare the running scores at "
+        "every position from where the two answers part to the end of the longer one (DeepSpeed-Chat's loss)",
+        choices=("last_token", "divergence"),
+    )
     policy_negatives_from: str | None = opt(
         None,
         "a causal LM (e.g. the step-1 model) whose own wrong answers to the built-in tasks' prompts become extra "

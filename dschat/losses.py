@@ -54,3 +54,33 @@ def gather_last(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
 def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
     """Bradley-Terry ranking loss ``mean(-log sigmoid(r_chosen - r_rejected - margin))``; chosen, rejected: (B,)."""
     return -F.logsigmoid(chosen.float() - rejected.float() - margin).mean()
+
+
+def divergence_pairwise_loss(
+    values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, margin: float = 0.0
+) -> torch.Tensor:
+    """Ranking loss over every position from where the two answers part to the end of the longer one
+    (DeepSpeed-Chat's reward loss): more signal per pair than the last token alone, and the head learns
+    a running score (what PPO's critic starts from).
+
+    values, input_ids, attention_mask: (2B, T), rows 0..B-1 chosen and B..2B-1 rejected, right-padded.
+    At position t a sequence that has already ended contributes its final score (value at its last
+    real token), so the last positions compare the two final scores. Returns the mean over pairs of
+    ``mean_t -log sigmoid(v_chosen(t) - v_rejected(t) - margin)`` in float32.
+    """
+    b = values.shape[0] // 2
+    t = values.shape[1]
+    vc, vr = values[:b].float(), values[b:].float()
+    lc, lr = attention_mask[:b].sum(1), attention_mask[b:].sum(1)  # (B,)
+    pos = torch.arange(t, device=values.device).expand(b, t)
+    shared = pos < torch.minimum(lc, lr).unsqueeze(1)
+    differ = (input_ids[:b] != input_ids[b:]) & shared
+    # First differing position; where one answer extends the other, where the shorter one ends.
+    start = torch.where(differ.any(1), differ.long().argmax(1), torch.minimum(lc, lr))
+    end = torch.maximum(lc, lr)
+    start = torch.minimum(start, end - 1)
+    gc = vc.gather(1, torch.minimum(pos, (lc - 1).unsqueeze(1)))
+    gr = vr.gather(1, torch.minimum(pos, (lr - 1).unsqueeze(1)))
+    span = (pos >= start.unsqueeze(1)) & (pos < end.unsqueeze(1))
+    per_token = -F.logsigmoid(gc - gr - margin) * span
+    return (per_token.sum(1) / span.sum(1)).mean()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dschat.data.collate import PairCollator, PromptCollator, pair_example
-from dschat.losses import gather_last, last_token_index, pairwise_loss
+from dschat.losses import divergence_pairwise_loss, gather_last, last_token_index, pairwise_loss
 from dschat.ranking import ranking_metrics, ranking_sums
 
 # ---------------------------------------------------------------- last_token_index / gather_last
@@ -74,6 +74,43 @@ def test_pairwise_loss_is_float32_and_stable():
     # d = -200: log(1 + e^200) = 200 (no overflow to inf)
     assert loss.dtype == torch.float32
     assert math.isclose(float(loss), 200.0, rel_tol=1e-6)
+
+
+def _two_pairs():
+    """Pair 1: answers part at t=1, chosen 3 tokens, rejected 2. Pair 2: rejected extends chosen by one token."""
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0], [5, 8, 0, 0], [5, 6, 7, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]])
+    values = torch.tensor(
+        [[0.1, 1.0, 2.0, 9.0], [0.0, 0.5, 9.0, 9.0], [0.3, 0.0, 9.0, 9.0], [0.0, 0.0, -1.0, 9.0]]
+    )
+    return values, ids, mask
+
+
+def test_divergence_loss_hand_values():
+    values, ids, mask = _two_pairs()
+    # Pair 1: t = 1: 1.0 - 0.0 = 1; t = 2: chosen 2.0, rejected has ended -> its last score 0.0: 2.
+    pair1 = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(-2.0))) / 2  # 0.2200948
+    # Pair 2: only t = 2 (where the rejected one goes on): chosen's last score 0.5 vs -1.0: 1.5.
+    pair2 = math.log1p(math.exp(-1.5))  # 0.2014133
+    loss = divergence_pairwise_loss(values, ids, mask)
+    assert math.isclose(float(loss), (pair1 + pair2) / 2, abs_tol=1e-6)
+    assert math.isclose(float(loss), (0.2200948 + 0.2014133) / 2, abs_tol=1e-6)
+    one = divergence_pairwise_loss(values[[0, 2]], ids[[0, 2]], mask[[0, 2]])
+    assert math.isclose(float(one), pair1, abs_tol=1e-6)  # the other pair's padding changes nothing
+
+
+def test_divergence_loss_margin_and_last_token_case():
+    values, ids, mask = _two_pairs()
+    loss = divergence_pairwise_loss(values[[0, 2]], ids[[0, 2]], mask[[0, 2]], margin=0.5)
+    assert math.isclose(float(loss), (0.4740770 + 0.2014133) / 2, abs_tol=1e-6)
+    # Answers of one length that differ only in the last token: the last-token loss exactly.
+    ids2 = torch.tensor([[1, 2, 3], [1, 2, 4]])
+    values2 = torch.tensor([[5.0, 6.0, 2.0], [-5.0, 7.0, 1.0]])
+    mask2 = torch.ones_like(ids2)
+    got = divergence_pairwise_loss(values2, ids2, mask2)
+    assert math.isclose(
+        float(got), float(pairwise_loss(torch.tensor([2.0]), torch.tensor([1.0]))), abs_tol=1e-6
+    )
 
 
 # ---------------------------------------------------------------- collation

@@ -30,7 +30,7 @@ from dschat.data.pipeline import gather_samples, prepare_pair_data, tokenize_pai
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
-from dschat.losses import gather_last, pairwise_loss
+from dschat.losses import divergence_pairwise_loss, gather_last, pairwise_loss
 from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, resolve
 from dschat.models.reward import ScalarHeadModel, load_reward_model
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_policy_negatives
@@ -204,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         mask = batch["attention_mask"].to(engine.device)
         b = ids.shape[0] // 2
         # 5a. score chosen and rejected in one forward: the value at each sequence's last real token
-        scores = gather_last(engine(ids, mask), mask)
+        values = engine(ids, mask)  # (2B, T)
+        scores = gather_last(values, mask)
         chosen, rejected = scores[:b], scores[b:]
         # 5b. ranking loss, backward, step
-        loss = pairwise_loss(chosen, rejected, reward.margin)
+        if reward.ranking_loss == "divergence":
+            loss = divergence_pairwise_loss(values, ids, mask, reward.margin)
+        else:
+            loss = pairwise_loss(chosen, rejected, reward.margin)
         engine.backward(loss)
         engine.step()
         window.add(loss=loss, micro=1, pairs=b, right=(chosen > rejected).sum(), margin=(chosen - rejected).sum(),
