@@ -238,6 +238,43 @@ class RewardArgs:
 
 
 @dataclass
+class DPOArgs:
+    """Direct preference optimisation (step 2 with --algorithm dpo): the policy learns from pairs directly."""
+
+    beta: float = opt(0.1, "DPO beta: strength of the implicit KL to the reference (higher = closer to it)")
+    dpo_loss: str = opt(
+        "sigmoid",
+        "sigmoid = DPO's logistic loss; ipo = squared distance of the token-averaged log-ratio margin to "
+        "1 / (2 beta) (IPO)",
+        choices=("sigmoid", "ipo"),
+    )
+    label_smoothing: float = opt(
+        0.0, "conservative DPO: the share of labels assumed flipped, in [0, 0.5) (sigmoid loss only)"
+    )
+    sft_coef: float = opt(
+        0.0, "weight of the NLL of the chosen answer (per token) added to the loss; 0 = pure DPO"
+    )
+    ref_model_name_or_path: str | None = opt(
+        None,
+        "frozen reference model (default: the starting policy, --model_name_or_path); its log-probs of every "
+        "pair are computed once before training and kept with the run",
+        type=str,
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.beta <= 0:
+            raise UserError(f"--{prefix}beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--{prefix}label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.dpo_loss != "sigmoid":
+            raise UserError(
+                f"--{prefix}label_smoothing applies to --{prefix}dpo_loss sigmoid only, not {self.dpo_loss}"
+            )
+        if self.sft_coef < 0:
+            raise UserError(f"--{prefix}sft_coef must be >= 0, got {self.sft_coef}")
+
+
+@dataclass
 class RLHFEngineArgs:
     """How step 3 places its four models (actor, reference, critic, reward)."""
 

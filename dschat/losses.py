@@ -1,6 +1,8 @@
-"""Language-modelling loss pieces (pure torch: no deepspeed, tested on exact tensors)."""
+"""Loss pieces: language modelling, reward ranking, DPO (pure torch: no deepspeed, tested on exact tensors)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,3 +86,53 @@ def divergence_pairwise_loss(
     span = (pos >= start.unsqueeze(1)) & (pos < end.unsqueeze(1))
     per_token = -F.logsigmoid(gc - gr - margin) * span
     return (per_token.sum(1) / span.sum(1)).mean()
+
+
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass
+class DPOLoss:
+    loss: torch.Tensor  # () mean over pairs
+    losses: torch.Tensor  # (B,) per pair
+    chosen_rewards: torch.Tensor  # (B,) implicit reward beta * (log pi - log ref) of the chosen answer
+    rejected_rewards: torch.Tensor  # (B,) the same of the rejected answer
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
+) -> DPOLoss:
+    """Direct preference optimisation on sequence log-probs (B,) of the responses under the policy and
+    the frozen reference.
+
+    With ``h = (log pi_c - log ref_c) - (log pi_r - log ref_r)``:
+    ``sigmoid`` (DPO): ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``, where ``eps =
+    label_smoothing`` > 0 is conservative DPO (a share of the labels assumed flipped);
+    ``ipo``: ``(h - 1 / (2 beta))^2`` on log-probs averaged over each response's tokens
+    (``chosen_tokens``, ``rejected_tokens`` (B,)), which bounds the margin instead of pushing it to
+    infinity. Implicit rewards are ``beta * (log pi - log ref)`` of the whole response.
+    """
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"loss_type {loss_type!r}: one of {DPO_LOSSES}")
+    pc, pr, rc, rr = (x.float() for x in (policy_chosen, policy_rejected, ref_chosen, ref_rejected))
+    chosen_rewards = beta * (pc - rc).detach()
+    rejected_rewards = beta * (pr - rr).detach()
+    if loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("ipo averages log-probs over tokens: give chosen_tokens and rejected_tokens")
+        nc, nr = chosen_tokens.float().clamp_min(1), rejected_tokens.float().clamp_min(1)
+        h = (pc - rc) / nc - (pr - rr) / nr
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        h = (pc - rc) - (pr - rr)
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return DPOLoss(loss.mean(), loss.detach(), chosen_rewards, rejected_rewards)

@@ -59,8 +59,13 @@ class SFTCollator:
 def pair_example(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int]) -> dict:
     """``prompt + chosen`` and ``prompt + rejected``; no EOS is appended, so the score sits on the last
     response token and the saved model scores identically under ``AutoModelForSequenceClassification``
-    (which pools at the rightmost non-pad token, and would skip an EOS that equals the pad token)."""
-    return {"chosen": list(prompt_ids) + list(chosen_ids), "rejected": list(prompt_ids) + list(rejected_ids)}
+    (which pools at the rightmost non-pad token, and would skip an EOS that equals the pad token).
+    ``prompt_len`` says where the responses start (DPO scores the responses' tokens only)."""
+    return {
+        "chosen": list(prompt_ids) + list(chosen_ids),
+        "rejected": list(prompt_ids) + list(rejected_ids),
+        "prompt_len": len(prompt_ids),
+    }
 
 
 @dataclass
@@ -111,4 +116,25 @@ class PromptCollator:
         out: dict = {"input_ids": input_ids, "attention_mask": attention_mask}
         if texts is not None:
             out["prompts"] = texts
+        return out
+
+
+@dataclass
+class PreferenceLMCollator:
+    """Pairs for DPO: ``prompt + response + [end]`` of each side, chosen and rejected batched together.
+
+    Returns ``input_ids (2B, T)`` right-padded (rows 0..B-1 chosen, B..2B-1 rejected),
+    ``attention_mask (2B, T)``, ``labels (2B, T)`` = the response and its end token, ``IGNORE_INDEX``
+    on the prompt and padding (as in step 1: the policy learns to stop), and ``index (B,)`` each pair's
+    position in its data set (where its reference log-probs are kept).
+    """
+
+    pad_id: int
+    end_id: int | None
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [sft_example(f[side][: f["prompt_len"]], f[side][f["prompt_len"] :], self.end_id, False)
+                for side in ("chosen", "rejected") for f in features]  # fmt: skip
+        out = SFTCollator(self.pad_id)(rows)
+        out["index"] = torch.tensor([f["index"] for f in features], dtype=torch.long)
         return out

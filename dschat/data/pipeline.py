@@ -25,7 +25,9 @@ from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
-CACHE_VERSION = 4  # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text
+CACHE_VERSION = (
+    5  # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len
+)
 
 
 @dataclass

@@ -119,7 +119,7 @@ def test_divergence_loss_margin_and_last_token_case():
 def test_pair_example_appends_no_eos():
     prompt, chosen, rejected = [1, 2], [3, 4, 5], [6]
     ex = pair_example(prompt, chosen, rejected)
-    assert ex == {"chosen": [1, 2, 3, 4, 5], "rejected": [1, 2, 6]}
+    assert ex == {"chosen": [1, 2, 3, 4, 5], "rejected": [1, 2, 6], "prompt_len": 2}
     ex["chosen"].append(9)
     assert prompt == [1, 2] and chosen == [3, 4, 5]
 

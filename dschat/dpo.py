@@ -1,0 +1,121 @@
+"""DPO around the loss: sequence log-probs of the responses, the reference's log-probs computed once for
+every pair, and evaluation by implicit reward. The maths is :func:`dschat.losses.dpo_loss`.
+
+The reference is frozen, so its log-probs of a pair never change: they are computed in one pass before
+training (by default with the starting policy itself, before its first update, so no second model is
+held in memory while training) and kept in a table indexed by the pair's position in its data set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dschat.config import DPOArgs
+from dschat.lm import eval_batches, target_logits
+from dschat.losses import DPOLoss, dpo_loss, token_nll
+from dschat.utils import dist
+from dschat.utils.io import atomic_save_tensors
+
+
+@dataclass
+class ResponseLogps:
+    """Log-probs of a batch of pairs; each field (B,), rows of the chosen then of the rejected answers."""
+
+    chosen: torch.Tensor  # summed over the response and its end token
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor  # how many tokens were summed
+    rejected_tokens: torch.Tensor
+    chosen_nll_mean: torch.Tensor  # () mean NLL per chosen token over the batch (the SFT term)
+
+
+def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLogps:
+    """Forward ``batch`` from :class:`dschat.data.collate.PreferenceLMCollator` (``input_ids (2B, T)``);
+    the LM head runs only on the response positions."""
+    logits, labels = target_logits(
+        model, batch["input_ids"].to(device), batch["attention_mask"].to(device), batch["labels"].to(device)
+    )
+    nll, n = token_nll(logits, labels)  # (2B,), (2B,)
+    b = nll.shape[0] // 2
+    return ResponseLogps(-nll[:b], -nll[b:], n[:b], n[b:], nll[:b].sum() / n[:b].sum().clamp_min(1.0))
+
+
+@torch.no_grad()
+def reference_table(model, examples: list[dict], *, batch_size: int, collate, device) -> torch.Tensor:
+    """``(N, 2)`` summed log-probs of the chosen and rejected response of every example under ``model``.
+
+    Each rank scores its share (every rank runs the same number of forwards, as ZeRO-3 needs) and the
+    table is summed over ranks; every example is scored exactly once.
+    """
+    was_training = model.training
+    model.eval()
+    table = torch.zeros(len(examples), 2, dtype=torch.float64)
+    for batch, weight in eval_batches(examples, batch_size=batch_size, collate=collate):
+        lp = response_logps(model, batch, device)
+        keep = weight > 0
+        idx = batch["index"][keep]
+        table[idx, 0] = lp.chosen.detach().double().cpu()[keep]
+        table[idx, 1] = lp.rejected.detach().double().cpu()[keep]
+    if was_training:
+        model.train()
+    if dist.world_size() > 1:
+        table = torch.tensor(dist.all_reduce_sum(table.flatten().tolist()), dtype=torch.float64).view(-1, 2)
+    return table.float()
+
+
+def pair_loss(lp: ResponseLogps, ref: torch.Tensor, hp: DPOArgs) -> tuple[torch.Tensor, DPOLoss]:
+    """The training objective of one batch: DPO (``ref (B, 2)`` from :func:`reference_table`) plus
+    ``sft_coef`` times the chosen answers' NLL per token. Returns (loss, the DPO part's details)."""
+    ref = ref.to(lp.chosen.device)
+    out = dpo_loss(lp.chosen, lp.rejected, ref[:, 0], ref[:, 1], beta=hp.beta, loss_type=hp.dpo_loss,
+                   label_smoothing=hp.label_smoothing, chosen_tokens=lp.chosen_tokens,
+                   rejected_tokens=lp.rejected_tokens)  # fmt: skip
+    loss = out.loss + hp.sft_coef * lp.chosen_nll_mean if hp.sft_coef else out.loss
+    return loss, out
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model, batches: list[tuple[dict, torch.Tensor]], ref: torch.Tensor, hp: DPOArgs, device
+) -> dict:
+    """Held-out pairs (all ranks): implicit-reward accuracy (the chosen answer's reward strictly higher;
+    ties count as wrong, so the untrained policy scores 0), mean margin and rewards, DPO loss."""
+    was_training = model.training
+    model.eval()
+    sums = [0.0] * 6  # pairs, right, margin, chosen reward, rejected reward, loss
+    for batch, weight in batches:
+        lp = response_logps(model, batch, device)
+        w = weight.to(lp.chosen.device)
+        _, out = pair_loss(lp, ref[batch["index"]], hp)
+        margin = out.chosen_rewards - out.rejected_rewards
+        sums[0] += float(w.sum())
+        sums[1] += float(((margin > 0).float() * w).sum())
+        sums[2] += float((margin * w).sum())
+        sums[3] += float((out.chosen_rewards * w).sum())
+        sums[4] += float((out.rejected_rewards * w).sum())
+        sums[5] += float((out.losses * w).sum())
+    if was_training:
+        model.train()
+    n, right, margin, chosen, rejected, loss = dist.all_reduce_sum(sums)
+    n = max(n, 1.0)
+    return {"pairs": n, "accuracy": right / n, "margin": margin / n, "chosen_reward": chosen / n,
+            "rejected_reward": rejected / n, "loss": loss / n}  # fmt: skip
+
+
+def load_or_save_table(path: Path, compute, n: int, *, reuse: bool) -> tuple[torch.Tensor, bool]:
+    """With ``reuse`` (a resumed run: the policy has moved since, so the table cannot be recomputed from
+    it), the table kept at ``path`` if it holds ``n`` rows; else ``compute()``, saved there atomically
+    by the main rank. Returns (table, whether it was read)."""
+    if reuse and path.is_file():
+        from safetensors.torch import load_file
+
+        table = load_file(str(path))["reference_logps"]
+        if table.shape == (n, 2):
+            return table, True
+    table = compute()
+    if dist.is_main():
+        atomic_save_tensors(path, {"reference_logps": table})
+    dist.barrier()
+    return table, False

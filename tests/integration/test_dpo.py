@@ -1,0 +1,135 @@
+"""Step 2 with DPO on real DeepSpeed, CPU, the built-in micro Llama: it learns a preference, two ZeRO-3
+ranks follow one rank, a resumed run equals an uninterrupted one, bad input is one line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cmd
+from tests.integration.helpers import assert_ok, error_line, summary, train_losses
+from tests.integration.test_step2 import preference_file
+
+DPO = ROOT / "training" / "step2_dpo_finetuning" / "main.py"
+FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch_size", "16",
+        "--max_eval_samples", "128", "--eval_interval", "0", "--eval_generation_samples", "0",
+        "--data_split", "0,1,0"]  # fmt: skip
+
+
+def dpo(out: Path, *flags: str, env: dict | None = None):
+    return run_cmd([str(DPO), "--output_dir", str(out), *flags], env=env)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    return preference_file(tmp_path_factory.mktemp("dpo") / "pairs.jsonl")
+
+
+@pytest.fixture(scope="module")
+def trained(pairs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dpo") / "run"
+    assert_ok(dpo(out, *FAST, "--data_path", str(pairs), "--max_steps", "30", "--learning_rate", "2e-3"))
+    return out
+
+
+def test_dpo_learns_the_preference(trained):
+    s = summary(trained)
+    # The policy starts as its own reference: every implicit reward is 0 and the loss is log 2.
+    assert s["implicit_reward_accuracy_start"] == 0.0 and s["eval_margin_start"] == 0.0
+    assert s["eval_loss_start"] == pytest.approx(0.6931, abs=1e-3)
+    # Held-out pairs: the chosen answer's log-ratio rises over the rejected one's.
+    assert s["implicit_reward_accuracy_end"] > 0.9, s
+    assert s["eval_margin_end"] > 1.0
+    assert s["eval_chosen_reward_end"] > s["eval_rejected_reward_end"]
+    assert s["eval_loss_end"] < 0.3
+    losses = train_losses(trained)
+    assert losses[max(losses)] < losses[min(losses)]
+    assert (trained / "reference_logps.safetensors").is_file() and (trained / "config.json").is_file()
+
+
+def test_saved_policy_is_a_plain_causal_lm(trained):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(trained)
+    assert model.config.architectures[0].endswith("ForCausalLM")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
+def test_two_ranks_zero3_match_one_rank(pairs, tmp_path):
+    from dschat.utils.dist import free_port
+
+    common = [*FAST, "--data_path", str(pairs), "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1",
+              "--learning_rate", "2e-3"]  # fmt: skip
+    one = tmp_path / "one"
+    assert_ok(dpo(one, *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"))
+    two = tmp_path / "two"
+    assert_ok(run_cmd(["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2",
+                       str(DPO), "--output_dir", str(two), *common, "--per_device_train_batch_size", "8",
+                       "--zero_stage", "3"]))  # fmt: skip
+    a, b = train_losses(one), train_losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=2e-3, abs=2e-3), step
+    assert summary(two)["implicit_reward_accuracy_end"] == pytest.approx(
+        summary(one)["implicit_reward_accuracy_end"], abs=0.02
+    )
+
+
+@pytest.mark.slow
+def test_resume_equals_an_uninterrupted_run(pairs, tmp_path):
+    from safetensors.torch import load_file
+
+    flags = [*FAST, "--data_path", str(pairs), "--max_steps", "8", "--dtype", "fp32", "--log_interval", "1",
+             "--learning_rate", "2e-3", "--save_steps", "4", "--per_device_train_batch_size", "8"]  # fmt: skip
+    ref = tmp_path / "ref"
+    assert_ok(dpo(ref, *flags))
+    out = tmp_path / "run"
+    proc = dpo(out, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "4"})
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    # The reference's log-probs are read from the run, not recomputed from the moved policy.
+    assert_ok(dpo(out, *flags, "--resume"))
+    assert "read from the run" in (out / "training.log").read_text()
+    s = summary(out)
+    assert s["resumed_from_step"] == 4 and s["steps"] == 8
+    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for k in a:
+        assert float((a[k] - b[k]).abs().max()) == 0.0, k
+    got, want = train_losses(out), train_losses(ref)
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--beta", "0"], ["--beta", "> 0"]),
+        (["--dpo_loss", "ipo", "--label_smoothing", "0.1"], ["--label_smoothing", "sigmoid"]),
+        (["--label_smoothing", "0.5"], ["--label_smoothing", "[0, 0.5)"]),
+    ],
+)
+def test_bad_options_are_one_line(tmp_path, flags, needles):
+    error_line(dpo(tmp_path / "out", *FAST, *flags), *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_reference_with_another_vocabulary_is_one_line(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dschat.models.loading import resolve
+
+    other = tmp_path / "other"
+    src = Path(resolve("builtin:micro-llama"))
+    other.mkdir()
+    for f in src.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<not-in-the-policy>"])
+    tok.save_pretrained(other)
+    line = error_line(
+        dpo(tmp_path / "out", *FAST, "--ref_model_name_or_path", str(other)), str(other), "tokenizer"
+    )
+    assert "vocabulary" in line
+    assert not (tmp_path / "out").exists()

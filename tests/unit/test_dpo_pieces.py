@@ -1,0 +1,70 @@
+"""DPO maths and collation on exact tensors (no deepspeed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dschat.data.collate import IGNORE_INDEX, PreferenceLMCollator, pair_example
+from dschat.losses import dpo_loss, token_nll
+
+# log pi_c = -10, log pi_r = -12, log ref_c = log ref_r = -11: h = (1) - (-1) = 2
+PC, PR, RC, RR = (torch.tensor([v]) for v in (-10.0, -12.0, -11.0, -11.0))
+
+
+def test_sigmoid_loss_and_rewards_by_hand():
+    out = dpo_loss(PC, PR, RC, RR, beta=0.1)
+    # beta h = 0.2: -log sigmoid(0.2) = log(1 + e^-0.2) = 0.5981389
+    assert math.isclose(float(out.loss), math.log1p(math.exp(-0.2)), abs_tol=1e-6)
+    assert math.isclose(float(out.loss), 0.5981389, abs_tol=1e-6)
+    assert torch.allclose(out.chosen_rewards, torch.tensor([0.1]))  # 0.1 * (-10 + 11)
+    assert torch.allclose(out.rejected_rewards, torch.tensor([-0.1]))  # 0.1 * (-12 + 11)
+
+
+def test_policy_equal_to_reference_gives_log2():
+    out = dpo_loss(PC, PR, PC, PR, beta=0.5)
+    assert math.isclose(float(out.loss), math.log(2.0), abs_tol=1e-6)
+    assert float(out.chosen_rewards) == 0.0 and float(out.rejected_rewards) == 0.0
+
+
+def test_label_smoothing_conservative_dpo():
+    out = dpo_loss(PC, PR, RC, RR, beta=0.1, label_smoothing=0.1)
+    # 0.9 * log(1 + e^-0.2) + 0.1 * log(1 + e^0.2) = 0.9 * 0.5981389 + 0.1 * 0.7981389 = 0.6181389
+    assert math.isclose(float(out.loss), 0.6181389, abs_tol=1e-6)
+
+
+def test_ipo_on_token_averaged_logprobs():
+    out = dpo_loss(PC, PR, RC, RR, beta=0.1, loss_type="ipo", chosen_tokens=torch.tensor([2]),
+                   rejected_tokens=torch.tensor([4]))  # fmt: skip
+    # h = (-10 + 11) / 2 - (-12 + 11) / 4 = 0.5 + 0.25 = 0.75; target 1 / (2 * 0.1) = 5: (0.75 - 5)^2 = 18.0625
+    assert math.isclose(float(out.loss), 18.0625, abs_tol=1e-5)
+    with pytest.raises(ValueError):
+        dpo_loss(PC, PR, RC, RR, beta=0.1, loss_type="ipo")
+
+
+def test_gradient_raises_chosen_lowers_rejected():
+    pc, pr = PC.clone().requires_grad_(), PR.clone().requires_grad_()
+    dpo_loss(pc, pr, RC, RR, beta=0.1).loss.backward()
+    assert float(pc.grad) < 0 < float(pr.grad)  # descent raises log pi_c and lowers log pi_r
+
+
+def test_preference_lm_collator_labels_responses_and_end():
+    feats = [pair_example([1, 2], [3, 4], [5]), pair_example([6], [7], [8, 8, 8])]
+    for i, f in enumerate(feats):
+        f["index"] = 10 + i
+    out = PreferenceLMCollator(pad_id=0, end_id=9)(feats)
+    x = IGNORE_INDEX
+    assert out["input_ids"].tolist() == [[1, 2, 3, 4, 9], [6, 7, 9, 0, 0], [1, 2, 5, 9, 0], [6, 8, 8, 8, 9]]
+    assert out["labels"].tolist() == [[x, x, 3, 4, 9], [x, 7, 9, x, x], [x, x, 5, 9, x], [x, 8, 8, 8, 9]]
+    assert out["attention_mask"].tolist() == [
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1],
+    ]
+    assert out["index"].tolist() == [10, 11]
+    # token_nll on these labels sums over the response and end tokens only: 3, 2, 2, 4 of them
+    _, n = token_nll(torch.zeros(4, 5, 10), out["labels"])
+    assert n.tolist() == [3.0, 2.0, 2.0, 4.0]

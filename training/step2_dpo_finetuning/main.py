@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""Step 2 with --algorithm dpo: direct preference optimisation of the step-1 policy on preference pairs.
+
+    python training/step2_dpo_finetuning/main.py --model_name_or_path output/step1 --output_dir output/step2_dpo
+    deepspeed --num_gpus 2 training/step2_dpo_finetuning/main.py --zero_stage 3 ...
+
+or ``python train.py --step 1 2 --algorithm dpo``. No reward model and no step 3: the policy learns from
+the pairs of step 2 directly, with the loss of :func:`dschat.losses.dpo_loss` against a frozen reference
+(the starting policy unless --ref_model_name_or_path), whose log-probs of every pair are computed once
+before training and saved with the run (``reference_logps.safetensors``, so --resume needs no reference
+model). The output directory holds the policy in Hugging Face format (chat.py and prompt_eval.py take it),
+``summary.json`` with implicit-reward accuracy and margins at start and end, ``metrics.jsonl``,
+``training.log`` and ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
+
+from tqdm import tqdm
+
+from dschat import config as C
+from dschat import trainer as T
+from dschat.data.collate import PreferenceLMCollator
+from dschat.data.pipeline import prepare_pair_data
+from dschat.dpo import evaluate_pairs, load_or_save_table, pair_loss, reference_table, response_logps
+from dschat.engine import core as engine_core
+from dschat.engine.checkpoint import export_hf_model
+from dschat.generation import task_accuracy
+from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, load_tokenizer, resolve
+from dschat.utils import dist
+from dschat.utils.errors import UserError, run_cli
+from dschat.utils.run import Stopwatch, write_summary
+
+GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.RunArgs, C.DPOArgs)
+STEP_DEFAULTS = {
+    # No dropout (as TRL's default): at the first update the policy's log-probs equal the reference's.
+    C.ModelArgs: {"dropout": 0.0},
+    C.RunArgs: {"output_dir": "output/step2_dpo", "eval_interval": 50},
+    C.OptimArgs: {"learning_rate": 5e-6, "num_train_epochs": 1},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = C.parse_groups("step2_dpo_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
+    model_args, data_args, lora_args, optim, ds_args, run, hp = args
+
+    # ---------------------------------------------------------------- 1. setup (the reference is checked
+    # before any slow work: it must read text as the policy does)
+    setup = T.setup_step(model_args, run, data_args)
+    log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
+    ref_path = (
+        resolve(hp.ref_model_name_or_path, "--ref_model_name_or_path") if hp.ref_model_name_or_path else None
+    )
+    if ref_path:
+        check_same_tokenizer(ref_path, tokenizer, model_args.trust_remote_code)
+
+    # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
+    data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
+    for split in (data.train, data.eval):
+        for i, ex in enumerate(split):
+            ex["index"] = i  # the row of its reference log-probs
+    collate = PreferenceLMCollator(tokenizer.pad_token_id, setup.fmt.end_id)
+    batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
+    loader, evals, total_steps, global_batch = (
+        batches.loader,
+        batches.evals,
+        batches.total_steps,
+        batches.global_batch,
+    )
+
+    T.begin_outputs(run)
+    resolved = T.save_step_config(2, args, run, setup, batches, data)
+    st = data.stats["train"]
+    log.info(
+        "data: %d train / %d eval pairs; dropped %d with identical sides, %d empty, %d too long; %d steps",
+        len(data.train), len(data.eval), st["dropped_identical"], st["dropped_empty_response"], st["dropped_too_long"],
+        total_steps,
+    )  # fmt: skip
+
+    # ---------------------------------------------------------------- 3. policy and engine
+    ds_config = T.train_ds_config(optim, ds_args, dtype)
+    with engine_core.zero3_loading(ds_config):
+        model = load_causal_lm(
+            model_path,
+            tokenizer=tokenizer,
+            dropout=model_args.dropout,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+    model = T.set_trainable(model, lora_args, trainable_layers=model_args.trainable_layers)
+    n_params = count_parameters(model)
+    engine = T.build_engine(
+        model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,
+        gradient_checkpointing=model_args.gradient_checkpointing,
+    )  # fmt: skip
+    log.info("policy: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s); beta %g, loss %s", model_path,
+             n_params / 1e6, dtype, ds_args.zero_stage, world, hp.beta, hp.dpo_loss)  # fmt: skip
+
+    # ---------------------------------------------------------------- 4. reference log-probs (once), resume
+    sw = Stopwatch()
+    with sw("reference"):
+        ref_train, ref_eval, reused = reference_tables(
+            engine, ref_path, data, optim, collate, run, model_args, dtype
+        )
+    log.info("reference log-probs of %d + %d pairs %s (%s)", len(data.train), len(data.eval),
+             "read from the run" if reused else "computed", ref_path or "the starting policy")  # fmt: skip
+    state = T.resume_state(engine, run, global_batch)
+    start_step = state.step
+    metrics = T.open_metrics(run, resolved)
+
+    def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict, dict | None]:
+        """Implicit-reward accuracy on held-out pairs; at start and end the verifier's true accuracy."""
+        acc = None
+        if with_accuracy and run.eval_generation_samples:
+            with sw("generation_eval"):
+                acc = task_accuracy(
+                    engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
+                    device=engine.device, synced_gpus=ds_args.zero_stage == 3, fmt=setup.fmt,
+                )  # fmt: skip
+        with sw("eval"):
+            ev = evaluate_pairs(engine, evals, ref_eval, hp, engine.device)
+        metrics.log({**ev, **(acc or {})}, step=step, split="eval")
+        log.info("eval at step %d: implicit-reward accuracy %.4f, margin %.4f, loss %.4f%s", step, ev["accuracy"],
+                 ev["margin"], ev["loss"], f", true accuracy {acc['accuracy']:.3f}" if acc else "")  # fmt: skip
+        return ev, acc
+
+    eval_start, acc_start = evaluate(state.step, with_accuracy=True)
+
+    # ---------------------------------------------------------------- 5. training loop
+    window = T.MetricWindow()
+    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc="step 2 (DPO)",
+               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
+    engine.train()
+    for batch in T.micro_batches(loader, state, optim.num_train_epochs):
+        t0 = time.perf_counter()
+        # 5a. log-probs of both answers in one forward (LM head on the response positions only)
+        lp = response_logps(engine, batch, engine.device)
+        # 5b. DPO against the reference's stored log-probs, backward, step
+        loss, out = pair_loss(lp, ref_train[batch["index"]], hp)
+        engine.backward(loss)
+        engine.step()
+        margin = out.chosen_rewards - out.rejected_rewards
+        mask = batch["attention_mask"]
+        window.add(loss=loss, micro=1, pairs=margin.numel(), right=(margin > 0).sum(), margin=margin.sum(),
+                   chosen_reward=out.chosen_rewards.sum(), rejected_reward=out.rejected_rewards.sum(),
+                   tokens=mask.sum(), positions=mask.numel(), seconds=time.perf_counter() - t0)  # fmt: skip
+        if state.batch_in_epoch % optim.gradient_accumulation_steps:
+            continue
+        state.step += 1
+        bar.update(1)
+        # 5c. log (averaged over micro-batches and ranks)
+        if T.should_log(state.step, run.log_interval, total_steps):
+            w = window.reduce()
+            state.tokens += w["tokens"]
+            state.positions += w["positions"]
+            state.train_seconds += w["seconds"] / world
+            n = max(w["pairs"], 1.0)
+            row = {"loss": w["loss"] / w["micro"], "accuracy": w["right"] / n, "margin": w["margin"] / n,
+                   "chosen_reward": w["chosen_reward"] / n, "rejected_reward": w["rejected_reward"] / n,
+                   "lr": engine.get_lr()[0], "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9),
+                   "epoch": state.epoch}  # fmt: skip
+            metrics.log(row, step=state.step, split="train")
+            bar.set_postfix(
+                loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", margin=f"{row['margin']:.3f}"
+            )
+            if not sys.stdout.isatty():
+                log.info("step %d/%d loss %.4f accuracy %.3f margin %.4f lr %.2e", state.step, total_steps,
+                         row["loss"], row["accuracy"], row["margin"], row["lr"])  # fmt: skip
+        # 5d. evaluate
+        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
+            evaluate(state.step)
+        # 5e. checkpoint
+        with sw("checkpoint"):
+            T.maybe_checkpoint(engine, run, state, total_steps)
+        if state.step >= total_steps:
+            break
+    bar.close()
+
+    # ---------------------------------------------------------------- 6. final evaluation and save
+    eval_end, acc_end = evaluate(state.step, with_accuracy=True)
+    with sw("export"):
+        export_hf_model(engine.module, tokenizer, run.output_dir)
+    summary = {
+        "step": 2,
+        "algorithm": "dpo",
+        "steps": state.step,
+        "beta": hp.beta,
+        "dpo_loss": hp.dpo_loss,
+        "implicit_reward_accuracy_start": eval_start["accuracy"],
+        "implicit_reward_accuracy_end": eval_end["accuracy"],
+        "eval_margin_start": eval_start["margin"],
+        "eval_margin_end": eval_end["margin"],
+        "eval_chosen_reward_end": eval_end["chosen_reward"],
+        "eval_rejected_reward_end": eval_end["rejected_reward"],
+        "eval_loss_start": eval_start["loss"],
+        "eval_loss_end": eval_end["loss"],
+        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
+        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
+        "train_seconds": state.train_seconds,
+        "wall_seconds": sw.wall(),
+        "seconds_by_phase": sw.totals,
+        "parameters": n_params,
+        "dtype": dtype,
+        "world_size": world,
+        "zero_stage": ds_args.zero_stage,
+        "lora_dim": lora_args.lora_dim,
+        "reference": ref_path or "starting policy",
+        "resumed_from_step": start_step if run.resume else None,
+    }
+    if acc_start and acc_end:
+        summary.update(
+            {"true_accuracy_start": acc_start["accuracy"], "true_accuracy_end": acc_end["accuracy"]}
+        )
+        summary.update({f"true_accuracy_{k.split('/')[1]}_end": v for k, v in acc_end.items() if "/" in k})
+    metrics.close()
+    write_summary(run.output_dir, summary)
+    log.info("done: implicit-reward accuracy %.4f -> %.4f, margin %.4f -> %.4f, policy saved to %s",
+             eval_start["accuracy"], eval_end["accuracy"], eval_start["margin"], eval_end["margin"],
+             run.output_dir)  # fmt: skip
+    return 0
+
+
+def check_same_tokenizer(ref_path: str, tokenizer, trust_remote_code: bool) -> None:
+    """The reference scores the policy's token ids: a different vocabulary would make its log-probs
+    meaningless."""
+    ref_tok = load_tokenizer(ref_path, trust_remote_code=trust_remote_code)
+    if ref_tok.get_vocab() != tokenizer.get_vocab():
+        raise UserError(
+            f"--ref_model_name_or_path {ref_path}: its tokenizer differs from the policy's "
+            f"({len(ref_tok)} vs {len(tokenizer)} tokens or other ids): the reference must share the policy's vocabulary"
+        )
+
+
+def reference_tables(engine, ref_path, data, optim, collate, run, model_args, dtype):
+    """(train table (N, 2), eval table (M, 2), whether they were read from the run). Computed before the
+    first update (and before a resumed checkpoint is loaded), so the policy is still the starting model."""
+    out = Path(run.output_dir)
+
+    def compute(examples):
+        def go():
+            if ref_path is None:  # the policy engine itself, before it moves
+                return reference_table(engine, examples, batch_size=optim.per_device_eval_batch_size,
+                                       collate=collate, device=engine.device)  # fmt: skip
+            # A separate reference: a plain frozen copy on each rank (forward only, freed afterwards).
+            ref = load_causal_lm(ref_path, trust_remote_code=model_args.trust_remote_code, flag="--ref_model_name_or_path",
+                                 dtype=inference_dtype(dtype, str(dist.default_device()))).to(dist.default_device())  # fmt: skip
+            table = reference_table(ref, examples, batch_size=optim.per_device_eval_batch_size, collate=collate,
+                                    device=dist.default_device())  # fmt: skip
+            del ref
+            return table
+
+        return go
+
+    train, r1 = load_or_save_table(out / "reference_logps.safetensors", compute(data.train), len(data.train),
+                                   reuse=run.resume)  # fmt: skip
+    evals, r2 = load_or_save_table(out / "reference_logps_eval.safetensors", compute(data.eval), len(data.eval),
+                                   reuse=run.resume)  # fmt: skip
+    return train, evals, r1 and r2
+
+
+if __name__ == "__main__":
+    run_cli(main)
