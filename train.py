@@ -43,6 +43,11 @@ class Step:
     name: str
     entry: Path
     built: bool
+    key: str = ""  # its output directory under --output-dir and its preset section (default stepN)
+
+    @property
+    def dir_name(self) -> str:
+        return self.key or f"step{self.number}"
 
 
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
@@ -53,6 +58,13 @@ STEPS = {
     2: Step(2, "reward model", ROOT / "training/step2_reward_model_finetuning/main.py", True),
     3: Step(3, "RLHF (PPO)", ROOT / "training/step3_rlhf_finetuning/main.py", True),
 }
+# --algorithm dpo: step 2 optimises the step-1 policy on the pairs directly; no reward model, no step 3.
+DPO_STEP = Step(2, "DPO", ROOT / "training/step2_dpo_finetuning/main.py", True, "step2_dpo")
+ALGORITHMS = ("ppo", "dpo")
+
+
+def step_of(n: int, args: argparse.Namespace) -> Step:
+    return DPO_STEP if n == 2 and getattr(args, "algorithm", "ppo") == "dpo" else STEPS[n]
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,6 +85,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--step", type=int, nargs="+", choices=sorted(STEPS), help="steps to run (default: all built steps)"
+    )
+    p.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default="ppo",
+        help="ppo: step 2 trains a reward model and step 3 runs PPO against it; dpo: step 2 optimises the "
+        "step-1 policy on the preference pairs directly (DPO, output in OUTPUT_DIR/step2_dpo), no step 3",
     )
     p.add_argument(
         "--deployment-type",
@@ -258,7 +277,7 @@ DEFAULT_PRESET = (
 )
 
 
-PRESET_KEYS = {"model", "reward_model", "deployment_type", "step1", "step2", "step3"}
+PRESET_KEYS = {"model", "reward_model", "deployment_type", "step1", "step2", "step3", "step2_dpo"}
 
 
 def read_preset(path: Path) -> dict:
@@ -333,19 +352,17 @@ def describe_preset(preset: dict, args: argparse.Namespace) -> str:
     head += (
         [f"reward model {args.reward_model or preset['reward_model']}"] if preset.get("reward_model") else []
     )
-    steps = [
-        f"step{n} {' '.join(preset_flags(preset, n, args.output_dir))}"
-        for n in (1, 2, 3)
-        if preset.get(f"step{n}")
-    ]
+    keys = [step_of(n, args).dir_name for n in steps_of(args)]
+    steps = [f"{k} {' '.join(preset_flags(preset, k, args.output_dir))}" for k in keys if preset.get(k)]
     return f"==> preset {preset['_name']} ({preset['_why']}): " + "; ".join(head + steps)
 
 
-def preset_flags(preset: dict, step: int, output_dir: str | None = None) -> list[str]:
-    """The preset's flags of one step; ``{output_dir}`` in a value becomes the run's --output-dir (so a
-    preset can point one step at another's output, e.g. ``{output_dir}/step1``)."""
+def preset_flags(preset: dict, step: int | str, output_dir: str | None = None) -> list[str]:
+    """The preset's flags of one step (its number, or its section name such as ``step2_dpo``);
+    ``{output_dir}`` in a value becomes the run's --output-dir (so a preset can point one step at
+    another's output, e.g. ``{output_dir}/step1``)."""
     out: list[str] = []
-    for flag, value in (preset.get(f"step{step}") or {}).items():
+    for flag, value in (preset.get(step if isinstance(step, str) else f"step{step}") or {}).items():
         if value is True:
             out.append(flag)
         elif value is not False and value is not None:
@@ -361,19 +378,24 @@ def step_args(
     """The step's command line: the preset's flags, then train.py's own, the memory plan's (``planned``:
     only flags no one else set), then the user's after ``--`` (argparse keeps the last value, so the
     user's flags override the preset's)."""
-    out_dir = str(Path(args.output_dir) / f"step{step}")
+    spec = step_of(step, args)
+    out_dir = str(Path(args.output_dir) / spec.dir_name)
     a = ["--output_dir", out_dir]
-    if step == 1:
+    if spec is DPO_STEP:
+        a += ["--model_name_or_path", policy_start_model(args, preset)]
+        if args.actor_zero_stage is not None:
+            a += ["--zero_stage", str(args.actor_zero_stage)]
+    elif step == 1:
         model = args.actor_model or (preset or {}).get("model")
         if model:
             a += ["--model_name_or_path", model]
         if args.actor_zero_stage is not None:
             a += ["--zero_stage", str(args.actor_zero_stage)]
-    if step == 2:
+    elif step == 2:
         a += ["--model_name_or_path", reward_start_model(args, preset)]
         if args.reward_zero_stage is not None:
             a += ["--zero_stage", str(args.reward_zero_stage)]
-    if step == 3:
+    elif step == 3:
         a += ["--actor_model_name_or_path", str(Path(args.output_dir) / "step1"),
               "--critic_model_name_or_path", args.reward_model if args.reward_model and 2 not in steps_of(args)
               else str(Path(args.output_dir) / "step2")]  # fmt: skip
@@ -389,7 +411,7 @@ def step_args(
         a.append("--resume")
     if args.node_local_storage:
         a.append("--node_local_storage")
-    return preset_flags(preset or {}, step, args.output_dir) + a + list(planned) + extra
+    return preset_flags(preset or {}, spec.dir_name, args.output_dir) + a + list(planned) + extra
 
 
 # train.py flag -> the step flag it sets, per step (a different value for the same step flag after -- is a conflict)
@@ -408,6 +430,8 @@ def check_conflicts(args: argparse.Namespace, extra: list[str], steps: list[int]
         value = getattr(args, name)
         if value is None:
             continue
+        if name == "actor_zero_stage" and args.algorithm == "dpo":  # DPO's step 2 trains the actor
+            per_step = {**per_step, 2: "--zero_stage"}
         for n, flag in per_step.items():
             other = given(extra, flag)
             if n in steps and other is not None and other != str(value):
@@ -416,7 +440,20 @@ def check_conflicts(args: argparse.Namespace, extra: list[str], steps: list[int]
 
 
 def steps_of(args: argparse.Namespace) -> list[int]:
-    return sorted(set(args.step)) if args.step else [n for n, s in STEPS.items() if s.built]
+    if args.step:
+        return sorted(set(args.step))
+    return [1, 2] if getattr(args, "algorithm", "ppo") == "dpo" else [n for n, s in STEPS.items() if s.built]
+
+
+def policy_start_model(args: argparse.Namespace, preset: dict | None = None) -> str:
+    """DPO starts from this run's step-1 model (when step 1 runs or has run), else from --actor-model,
+    the preset's model or the embedded default."""
+    step1 = Path(args.output_dir) / "step1"
+    if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
+        return str(step1)
+    from dschat.config import DEFAULT_MODEL
+
+    return args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
 
 
 def reward_start_model(args: argparse.Namespace, preset: dict | None = None) -> str:
@@ -525,20 +562,20 @@ def run_step(
 
 
 # ---------------------------------------------------------------------------------------------- memory planning
-def parse_step(n: int, argv: list[str]) -> tuple:
+def parse_step(step: Step, argv: list[str]) -> tuple:
     """The step's option groups parsed from ``argv`` by the step's own parser (its ``GROUPS`` and
     ``STEP_DEFAULTS``), without running the step: a bad flag stops here, before any step starts."""
     from dschat import config as C
 
-    name = f"_dschat_step{n}_main"
+    name = f"_dschat_{step.dir_name}_main"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, STEPS[n].entry)
+        spec = importlib.util.spec_from_file_location(name, step.entry)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules[name] = module
     module = sys.modules[name]
     return C.parse_groups(
-        STEPS[n].entry.parent.name, "", module.GROUPS, argv, getattr(module, "STEP_DEFAULTS", None)
+        step.entry.parent.name, "", module.GROUPS, argv, getattr(module, "STEP_DEFAULTS", None)
     )
 
 
@@ -593,7 +630,10 @@ def memory_plan(
     from dschat import planning as P
 
     full = args.estimate_memory
-    groups = parse_step(n, argv)
+    groups = parse_step(step_of(n, args), argv)
+    if step_of(n, args) is DPO_STEP:  # the planner knows steps 1-3; DPO holds one training model, like step 1
+        print(f"==> memory plan, step {n} (DPO): not planned; the step's own defaults apply", flush=True)
+        return []
     try:
         gpn, nodes = processes(args)
         hw = P.detect_hardware(gpn, nodes, args.device_memory, args.cpu_memory)
@@ -636,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, True)
             extra = [a for a in extra if a != f"--{name}"]
     steps = steps_of(args)
+    if args.algorithm == "dpo":
+        check_dpo(args, steps)
     for n in steps:
         if not STEPS[n].built:
             raise UserError(
@@ -673,18 +715,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"--step 3 needs a finished step {needed} in {Path(args.output_dir) / f'step{needed}'} "
                     f"(run --step {needed} first, or add it: --step 1 2 3)"
                 )
-        check_output_dir(str(Path(args.output_dir) / f"step{n}"), overwrite=args.overwrite, resume=args.resume,
+        check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite, resume=args.resume,
                          flag="--output-dir")  # fmt: skip
-        parse_step(n, step_args(n, args, extra, preset))  # every step's flags are checked before any runs
+        parse_step(step_of(n, args), step_args(n, args, extra, preset))  # every step's flags, before any runs
     env = {"DSCHAT_DIST_TIMEOUT": str(args.dist_timeout)} if args.dist_timeout else {}
     # With torchrun every node runs this script: node 0 writes training.log, the others their own file.
     node = f".node{args.node_rank}" if args.launcher == "torchrun" and args.node_rank else ""
     for n in steps:
-        step = STEPS[n]
+        step = step_of(n, args)
         argv_n = step_args(n, args, extra, preset)
         planned = memory_plan(n, args, extra, preset, argv_n)
         cmd = [*prefix, str(step.entry), *step_args(n, args, extra, preset, planned)]
-        out_dir = Path(args.output_dir) / f"step{n}"
+        out_dir = Path(args.output_dir) / step.dir_name
         print(f"==> step {n} ({step.name}): {shlex.join(cmd)}", flush=True)
         if args.dry_run:
             continue
@@ -704,10 +746,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_dpo(args: argparse.Namespace, steps: list[int]) -> None:
+    """--algorithm dpo has no reward model and no step 3: flags about them conflict with it."""
+    if 3 in steps:
+        raise UserError(
+            "--step 3 with --algorithm dpo: DPO trains the policy in step 2 and has no step 3 (use --step 1 2)"
+        )
+    for flag, value in (
+        ("--reward-model", args.reward_model),
+        ("--reward-zero-stage", args.reward_zero_stage),
+    ):
+        if value is not None:
+            raise UserError(
+                f"{flag} with --algorithm dpo: DPO trains no reward model (use --actor-zero-stage)"
+            )
+
+
 def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | None = None) -> list[str]:
     """After a finished job: the commands that chat with its result and compare it with its start."""
     out = Path(args.output_dir)
-    if 3 in steps:
+    if args.algorithm == "dpo" and 2 in steps:
+        result, start = out / DPO_STEP.dir_name, policy_start_model(args, preset)
+    elif 3 in steps:
         result, start = out / "step3" / "actor", str(out / "step1")
     elif 1 in steps:
         from dschat.config import DEFAULT_MODEL
@@ -715,7 +775,9 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
         result, start = out / "step1", args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
     else:
         return []  # step 2 alone made a reward model: nothing to talk to
-    if (out / "step2" / "summary.json").exists():
+    if args.algorithm == "dpo":
+        reward = None  # no reward model in a DPO run
+    elif (out / "step2" / "summary.json").exists():
         reward = str(out / "step2")
     else:
         reward = args.reward_model if 3 in steps else None
@@ -732,7 +794,7 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
     compare = ["python", script("prompt_eval.py"), "--model_name_or_path_baseline", start,
                "--model_name_or_path_finetune", str(result), *(["--reward_model", reward] if reward else []),
                *(["--tasks", ",".join(names)] if names else []),
-               "--output", str(out / f"prompt_eval_step{3 if 3 in steps else 1}")]  # fmt: skip
+               "--output", str(out / f"prompt_eval_{result.relative_to(out).parts[0]}")]  # fmt: skip
     return [
         f"==> talk to the result: {shlex.join(['python', script('chat.py'), '--path', str(result)])}",
         f"==> compare it with its starting model: {shlex.join(compare)}",

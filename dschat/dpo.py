@@ -43,8 +43,11 @@ def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLog
 
 
 @torch.no_grad()
-def reference_table(model, examples: list[dict], *, batch_size: int, collate, device) -> torch.Tensor:
-    """``(N, 2)`` summed log-probs of the chosen and rejected response of every example under ``model``.
+def reference_table(
+    model, examples: list[dict], *, batch_size: int, collate, device, only: set[int] | None = None
+) -> torch.Tensor:
+    """``(N, 2)`` summed log-probs of the chosen and rejected response of every example under ``model``
+    (with ``only``, of those indices alone; the other rows are NaN, so using one would show at once).
 
     Each rank scores its share (every rank runs the same number of forwards, as ZeRO-3 needs) and the
     table is summed over ranks; every example is scored exactly once.
@@ -52,6 +55,9 @@ def reference_table(model, examples: list[dict], *, batch_size: int, collate, de
     was_training = model.training
     model.eval()
     table = torch.zeros(len(examples), 2, dtype=torch.float64)
+    if only is not None:
+        table[[i for i in range(len(examples)) if i not in only]] = float("nan")
+        examples = [examples[i] for i in sorted(only)]
     for batch, weight in eval_batches(examples, batch_size=batch_size, collate=collate):
         lp = response_logps(model, batch, device)
         keep = weight > 0
@@ -104,18 +110,25 @@ def evaluate_pairs(
             "rejected_reward": rejected / n, "loss": loss / n}  # fmt: skip
 
 
-def load_or_save_table(path: Path, compute, n: int, *, reuse: bool) -> tuple[torch.Tensor, bool]:
-    """With ``reuse`` (a resumed run: the policy has moved since, so the table cannot be recomputed from
-    it), the table kept at ``path`` if it holds ``n`` rows; else ``compute()``, saved there atomically
-    by the main rank. Returns (table, whether it was read)."""
-    if reuse and path.is_file():
-        from safetensors.torch import load_file
-
-        table = load_file(str(path))["reference_logps"]
-        if table.shape == (n, 2):
-            return table, True
-    table = compute()
+def save_table(path: Path, table: torch.Tensor) -> None:
+    """Written atomically by the main rank (safetensors); every rank waits for it."""
     if dist.is_main():
         atomic_save_tensors(path, {"reference_logps": table})
     dist.barrier()
-    return table, False
+
+
+def read_table(path: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["reference_logps"]
+
+
+def table_rows(path: Path) -> int | None:
+    """Rows of a saved table (None if there is none): a resumed run reads its table, since the policy
+    has moved since the table was computed from it."""
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("reference_logps").get_shape()[0]

@@ -71,11 +71,26 @@ class ResumableDistributedSampler(Sampler[int]):
     def __len__(self) -> int:
         return (self.batches_per_epoch() - self.start_batch) * self.batch_size
 
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+    def _order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s indices of all ranks (rank r takes every world-th one from r)."""
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
         order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
         if self.lengths is not None:
             order = group_by_length(order, self.lengths, self.world * self.batch_size, g)
-        usable = self.batches_per_epoch() * self.world * self.batch_size
-        mine = order[self.rank : usable : self.world]
+        return order[: self.batches_per_epoch() * self.world * self.batch_size]
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self._order(self.epoch)[self.rank :: self.world]
         return iter(mine[self.start_batch * self.batch_size :])
+
+    def indices_of_run(self, micro_batches: int) -> set[int]:
+        """Every index that any rank draws in its first ``micro_batches`` micro-batches from epoch 0 on (what
+        a run of that length reads: per-example work such as DPO's reference log-probs needs no more)."""
+        out: set[int] = set()
+        epoch, left, per_epoch = 0, micro_batches, self.batches_per_epoch()
+        while left > 0 and per_epoch > 0:
+            take = min(left, per_epoch)
+            out.update(self._order(epoch)[: take * self.world * self.batch_size])
+            left -= take
+            epoch += 1
+        return out

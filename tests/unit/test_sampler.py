@@ -116,3 +116,21 @@ def test_group_by_length_batches_similar_lengths_and_keeps_every_sample():
 def test_group_by_length_needs_one_length_per_sample():
     with pytest.raises(ValueError, match="3 lengths for 4 samples"):
         ResumableDistributedSampler(4, batch_size=2, rank=0, world=1, seed=0, lengths=[1, 2, 3])
+
+
+@pytest.mark.parametrize("world, accumulation, micro", [(1, 1, 3), (2, 2, 4), (3, 1, 7)])
+def test_indices_of_run_are_exactly_what_the_ranks_draw(world, accumulation, micro):
+    lengths = [(i * 7) % 13 for i in range(50)]
+    samplers = [ResumableDistributedSampler(50, batch_size=4, rank=r, world=world, seed=3, accumulation=accumulation, lengths=lengths)
+                for r in range(world)]  # fmt: skip
+    drawn: set[int] = set()
+    for s in samplers:
+        left, epoch = micro, 0
+        while left > 0:
+            s.set_epoch(epoch)
+            got = list(s)[: min(left, s.batches_per_epoch()) * 4]
+            drawn.update(got)
+            left -= min(left, s.batches_per_epoch())
+            epoch += 1
+    assert samplers[0].indices_of_run(micro) == drawn
+    assert len(drawn) < 50 or micro * world * 4 >= 50  # a short run needs only part of the data

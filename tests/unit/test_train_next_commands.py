@@ -79,3 +79,46 @@ def test_the_comparison_uses_the_runs_own_built_in_tasks(train, tmp_path):
     assert flag(cmp, "--tasks") == "add"
     _, cmp = commands(train, ["--output-dir", str(tmp_path), "--data-path", "my.jsonl"], preset=preset)
     assert flag(cmp, "--tasks") is None
+
+
+def test_after_dpo_the_result_is_step2_dpo(train, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    chat, cmp = commands(train, ["--algorithm", "dpo", "--output-dir", str(out)])
+    assert chat[-1] == str(out / "step2_dpo")
+    assert flag(cmp, "--model_name_or_path_baseline") == str(out / "step1")
+    assert flag(cmp, "--model_name_or_path_finetune") == str(out / "step2_dpo")
+    assert flag(cmp, "--reward_model") is None
+    assert flag(cmp, "--output") == str(out / "prompt_eval_step2_dpo")
+
+
+def test_dpo_step_command_line(train, tmp_path):
+    args, extra = train.parse_args(
+        ["--algorithm", "dpo", "--output-dir", str(tmp_path), "--actor-zero-stage", "3"]
+    )
+    assert train.steps_of(args) == [1, 2]  # no step 3 by default
+    argv = train.step_args(2, args, extra, {"step2": {"--margin": 0.5}, "step2_dpo": {"--beta": 0.2}})
+    assert train.step_of(2, args).entry.parent.name == "step2_dpo_finetuning"
+    # the DPO section of the preset, not the reward model's; the policy starts from step 1; the actor's stage
+    assert flag(argv, "--beta") == "0.2" and "--margin" not in argv
+    assert flag(argv, "--output_dir") == str(tmp_path / "step2_dpo")
+    assert flag(argv, "--model_name_or_path") == str(tmp_path / "step1")
+    assert flag(argv, "--zero_stage") == "3"
+    groups = train.parse_step(train.step_of(2, args), argv)
+    assert any(getattr(g, "beta", None) == 0.2 for g in groups)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--algorithm", "dpo", "--step", "3"], "no step 3"),
+        (["--algorithm", "dpo", "--reward-model", "x"], "--reward-model"),
+        (["--algorithm", "dpo", "--reward-zero-stage", "3"], "--reward-zero-stage"),
+    ],
+)
+def test_dpo_refuses_what_it_does_not_have(train, argv, needle):
+    from dschat.utils.errors import UserError
+
+    args, _ = train.parse_args(argv)
+    with pytest.raises(UserError, match=needle):
+        train.check_dpo(args, train.steps_of(args))

@@ -27,7 +27,15 @@ from dschat import config as C
 from dschat import trainer as T
 from dschat.data.collate import PreferenceLMCollator
 from dschat.data.pipeline import prepare_pair_data
-from dschat.dpo import evaluate_pairs, load_or_save_table, pair_loss, reference_table, response_logps
+from dschat.dpo import (
+    evaluate_pairs,
+    pair_loss,
+    read_table,
+    reference_table,
+    response_logps,
+    save_table,
+    table_rows,
+)
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.generation import task_accuracy
@@ -103,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 4. reference log-probs (once), resume
     sw = Stopwatch()
     with sw("reference"):
-        ref_train, ref_eval, reused = reference_tables(
-            engine, ref_path, data, optim, collate, run, model_args, dtype
-        )
-    log.info("reference log-probs of %d + %d pairs %s (%s)", len(data.train), len(data.eval),
+        # only the pairs this run reads (a --max_steps run over a large set reads a fraction of it)
+        used = loader.sampler.indices_of_run(total_steps * optim.gradient_accumulation_steps)
+        ref_train, ref_eval, reused = reference_tables(engine, ref_path, data, used, optim, collate, run, model_args,
+                                                       dtype)  # fmt: skip
+    log.info("reference log-probs of %d train + %d eval pairs %s (%s)", len(used), len(data.eval),
              "read from the run" if reused else "computed", ref_path or "the starting policy")  # fmt: skip
     state = T.resume_state(engine, run, global_batch)
     start_step = state.step
@@ -235,31 +244,28 @@ def check_same_tokenizer(ref_path: str, tokenizer, trust_remote_code: bool) -> N
         )
 
 
-def reference_tables(engine, ref_path, data, optim, collate, run, model_args, dtype):
+def reference_tables(engine, ref_path, data, used, optim, collate, run, model_args, dtype):
     """(train table (N, 2), eval table (M, 2), whether they were read from the run). Computed before the
-    first update (and before a resumed checkpoint is loaded), so the policy is still the starting model."""
+    first update (and before a resumed checkpoint is loaded), so the policy is still the starting model;
+    a separate reference is a plain frozen copy on each rank, forward only, freed afterwards."""
     out = Path(run.output_dir)
-
-    def compute(examples):
-        def go():
-            if ref_path is None:  # the policy engine itself, before it moves
-                return reference_table(engine, examples, batch_size=optim.per_device_eval_batch_size,
-                                       collate=collate, device=engine.device)  # fmt: skip
-            # A separate reference: a plain frozen copy on each rank (forward only, freed afterwards).
-            ref = load_causal_lm(ref_path, trust_remote_code=model_args.trust_remote_code, flag="--ref_model_name_or_path",
-                                 dtype=inference_dtype(dtype, str(dist.default_device()))).to(dist.default_device())  # fmt: skip
-            table = reference_table(ref, examples, batch_size=optim.per_device_eval_batch_size, collate=collate,
-                                    device=dist.default_device())  # fmt: skip
-            del ref
-            return table
-
-        return go
-
-    train, r1 = load_or_save_table(out / "reference_logps.safetensors", compute(data.train), len(data.train),
-                                   reuse=run.resume)  # fmt: skip
-    evals, r2 = load_or_save_table(out / "reference_logps_eval.safetensors", compute(data.eval), len(data.eval),
-                                   reuse=run.resume)  # fmt: skip
-    return train, evals, r1 and r2
+    train_path, eval_path = out / "reference_logps.safetensors", out / "reference_logps_eval.safetensors"
+    n_train, n_eval = len(data.train), len(data.eval)
+    if run.resume and table_rows(train_path) == n_train and table_rows(eval_path) == n_eval:
+        return read_table(train_path), read_table(eval_path), True
+    device = engine.device
+    model = engine
+    if ref_path is not None:
+        model = load_causal_lm(ref_path, trust_remote_code=model_args.trust_remote_code, flag="--ref_model_name_or_path",
+                               dtype=inference_dtype(dtype, str(dist.default_device()))).to(dist.default_device())  # fmt: skip
+        device = dist.default_device()
+    kw = {"batch_size": optim.per_device_eval_batch_size, "collate": collate, "device": device}
+    train = reference_table(model, data.train, only=used, **kw)
+    evals = reference_table(model, data.eval, **kw)
+    del model
+    save_table(train_path, train)
+    save_table(eval_path, evals)
+    return train, evals, False
 
 
 if __name__ == "__main__":
