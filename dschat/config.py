@@ -207,11 +207,21 @@ class RewardArgs:
         "every position from where the two answers part to the end of the longer one (DeepSpeed-Chat's loss)",
         choices=("last_token", "divergence"),
     )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.margin < 0:
+            raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
+
+
+@dataclass
+class PolicyPairsArgs:
+    """On-policy pairs for step 2 (reward model or DPO): a policy's own wrong answers as rejected ones."""
+
     policy_negatives_from: str | None = opt(
         None,
         "a causal LM (e.g. the step-1 model) whose own wrong answers to the built-in tasks' prompts become extra "
-        "rejected responses (on-policy pairs, as InstructGPT compared samples of its SFT model): the reward model "
-        "then learns the mistakes PPO's actor will make, not only synthetic ones",
+        "rejected responses next to the right answer (on-policy pairs, as InstructGPT compared samples of its SFT "
+        "model): the reward model (or DPO) then learns from the mistakes the policy makes, not only synthetic ones",
         type=str,
     )
     policy_negatives_per_prompt: int = opt(4, "answers sampled per prompt for --policy_negatives_from")
@@ -222,8 +232,6 @@ class RewardArgs:
     policy_negatives_max_new_tokens: int = opt(32, "longest sampled answer for --policy_negatives_from")
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
-        if self.margin < 0:
-            raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
         if self.policy_negatives_max_prompts < 0:
             raise UserError(
                 f"--{prefix}policy_negatives_max_prompts must be >= 0, got {self.policy_negatives_max_prompts}"

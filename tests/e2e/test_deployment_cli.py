@@ -35,7 +35,7 @@ def step_options(train, step: int, cmd: list[str]) -> dict:
 
     entry = next(i for i, a in enumerate(cmd) if a.endswith("main.py"))
     out = {}
-    for group in train.parse_step(step, cmd[entry + 1 :]):
+    for group in train.parse_step(train.STEPS[step], cmd[entry + 1 :]):
         out.update(dataclasses.asdict(group))
     return out
 
@@ -46,9 +46,8 @@ def test_preset_parses_through_every_step_parser(train, path):
     from dschat import memory as M
 
     preset = train.read_preset(path)
-    for n in (1, 2, 3):
-        groups = train.parse_step(n, train.preset_flags(preset, n))  # SystemExit(2) on a bad flag or value
-        assert groups
+    for step in (*train.STEPS.values(), train.DPO_STEP):  # SystemExit(2) on a bad flag or value
+        assert train.parse_step(step, train.preset_flags(preset, step.dir_name))
     # its models plan offline, and --actor-model NAME with its deployment type selects this very file
     for key in ("model", "reward_model"):
         if preset.get(key):

@@ -133,3 +133,22 @@ def test_reference_with_another_vocabulary_is_one_line(tmp_path):
     )
     assert "vocabulary" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_policy_negatives_join_the_dpo_pairs(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    # builtin tasks (no --data_path): an untrained policy's distinct wrong answers become rejected sides
+    flags = [a for a in FAST if a not in ("--data_split", "0,1,0")]
+    proc = dpo(out, *flags, "--max_steps", "2", "--policy_negatives_from", "builtin:micro-llama",
+               "--policy_negatives_max_prompts", "16", "--policy_negatives_per_prompt", "2",
+               "--policy_negatives_max_new_tokens", "6")  # fmt: skip
+    assert_ok(proc)
+    s = summary(out)
+    train = s["policy_negatives"]["train"]
+    assert train["prompts"] == 16 and 0 < train["pairs"] <= 32
+    rows = [json.loads(x) for x in (out / "policy_negatives_train.jsonl").read_text().splitlines()]
+    assert len(rows) == train["pairs"]
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    assert cfg["policy_negatives_from"] == "builtin:micro-llama"

@@ -11,9 +11,11 @@ from dschat import config as C
 from dschat.config import (
     DataArgs,
     DeepSpeedArgs,
+    DPOArgs,
     LoraArgs,
     ModelArgs,
     OptimArgs,
+    PolicyPairsArgs,
     PPOArgs,
     RewardArgs,
     RunArgs,
@@ -210,9 +212,22 @@ def test_parse_data_split_names_the_given_flag():
         (OptimArgs(num_warmup_steps=-1), "--num_warmup_steps must be >= 0, got -1"),
         (OptimArgs(learning_rate=0.0), "--learning_rate must be > 0, got 0.0"),
         (PPOArgs(n_samples_per_prompt=0), "--n_samples_per_prompt must be >= 1, got 0"),
-        (RewardArgs(policy_negatives_per_prompt=0), "--policy_negatives_per_prompt must be >= 1, got 0"),
-        (RewardArgs(policy_negatives_max_prompts=-1), "--policy_negatives_max_prompts must be >= 0, got -1"),
-        (RewardArgs(policy_negatives_temperature=0.0), "--policy_negatives_temperature must be > 0, got 0.0"),
+        (PolicyPairsArgs(policy_negatives_per_prompt=0), "--policy_negatives_per_prompt must be >= 1, got 0"),
+        (
+            PolicyPairsArgs(policy_negatives_max_prompts=-1),
+            "--policy_negatives_max_prompts must be >= 0, got -1",
+        ),
+        (
+            PolicyPairsArgs(policy_negatives_temperature=0.0),
+            "--policy_negatives_temperature must be > 0, got 0.0",
+        ),
+        (RewardArgs(margin=-1.0), "--margin must be >= 0, got -1.0"),
+        (DPOArgs(beta=0.0), "--beta must be > 0, got 0.0"),
+        (
+            DPOArgs(label_smoothing=0.1, dpo_loss="ipo"),
+            "--label_smoothing applies to --dpo_loss sigmoid only",
+        ),
+        (DPOArgs(sft_coef=-1.0), "--sft_coef must be >= 0, got -1.0"),
         (PPOArgs(advantage_estimator="rloo"), "--advantage_estimator rloo compares each prompt's responses"),
         # top-k / top-p sampling is refused in step 3: PPO's log-probs would not be of the filtered sampler
         (PPOArgs(top_k=50), "--top_k 50: step 3 samples from softmax(logits / --temperature) only"),

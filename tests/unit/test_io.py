@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dschat.utils.io import atomic_write_json, atomic_write_text, replace_dir
+from dschat.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, replace_dir
 
 
 def test_atomic_write_text_creates_parents(tmp_path):
@@ -27,8 +27,8 @@ def test_atomic_write_text_replaces(tmp_path):
 def test_atomic_write_text_failure_keeps_old_content(tmp_path):
     p = tmp_path / "f.txt"
     atomic_write_text(p, "old")
-    with pytest.raises(TypeError):
-        atomic_write_text(p, 123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # fails inside the write: the temporary file is removed
+        atomic_write_bytes(p, 123)  # type: ignore[arg-type]
     assert p.read_text() == "old"
     assert os.listdir(tmp_path) == ["f.txt"]
 
@@ -75,3 +75,15 @@ def test_replace_dir_clears_a_stale_old_copy(tmp_path):
     replace_dir(tmp, final)
     assert sorted(os.listdir(final)) == ["v2"]
     assert sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_atomic_save_tensors_round_trip(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from dschat.utils.io import atomic_save_tensors
+
+    p = tmp_path / "t.safetensors"
+    atomic_save_tensors(p, {"x": torch.arange(6.0).view(3, 2).t()})  # a non-contiguous view is fine
+    assert load_file(str(p))["x"].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
+    assert os.listdir(tmp_path) == ["t.safetensors"]

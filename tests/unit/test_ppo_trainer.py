@@ -166,7 +166,7 @@ def step3_model_args(*argv: str):
     train = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = train
     spec.loader.exec_module(train)
-    groups = train.parse_step(3, list(argv))
+    groups = train.parse_step(train.STEPS[3], list(argv))
     return groups[0], groups[1]
 
 

@@ -40,11 +40,21 @@ from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.generation import task_accuracy
 from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, load_tokenizer, resolve
+from dschat.policy_pairs import mine_step_pairs
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.run import Stopwatch, write_summary
 
-GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.RunArgs, C.DPOArgs)
+GROUPS = (
+    C.ModelArgs,
+    C.DataArgs,
+    C.LoraArgs,
+    C.OptimArgs,
+    C.DeepSpeedArgs,
+    C.RunArgs,
+    C.DPOArgs,
+    C.PolicyPairsArgs,
+)
 STEP_DEFAULTS = {
     # No dropout (as TRL's default): at the first update the policy's log-probs equal the reference's.
     C.ModelArgs: {"dropout": 0.0},
@@ -55,7 +65,7 @@ STEP_DEFAULTS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_dpo_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
-    model_args, data_args, lora_args, optim, ds_args, run, hp = args
+    model_args, data_args, lora_args, optim, ds_args, run, hp, pairs_args = args
 
     # ---------------------------------------------------------------- 1. setup (the reference is checked
     # before any slow work: it must read text as the policy does)
@@ -69,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
+    # 2b. on-policy pairs (--policy_negatives_from output/step1): the right answer over the policy's own
+    # wrong ones, so DPO pushes down the mistakes this policy makes rather than only synthetic ones
+    mined = mine_step_pairs(pairs_args, data_args=data_args, phase=2, tokenizer=tokenizer, fmt=setup.fmt,
+                            seed=run.seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)  # fmt: skip
+    if mined:
+        data.train = data.train + mined.train
     for split in (data.train, data.eval):
         for i, ex in enumerate(split):
             ex["index"] = i  # the row of its reference log-probs
@@ -83,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     T.begin_outputs(run)
     resolved = T.save_step_config(2, args, run, setup, batches, data)
+    if mined:
+        mined.write(run.output_dir)
     st = data.stats["train"]
     log.info(
         "data: %d train / %d eval pairs; dropped %d with identical sides, %d empty, %d too long; %d steps",
@@ -218,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "zero_stage": ds_args.zero_stage,
         "lora_dim": lora_args.lora_dim,
         "reference": ref_path or "starting policy",
+        "policy_negatives": mined.stats if mined else None,
         "resumed_from_step": start_step if run.resume else None,
     }
     if acc_start and acc_end:

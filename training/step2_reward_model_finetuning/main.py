@@ -13,8 +13,6 @@ rejected batched together. The output directory loads with
 
 from __future__ import annotations
 
-import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -26,24 +24,32 @@ from tqdm import tqdm
 from dschat import config as C
 from dschat import trainer as T
 from dschat.data.collate import PairCollator
-from dschat.data.pipeline import gather_samples, prepare_pair_data, tokenize_pairs
+from dschat.data.pipeline import prepare_pair_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
 from dschat.losses import divergence_pairwise_loss, gather_last, pairwise_loss
-from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, resolve
+from dschat.models.loading import count_parameters
 from dschat.models.reward import ScalarHeadModel, load_reward_model
-from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_policy_negatives
+from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
-from dschat.utils.io import atomic_write_text
 from dschat.utils.run import (
     Stopwatch,
     write_summary,
 )
 
-GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.RunArgs, C.RewardArgs)
+GROUPS = (
+    C.ModelArgs,
+    C.DataArgs,
+    C.LoraArgs,
+    C.OptimArgs,
+    C.DeepSpeedArgs,
+    C.RunArgs,
+    C.RewardArgs,
+    C.PolicyPairsArgs,
+)
 STEP_DEFAULTS = {
     C.RunArgs: {"output_dir": "output/step2", "eval_interval": 50},
     C.OptimArgs: {"learning_rate": 5e-4, "weight_decay": 0.1, "num_train_epochs": 1},
@@ -54,17 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups(
         "step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS
     )
-    model_args, data_args, lora_args, optim, ds_args, run, reward = args
+    model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
 
     # ---------------------------------------------------------------- 1. setup
     setup = T.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
-
-    policy_path = (
-        resolve(reward.policy_negatives_from, "--policy_negatives_from")
-        if reward.policy_negatives_from
-        else None
-    )
 
     # ---------------------------------------------------------------- 2. data: this step's share of the pairs
     data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
@@ -72,47 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     # 2b. on-policy pairs (--policy_negatives_from): the policy's own wrong answers to this step's built-in
     # prompts join the training pairs; those to held-out prompts are a second evaluation set, the one
     # that says whether PPO's actor will be able to fool this reward model.
-    policy_stats: dict[str, dict] = {}
+    mined = mine_step_pairs(pairs_args, data_args=data_args, phase=2, tokenizer=tokenizer, fmt=setup.fmt,
+                            seed=run.seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)  # fmt: skip
     policy_evals: list = []
-    # the held-out prompts' sampled answers: can this reward model pick the right one?
+    # the held-out prompts' sampled answers: can the reward model pick the right one?
     policy_samples: PolicySamples | None = None
-    mined: dict[str, list] = {}
-    if policy_path:
-        t_mine = time.perf_counter()
-        # sampled in the training dtype (bf16 samples about 1.5x faster than fp32 on CPU)
-        policy = load_causal_lm(policy_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code,
-                                dtype=inference_dtype(dtype, str(dist.default_device())),
-                                flag="--policy_negatives_from").to(dist.default_device())  # fmt: skip
-        train_s, eval_s = gather_samples(data_args, 2, run.seed)  # this step's prompts, as text
-        train_prompts, cap = [s.prompt for s in train_s], reward.policy_negatives_max_prompts
-        if 0 < cap < len(train_prompts):  # a random subset, not a prefix: sources (tasks) come in order
-            train_prompts = random.Random(f"policy-negatives:{run.seed}").sample(train_prompts, cap)
-        splits = {"train": train_prompts, "eval": [s.prompt for s in eval_s]}
-        for split, texts in splits.items():
-            pairs, policy_stats[split], samples = mine_policy_negatives(
-                policy, tokenizer, texts, samples_per_prompt=reward.policy_negatives_per_prompt,
-                max_new_tokens=reward.policy_negatives_max_new_tokens, temperature=reward.policy_negatives_temperature,
-                device=dist.default_device(), seed=run.seed + (split == "eval"), fmt=setup.fmt,
-            )  # fmt: skip
-            mined[split] = pairs
-            examples, _ = tokenize_pairs(pairs, setup.fmt, data_args.max_seq_len)
-            if split == "train":
-                data.train = data.train + examples
-            else:
-                policy_evals = eval_batches(
-                    examples, batch_size=optim.per_device_eval_batch_size, collate=collate
-                )
-                policy_samples = samples if policy_stats[split]["prompts"] else None
-        del policy
-        held_out = policy_stats["eval"]
-        log.info("on-policy pairs from %s: %d train / %d eval (the policy's sampled accuracy %.3f; on held-out "
-                 "prompts %.3f, one of %d right %.3f), %.1f s", policy_path, policy_stats["train"]["pairs"],
-                 held_out["pairs"], policy_stats["train"]["sampled_accuracy"], held_out["sampled_accuracy"],
-                 reward.policy_negatives_per_prompt, held_out["pass_at_k"], time.perf_counter() - t_mine)  # fmt: skip
-        if not policy_stats["train"]["prompts"]:
-            log.warning(
-                "--policy_negatives_from: no built-in task prompts in this step's data; no pairs were added"
-            )
+    if mined:
+        data.train = data.train + mined.train
+        policy_evals = eval_batches(mined.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
+        policy_samples = mined.eval_samples
     batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = (
         batches.loader,
@@ -123,14 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     T.begin_outputs(run)
     resolved = T.save_step_config(2, args, run, setup, batches, data)
-    if dist.is_main():  # the mined pairs, for a person to read and for rw_eval.py --file
-        for split, pairs in mined.items():
-            rows = [
-                json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}) for p in pairs
-            ]
-            atomic_write_text(
-                Path(run.output_dir) / f"policy_negatives_{split}.jsonl", "".join(r + "\n" for r in rows)
-            )
+    if mined:
+        mined.write(run.output_dir)
     st = data.stats["train"]
     log.info(
         "data: %d train / %d eval pairs; dropped %d identical, %d empty, %d too long; %d prompts truncated; %d steps",
@@ -187,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s", step, ev["accuracy"],
                  ev["chosen_mean"], ev["rejected_mean"], ev["margin"],
                  f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else "",
-                 f", its pick of the policy's {reward.policy_negatives_per_prompt} answers right "
+                 f", its pick of the policy's {pairs_args.policy_negatives_per_prompt} answers right "
                  f"{ev['policy_best_of_k_accuracy']:.4f}" if policy_samples is not None else "")  # fmt: skip
         return ev
 
@@ -267,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         # raise its score but not the truth.
         "eval_policy_best_of_k_accuracy_start": eval_start.get("policy_best_of_k_accuracy"),
         "eval_policy_best_of_k_accuracy_end": eval_end.get("policy_best_of_k_accuracy"),
-        "policy_negatives": policy_stats or None,
+        "policy_negatives": mined.stats if mined else None,
         "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
         "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
         "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
