@@ -68,3 +68,32 @@ def test_preference_lm_collator_labels_responses_and_end():
     # token_nll on these labels sums over the response and end tokens only: 3, 2, 2, 4 of them
     _, n = token_nll(torch.zeros(4, 5, 10), out["labels"])
     assert n.tolist() == [3.0, 2.0, 2.0, 4.0]
+
+
+def test_reference_table_is_padding_free_and_marks_unread_rows(tmp_path):
+    # A real micro Llama: each pair scored in a padded batch of three equals it scored alone, and the sum
+    # over response tokens equals a hand loop over log_softmax; rows outside `only` are NaN.
+    from transformers import AutoModelForCausalLM
+
+    from dschat.dpo import reference_table
+    from dschat.models.loading import resolve
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(resolve("builtin:micro-llama"), dtype=torch.float32).eval()
+    examples = [pair_example([5, 6, 7], [8, 9], [10]), pair_example([5], [11, 12, 13, 14], [15, 16]),
+                pair_example([7, 7], [20], [21, 22, 23])]  # fmt: skip
+    for i, ex in enumerate(examples):
+        ex["index"] = i
+    collate = PreferenceLMCollator(pad_id=0, end_id=2)
+    table = reference_table(model, examples, batch_size=3, collate=collate, device="cpu", only={0, 2})
+    assert torch.isnan(table[1]).all() and not torch.isnan(table[[0, 2]]).any()
+
+    def by_hand(prompt: list[int], response: list[int]) -> float:
+        ids = torch.tensor([prompt + response + [2]])
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        return sum(float(logp[t - 1, ids[0, t]]) for t in range(len(prompt), ids.shape[1]))
+
+    for i in (0, 2):
+        ex, p = examples[i], examples[i]["prompt_len"]
+        assert float(table[i, 0]) == pytest.approx(by_hand(ex["chosen"][:p], ex["chosen"][p:]), abs=1e-4)
+        assert float(table[i, 1]) == pytest.approx(by_hand(ex["rejected"][:p], ex["rejected"][p:]), abs=1e-4)

@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""DPO on the real model, printed as JSON.
+
+    python bench/bench_dpo.py verifiable                      # step 1 (the main job's) then DPO on on-policy pairs
+    python bench/bench_dpo.py verifiable --step1 output/step1   # DPO from a finished step-1 model
+    python bench/bench_dpo.py hh --judge runs/judge_rm        # DPO from SmolLM2 on HH-RLHF, judged by a reward model
+
+``verifiable``: the built-in tasks of the main job (sort, reverse_words) with SmolLM2-135M-Instruct. DPO
+starts from the step-1 model; its pairs are the built-in synthetic ones plus the step-1 model's own wrong
+answers (``--policy_negatives_from``: verifier-right vs verifier-wrong, one round). Reports the verifier's
+true accuracy of greedy answers before (the step-1 model) and after, on the same held-out prompts, the
+implicit-reward accuracy on held-out pairs, tokens/s and wall time.
+
+``hh``: DPO from SmolLM2-135M-Instruct itself (it is already instruction-tuned: that is its step 1) on
+``../shared/data/hh_rlhf/train.jsonl``; implicit-reward accuracy on ``test.jsonl`` (target 0.62). With
+``--judge DIR`` (a reward model trained on other pairs, e.g. the judge of the alignment benchmark), both
+policies answer the held-out prompts greedily and the judge scores them: ``judge_win_rate`` (ties half,
+target 0.60) and ``length_ratio`` (mean answer length in tokens, DPO over step 1; target at most 1.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+COMMON = ["--trainable_layers", "8", "--per_device_train_batch_size", "16", "--eval_interval", "0",
+          "--log_interval", "10"]  # fmt: skip
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:], "cmd": cmd}))
+        sys.exit(1)
+
+
+def verifiable(args: argparse.Namespace, out: Path) -> dict:
+    t0 = time.perf_counter()
+    step1 = Path(args.step1) if args.step1 else out / "step1"
+    if not args.step1:
+        run([str(ROOT / "train.py"), "--step", "1", "--output-dir", str(out)])
+    tasks = ["--data_path", "builtin:sort,reverse_words", "--max_seq_len", "128", "--max_eval_samples", "200",
+             "--eval_generation_samples", "200"]  # fmt: skip
+    dpo = out / "step2_dpo"
+    run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
+         str(step1), *COMMON, *tasks, "--learning_rate", str(args.learning_rate), "--beta", str(args.beta),
+         "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
+         "384", "--policy_negatives_per_prompt", "4", "--policy_negatives_max_new_tokens", "12"])  # fmt: skip
+    s = json.loads((dpo / "summary.json").read_text())
+    return {
+        "true_accuracy_step1": s.get("true_accuracy_start"),
+        "true_accuracy_dpo": s.get("true_accuracy_end"),
+        "true_accuracy_by_task_dpo": by_task(s),
+        "implicit_reward_accuracy": s["implicit_reward_accuracy_end"],
+        "eval_margin": s["eval_margin_end"],
+        "on_policy_pairs": (s.get("policy_negatives") or {}).get("train", {}).get("pairs"),
+        "steps": s["steps"],
+        "train_tokens_per_sec": s["train_tokens_per_sec"],
+        "dpo_wall_seconds": s["wall_seconds"],
+        "wall_seconds": time.perf_counter() - t0,
+        "step1_trained_here": not args.step1,
+    }
+
+
+def by_task(s: dict) -> dict:
+    """Per-task true accuracy at the end (``true_accuracy_<task>_end``)."""
+    return {
+        k: v
+        for k, v in s.items()
+        if k.startswith("true_accuracy_") and k.endswith("_end") and k != "true_accuracy_end"
+    }
+
+
+def hh(args: argparse.Namespace, out: Path) -> dict:
+    t0 = time.perf_counter()
+    pairs = out / "hh"
+    pairs.mkdir(parents=True)
+    for split in ("train", "test"):
+        (pairs / f"{split}.jsonl").symlink_to(SHARED / "hh_rlhf" / f"{split}.jsonl")
+    dpo = out / "step2_dpo"
+    run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
+         MODEL, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
+         "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", "--learning_rate",
+         str(args.learning_rate), "--beta", str(args.beta), *(["--max_steps", str(args.max_steps)] if args.max_steps
+                                                              else [])])  # fmt: skip
+    s = json.loads((dpo / "summary.json").read_text())
+    result = {
+        "implicit_reward_accuracy": s["implicit_reward_accuracy_end"],
+        "eval_margin": s["eval_margin_end"],
+        "steps": s["steps"],
+        "train_tokens_per_sec": s["train_tokens_per_sec"],
+        "dpo_wall_seconds": s["wall_seconds"],
+        "judge_win_rate": None,
+        "length_ratio": None,
+    }
+    if args.judge:
+        prompts = out / "prompts.jsonl"
+        rows = [json.loads(x) for x in (SHARED / "hh_rlhf" / "test.jsonl").read_text().splitlines()]
+        prompts.write_text(
+            "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows[: args.judge_prompts])
+        )
+        run([str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL,
+             "--model_name_or_path_finetune", str(dpo), "--prompts_file", str(prompts), "--reward_model", args.judge,
+             "--max_new_tokens", "128", "--output", str(out / "judged")])  # fmt: skip
+        judged = [json.loads(x) for x in (out / "judged.jsonl").read_text().splitlines()]
+        from dschat.compare import win_rate
+        from dschat.models.loading import load_tokenizer, resolve
+
+        tok = load_tokenizer(resolve(MODEL))
+
+        def mean_len(side: str) -> float:
+            return sum(len(tok(r[side], add_special_tokens=False)["input_ids"]) for r in judged) / len(judged)
+
+        w = win_rate([r["finetune_reward"] for r in judged], [r["baseline_reward"] for r in judged],
+                     [r["baseline"] == r["finetune"] for r in judged])  # fmt: skip
+        result.update(judge_win_rate=w["win_rate"], length_ratio=mean_len("finetune") / max(mean_len("baseline"), 1e-9),
+                      judge_prompts=len(judged))  # fmt: skip
+    result["wall_seconds"] = time.perf_counter() - t0
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", choices=("verifiable", "hh"))
+    p.add_argument(
+        "--step1", help="verifiable: a finished step-1 model (default: train one with the main job's preset)"
+    )
+    p.add_argument(
+        "--judge", help="hh: a reward model that judges step 1 against DPO (not trained on these pairs)"
+    )
+    p.add_argument("--judge_prompts", type=int, default=200, help="hh: held-out prompts the judge scores")
+    p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-6 hh")
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--max_steps", type=int, default=None, help="default: 60 verifiable, one epoch hh")
+    p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")
+    args = p.parse_args()
+    if args.suite == "hh" and not (SHARED / "hh_rlhf" / "train.jsonl").exists():
+        print(json.dumps({"skipped": f"{SHARED / 'hh_rlhf'} not present"}))
+        return
+    if args.output_dir and Path(args.output_dir).exists():
+        p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
+    args.learning_rate = args.learning_rate or (2e-5 if args.suite == "verifiable" else 5e-6)
+    if args.max_steps is None and args.suite == "verifiable":
+        args.max_steps = 60
+    tmp = None if args.output_dir else tempfile.TemporaryDirectory()
+    out = Path(args.output_dir or tmp.name)
+    out.mkdir(parents=True, exist_ok=True)
+    result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
+    print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "learning_rate": args.learning_rate,
+                      "beta": args.beta, **result}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
