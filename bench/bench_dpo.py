@@ -52,7 +52,7 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
     dpo = out / "step2_dpo"
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
          str(step1), *COMMON, *tasks, "--learning_rate", str(args.learning_rate), "--beta", str(args.beta),
-         "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
+         "--sft_coef", str(args.sft_coef), "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
          "384", "--policy_negatives_per_prompt", "4", "--policy_negatives_max_new_tokens", "12"])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
     return {
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--judge_prompts", type=int, default=200, help="hh: held-out prompts the judge scores")
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-6 hh")
     p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--sft_coef", type=float, default=0.0, help="weight of the chosen answer's NLL (RPO)")
     p.add_argument("--max_steps", type=int, default=None, help="default: 60 verifiable, one epoch hh")
     p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")
     args = p.parse_args()
@@ -155,7 +156,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
     print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "learning_rate": args.learning_rate,
-                      "beta": args.beta, **result}, indent=2))  # fmt: skip
+                      "beta": args.beta, "sft_coef": args.sft_coef, **result}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
