@@ -135,20 +135,25 @@ def test_reference_with_another_vocabulary_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_policy_negatives_join_the_dpo_pairs(tmp_path):
+def test_train_py_runs_dpo_as_step_two_with_policy_negatives(tmp_path):
     import json
 
+    from tests.integration.helpers import train_py
+
     out = tmp_path / "run"
-    # builtin tasks (no --data_path): an untrained policy's distinct wrong answers become rejected sides
-    flags = [a for a in FAST if a not in ("--data_split", "0,1,0")]
-    proc = dpo(out, *flags, "--max_steps", "2", "--policy_negatives_from", "builtin:micro-llama",
-               "--policy_negatives_max_prompts", "16", "--policy_negatives_per_prompt", "2",
-               "--policy_negatives_max_new_tokens", "6")  # fmt: skip
+    # builtin tasks: an untrained policy's distinct wrong answers become rejected sides
+    proc = train_py("--preset", "none", "--algorithm", "dpo", "--step", "2", "--actor-model", "builtin:micro-llama",
+                    "--output-dir", str(out), "--", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                    "--max_eval_samples", "16", "--eval_generation_samples", "0", "--eval_interval", "0",
+                    "--policy_negatives_from", "builtin:micro-llama", "--policy_negatives_max_prompts", "16",
+                    "--policy_negatives_per_prompt", "2", "--policy_negatives_max_new_tokens", "6")  # fmt: skip
     assert_ok(proc)
-    s = summary(out)
+    run = out / "step2_dpo"
+    s = summary(run)
+    assert s["algorithm"] == "dpo" and s["steps"] == 2
+    assert not (out / "step2").exists()
+    assert "step2_dpo" in proc.stdout and "chat.py" in proc.stdout  # the next commands name the DPO policy
     train = s["policy_negatives"]["train"]
     assert train["prompts"] == 16 and 0 < train["pairs"] <= 32
-    rows = [json.loads(x) for x in (out / "policy_negatives_train.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run / "policy_negatives_train.jsonl").read_text().splitlines()]
     assert len(rows) == train["pairs"]
-    cfg = json.loads((out / "dschat_config.json").read_text())
-    assert cfg["policy_negatives_from"] == "builtin:micro-llama"
