@@ -361,9 +361,22 @@ class PPOArgs:
     )
     advantage_estimator: str = opt(
         "gae",
-        "gae: critic values and GAE (DeepSpeed-Chat); rloo / group_norm: no critic, the score minus the mean "
-        "of the prompt's other responses (RLOO) or normalised within the prompt's group (GRPO)",
-        choices=("gae", "rloo", "group_norm"),
+        "gae: critic values and GAE (DeepSpeed-Chat); rloo / group_norm / dr_grpo: no critic, the score minus the "
+        "mean of the prompt's other responses (RLOO), normalised within the prompt's group (GRPO), or minus the "
+        "group mean without the division by the std (Dr. GRPO)",
+        choices=("gae", "rloo", "group_norm", "dr_grpo"),
+    )
+    filter_uniform_groups: bool = opt(
+        False,
+        "drop from the update every prompt whose responses all score the same (DAPO's dynamic sampling): a group "
+        "baseline gives them zero advantage, so they only dilute the loss (rloo / group_norm / dr_grpo only)",
+    )
+    loss_agg: str = opt(
+        "token_mean",
+        "how the policy loss (and a KL loss) averages tokens: token_mean = every token of the batch alike (DAPO); "
+        "seq_mean_token_mean = per answer, then over answers (GRPO); seq_mean_token_sum_norm = each answer's sum "
+        "over --max_answer_seq_len, then over answers (Dr. GRPO)",
+        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     )
     generation_batches: int = opt(1, "generation rounds collected before the PPO epochs over them")
     ppo_epochs: int = opt(1, "passes of PPO updates over each collected batch")
@@ -385,8 +398,31 @@ class PPOArgs:
     kl_coef: float = opt(0.1, "KL penalty coefficient beta in r_t = -beta (log pi - log pi_ref)")
     kl_target: float | None = opt(None, "adaptive KL controller target (None: fixed --kl_coef)", type=float)
     kl_horizon: int = opt(10000, "adaptive KL controller horizon")
+    kl_estimator: str = opt(
+        "k1",
+        "per-token estimate of KL to the reference, d = log pi - log pi_ref: k1 = d, k2 = d^2/2, "
+        "k3 = exp(-d) - 1 + d (Schulman's estimators)",
+        choices=("k1", "k2", "k3"),
+    )
+    kl_in: str = opt(
+        "reward",
+        "where the KL penalty acts: reward = -kl_coef * KL on every token's reward (InstructGPT, DeepSpeed-Chat); "
+        "loss = kl_coef * KL added to the actor's loss with its gradient (GRPO; use k2 or k3)",
+        choices=("reward", "loss"),
+    )
     clip_reward_value: float = opt(5.0, "reward-model score clipped to +-this before it enters the reward")
+    truncation_penalty: float = opt(
+        0.0,
+        "subtracted from the (clipped) score of every answer cut off at --max_answer_seq_len without an EOS, so "
+        "that running out of budget never pays (DAPO's overlong penalty, in its simplest form)",
+    )
     cliprange: float = opt(0.2, "policy ratio clip epsilon")
+    cliprange_high: float | None = opt(
+        None,
+        "upper clip epsilon of the ratio, 1 + this (DAPO's clip-higher, e.g. 0.28; None: --cliprange): lets "
+        "unlikely tokens with a positive advantage grow, against entropy collapse",
+        type=float,
+    )
     cliprange_value: float = opt(0.2, "value clip epsilon")
     gamma: float = opt(1.0, "discount")
     lam: float = opt(0.95, "GAE lambda")
@@ -432,6 +468,14 @@ class PPOArgs:
             if self.freezing_actor_steps:
                 raise UserError(f"--freezing_actor_steps trains the critic alone, and --advantage_estimator "
                                 f"{self.advantage_estimator} has no critic: use one or the other")  # fmt: skip
+        elif self.filter_uniform_groups:
+            raise UserError("--filter_uniform_groups drops prompts whose responses all score alike, which needs a group "
+                            "baseline: use --advantage_estimator rloo, group_norm or dr_grpo")  # fmt: skip
+        if self.cliprange_high is not None and self.cliprange_high <= 0:
+            raise UserError(f"--cliprange_high must be > 0, got {self.cliprange_high}")
+        if self.kl_in == "loss" and self.kl_estimator == "k1":
+            raise UserError("--kl_in loss with --kl_estimator k1: the gradient of k1 = log pi - log pi_ref is zero in "
+                            "expectation, so the penalty would not hold the policy back; use k2 or k3")  # fmt: skip
         for name in (
             "kl_coef",
             "clip_reward_value",
@@ -439,6 +483,7 @@ class PPOArgs:
             "cliprange_value",
             "unsup_coef",
             "freezing_actor_steps",
+            "truncation_penalty",
         ):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")

@@ -32,7 +32,18 @@ class PPOHyper:
     whiten_advantages: bool
     unsup_coef: float
     n_samples_per_prompt: int = 1
-    advantage_estimator: str = "gae"  # gae (critic) | rloo | group_norm (per-prompt baseline, no critic)
+    advantage_estimator: str = (
+        "gae"  # gae (critic) | rloo | group_norm | dr_grpo (per-prompt baseline, no critic)
+    )
+    # The stabilisers of critic-free RL (each a flag; see PPOArgs): DAPO's dropping of uniform groups,
+    # clip-higher and overlong penalty, the loss's token aggregation, and where and how the KL acts.
+    filter_uniform_groups: bool = False
+    cliprange_high: float | None = None
+    loss_agg: str = "token_mean"
+    max_answer_len: int = 0  # the answer budget: seq_mean_token_sum_norm divides by it
+    kl_estimator: str = "k1"
+    kl_in: str = "reward"
+    truncation_penalty: float = 0.0
     # The sampling temperature. Rollouts are drawn from softmax(logits / temperature), so every log-prob
     # PPO takes (old, new, reference; the KL and the entropy) is of that distribution, as in OpenRLHF and
     # veRL: with raw logits the ratio and the KL would belong to a policy that did not act.
@@ -44,7 +55,7 @@ class PPOTrainer:
 
     ``reference`` is an engine, or None when the reference is the LoRA actor with its adapter
     disabled (``--share_reference_with_actor``). ``critic`` is None with the critic-free advantage
-    estimators (``rloo``, ``group_norm``).
+    estimators (``rloo``, ``group_norm``, ``dr_grpo``).
     """
 
     def __init__(
@@ -139,25 +150,34 @@ class PPOTrainer:
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
 
+            truncated = M.truncated_rows(sequences, prompt_len, tok.eos_token_id)
             clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
+            clipped = clipped - h.truncation_penalty * truncated.float()
+            # With --kl_in loss the penalty is the actor's loss term (train), not a per-token reward.
+            reward_kl_coef = self.kl_ctl.value if h.kl_in == "reward" else 0.0
+            kl = M.masked(
+                logprobs - ref_logprobs, action_mask
+            )  # k1, what is reported and what the controller follows
             if self.critic is not None:  # GAE with the critic's values
                 self.critic.eval()
                 values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
-                rewards, kl = M.kl_shaped_rewards(
-                    scores, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, h.clip_reward_value
-                )
+                rewards, _ = M.kl_shaped_rewards(clipped, logprobs, ref_logprobs, action_mask, reward_kl_coef,
+                                                 float("inf"), h.kl_estimator)  # fmt: skip
                 advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
             else:  # per-prompt baseline: the clipped score minus the other responses' scores, then reward-to-go
                 values = torch.zeros_like(logprobs)
                 relative = M.group_relative_scores(clipped, h.n_samples_per_prompt, h.advantage_estimator)
-                rewards, kl = M.kl_shaped_rewards(
-                    relative, logprobs, ref_logprobs, action_mask, self.kl_ctl.value, float("inf")
-                )
+                rewards, _ = M.kl_shaped_rewards(relative, logprobs, ref_logprobs, action_mask, reward_kl_coef,
+                                                 float("inf"), h.kl_estimator)  # fmt: skip
                 advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
             if h.whiten_advantages:
                 advantages = M.masked_whiten(advantages, action_mask)
+            # DAPO: a group whose answers all score alike leaves the update (its rows keep no action)
+            uniform = (M.uniform_groups(clipped, h.n_samples_per_prompt) if h.filter_uniform_groups
+                       else torch.zeros_like(truncated))  # fmt: skip
+            train_mask = action_mask * (~uniform).float().unsqueeze(1)
         exp = Experience(
-            sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, logprobs=logprobs,
+            sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
             scores=scores, prompt_len=prompt_len,
         )  # fmt: skip
@@ -166,11 +186,13 @@ class PPOTrainer:
             "score_sum": float(scores.sum()),
             "score_sq_sum": float((scores.float() ** 2).sum()),
             # per-sequence total reward (clipped score - KL penalty) summed over rows; the same for every
-            # estimator (with rloo/group_norm, ``rewards`` holds the baseline-subtracted score instead)
+            # estimator (with the group baselines, ``rewards`` holds the baseline-subtracted score instead)
             "reward_sum": float(clipped.sum() - self.kl_ctl.value * kl.sum()),
             "kl_sum": float(kl.sum()),  # per-sequence KL to the reference, summed over rows
             "entropy_sum": float(entropy) * len(lengths),
             "length_sum": float(lengths.sum()),
+            "truncated_rows": float(truncated.sum()),
+            "uniform_group_rows": float(uniform.sum()),
             "rows": float(len(lengths)),
         }
         return exp, stats
@@ -211,11 +233,15 @@ class PPOTrainer:
         h = self.hyper
         self.actor.train()
         logprobs, _ = self.action_logprobs(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
-        pg_loss, pg_stats = M.policy_loss(
-            logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange
-        )
+        pg_loss, pg_stats = M.policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange,
+                                          cliprange_high=h.cliprange_high, agg=h.loss_agg, norm_len=h.max_answer_len)  # fmt: skip
         actor_loss = pg_loss
         out: dict[str, float] = {}
+        if h.kl_in == "loss":  # the KL to the reference as a loss term with its gradient (GRPO)
+            kl = M.kl_estimate(logprobs, exp.ref_logprobs, exp.action_mask, h.kl_estimator)
+            kl_loss = M.aggregate(kl, exp.action_mask, h.loss_agg, h.max_answer_len)
+            actor_loss = actor_loss + self.kl_ctl.value * kl_loss
+            out["kl_loss"] = float(kl_loss.detach())
         if unsup_batch is not None and h.unsup_coef > 0:
             lm_logits = self.actor(
                 input_ids=unsup_batch["input_ids"], attention_mask=unsup_batch["attention_mask"]

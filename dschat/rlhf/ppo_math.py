@@ -92,6 +92,29 @@ def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
     return (positions * (action_mask > 0)).max(dim=1).values
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor, estimator: str = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi: (B, T-1), 0 outside the mask.
+
+    With ``d = log pi - log pi_ref`` (Schulman 2020, "Approximating KL divergence"): ``k1 = d`` (unbiased,
+    negative on some tokens), ``k2 = d^2 / 2`` (biased, never negative; as a loss its gradient is that of
+    the KL itself), ``k3 = exp(-d) - 1 + d`` (unbiased and never negative: GRPO's KL loss). ``d`` is
+    clamped to +-20 inside ``exp`` only, so one runaway token cannot overflow the batch to inf.
+    """
+    d = masked(logprobs - ref_logprobs, action_mask)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return masked(0.5 * d * d, action_mask)
+    if estimator == "k3":
+        return masked(torch.exp(-d.clamp(-20.0, 20.0)) - 1.0 + d, action_mask)
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+
 def kl_shaped_rewards(
     score: torch.Tensor,
     logprobs: torch.Tensor,
@@ -99,13 +122,15 @@ def kl_shaped_rewards(
     action_mask: torch.Tensor,
     kl_coef: float,
     clip_reward_value: float,
+    estimator: str = "k1",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards ``-kl_coef * (logp - ref_logp)`` plus the clipped score on the last action.
+    """Per-token rewards ``-kl_coef * k(logp, ref_logp)`` plus the clipped score on the last action.
 
-    score: (B,); the others (B, T-1). Returns (rewards (B, T-1), per-token KL estimate (B, T-1)),
-    both zero outside the action mask.
+    score: (B,); the others (B, T-1); ``k`` is :func:`kl_estimate`'s ``estimator`` (k1 = ``logp -
+    ref_logp``, DeepSpeed-Chat's). Returns (rewards (B, T-1), per-token KL estimate (B, T-1)), both zero
+    outside the action mask.
     """
-    kl = masked(logprobs - ref_logprobs, action_mask)
+    kl = kl_estimate(logprobs, ref_logprobs, action_mask, estimator)
     rewards = -kl_coef * kl
     last = last_action_index(action_mask)
     clipped = score.float().clamp(-clip_reward_value, clip_reward_value)
@@ -146,6 +171,8 @@ def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) ->
     Rows are grouped consecutively (prompt 0's K responses, then prompt 1's ...). ``rloo``
     (REINFORCE leave-one-out, Ahmadian et al. 2024): ``s_i - mean_{j != i} s_j``. ``group_norm``
     (GRPO, Shao et al. 2024): ``(s_i - mean_j s_j) / (std_j s_j + 1e-6)`` with the unbiased std.
+    ``dr_grpo`` (Dr. GRPO, Liu et al. 2025): ``s_i - mean_j s_j``, the group mean without the division
+    by the std, which would weight prompts that are almost always solved (or failed) the most.
     A prompt whose responses all score alike gets zero: it carries no signal about which is better.
     """
     if group_size < 2:
@@ -158,7 +185,24 @@ def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) ->
         return (s - baseline).view(-1)
     if method == "group_norm":
         return ((s - s.mean(dim=1, keepdim=True)) / (s.std(dim=1, keepdim=True) + 1e-6)).view(-1)
-    raise ValueError(f"unknown group baseline {method!r}; known: rloo, group_norm")
+    if method == "dr_grpo":
+        return (s - s.mean(dim=1, keepdim=True)).view(-1)
+    raise ValueError(f"unknown group baseline {method!r}; known: rloo, group_norm, dr_grpo")
+
+
+def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B*K,) scores in consecutive groups of K -> (B*K,) bool: True for every row of a group whose
+    scores are all equal (within 1e-6). DAPO (Yu et al. 2025) drops these groups: a group baseline gives
+    them zero advantage, so they only dilute the loss's mean and cost an update's compute."""
+    s = scores.float().view(-1, group_size)
+    same = (s.max(dim=1).values - s.min(dim=1).values) <= 1e-6
+    return same.repeat_interleave(group_size)
+
+
+def truncated_rows(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> torch.Tensor:
+    """(B, T) prompt + generated tokens -> (B,) bool: True where the response has no EOS, i.e. generation
+    stopped at the token budget mid-answer (``--truncation_penalty`` charges these)."""
+    return ~(sequences[:, prompt_len:] == eos_id).any(dim=1)
 
 
 def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -176,24 +220,58 @@ def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: 
     return out
 
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: int = 0) -> torch.Tensor:
+    """Reduce a per-token loss (B, T-1) over the masked entries to a scalar.
+
+    ``token_mean``: every token of the batch weighs the same (DAPO; long answers weigh more).
+    ``seq_mean_token_mean``: mean over each sequence's tokens, then over the sequences (the original
+    GRPO; a token of a short answer weighs more, which favours long wrong answers over short ones).
+    ``seq_mean_token_sum_norm``: each sequence's token sum divided by the constant ``norm_len`` (the
+    answer budget), then the mean over sequences (Dr. GRPO: no length bias either way).
+    Rows without any action (masked out) count in none of them.
+    """
+    if mode == "token_mean":
+        return masked_mean(x, mask)
+    rows = (mask.sum(dim=1) > 0).float()
+    n_rows = rows.sum().clamp_min(1.0)
+    if mode == "seq_mean_token_mean":
+        return (masked_mean(x, mask, dim=1) * rows).sum() / n_rows
+    if mode == "seq_mean_token_sum_norm":
+        if norm_len < 1:
+            raise ValueError(f"seq_mean_token_sum_norm needs the answer budget norm_len >= 1, got {norm_len}")
+        return masked(x, mask).sum() / (n_rows * norm_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     cliprange: float,
+    *,
+    cliprange_high: float | None = None,
+    agg: str = "token_mean",
+    norm_len: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))`` over actions; r = exp(logp - logp_old).
+    """Clipped surrogate ``max(-A r, -A clip(r, 1-eps, 1+eps_high))`` over actions, reduced by
+    :func:`aggregate` (``agg``); r = exp(logp - logp_old), ``eps_high`` = ``cliprange_high`` or ``cliprange``.
 
+    A larger ``eps_high`` (DAPO's clip-higher) lets a token with a positive advantage and a low
+    probability grow further before the clip stops it, which keeps entropy from collapsing.
     All inputs (B, T-1). The log-ratio is zeroed outside the mask *before* ``exp``: a masked slot with
     log-probs -120 (old) and -20 (new) would give r = inf and, times a zero mask, a nan loss (and a nan
     gradient through ``exp`` even if the product were selected away afterwards).
     """
+    high = cliprange if cliprange_high is None else cliprange_high
     log_ratio = masked(logprobs - old_logprobs, action_mask)
     ratio = torch.exp(log_ratio)
     loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(loss1, loss2), action_mask)
+    loss2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
+    loss = aggregate(torch.max(loss1, loss2), action_mask, agg, norm_len)
     with torch.no_grad():
         stats = {
             "clip_fraction": masked_mean((loss2 > loss1).float(), action_mask),

@@ -75,15 +75,25 @@ def test_ppo_raises_an_easy_rule_based_reward(models, tmp_path):
         assert key in cfg
 
 
-def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path):
+# The RLVR stabilisers all at once: Dr. GRPO's baseline and loss aggregation, DAPO's uniform-group filter,
+# clip-higher and overlong penalty, GRPO's k3 KL as a loss.
+STABILISERS = ["--advantage_estimator", "dr_grpo", "--filter_uniform_groups", "--cliprange_high", "0.28",
+               "--loss_agg", "seq_mean_token_sum_norm", "--kl_in", "loss", "--kl_estimator", "k3",
+               "--truncation_penalty", "0.5"]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["rloo", "stabilisers"])
+def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path, variant):
     actor, rm = models
-    out = tmp_path / "rloo"
+    out = tmp_path / variant
+    estimator = ["--advantage_estimator", "rloo"] if variant == "rloo" else STABILISERS
     # 8 prompts x 4 responses = 32 rows per round, two updates of 16; no critic is built or saved.
     proc = step3(out, actor, rm, *EASY, "--max_steps", "25", "--max_answer_seq_len", "1", "--actor_learning_rate", "3e-3",
-                 "--kl_coef", "0.01", "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4",
+                 "--kl_coef", "0.01", *estimator, "--n_samples_per_prompt", "4",
                  "--per_device_generation_batch_size", "8", "--eval_prompts", "8")  # fmt: skip
     assert_ok(proc)
-    assert "critic none (rloo, 4 samples per prompt)" in proc.stderr + proc.stdout
+    name = "rloo" if variant == "rloo" else "dr_grpo"
+    assert f"critic none ({name}, 4 samples per prompt)" in proc.stderr + proc.stdout
     rows = train_rows(out)
     first = sum(r["score_mean"] for r in rows[:5]) / 5
     last = sum(r["score_mean"] for r in rows[-5:]) / 5
@@ -93,7 +103,16 @@ def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert 0.0 <= s["true_accuracy_sampled_start"] <= 1.0 and 0.0 <= s["true_accuracy_sampled_end"] <= 1.0
     cfg = json.loads((out / "dschat_config.json").read_text())
-    assert cfg["advantage_estimator"] == "rloo" and cfg["n_samples_per_prompt"] == 4
+    assert cfg["advantage_estimator"] == name and cfg["n_samples_per_prompt"] == 4
+    for key in ("truncated_fraction", "uniform_group_fraction"):
+        assert 0.0 <= rows[-1][key] <= 1.0, key
+    assert s["truncated_fraction_end"] is not None and s["entropy_end"] is not None
+    if variant == "stabilisers":  # every stabiliser is saved with the run and logged
+        assert (cfg["filter_uniform_groups"], cfg["cliprange_high"], cfg["loss_agg"], cfg["kl_in"], cfg["kl_estimator"],
+                cfg["truncation_penalty"]) == (True, 0.28, "seq_mean_token_sum_norm", "loss", "k3", 0.5)  # fmt: skip
+        assert (
+            "kl_loss" in rows[-1] and rows[-1]["truncated_fraction"] > 0.5
+        )  # one-token answers rarely say EOS
 
 
 def test_resume_continues_to_the_same_actor(models, tmp_path):

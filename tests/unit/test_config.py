@@ -236,6 +236,13 @@ def test_parse_data_split_names_the_given_flag():
             PPOArgs(advantage_estimator="group_norm", n_samples_per_prompt=4, freezing_actor_steps=3),
             "--freezing_actor_steps trains the critic alone, and --advantage_estimator group_norm has no critic",
         ),
+        (
+            PPOArgs(filter_uniform_groups=True),
+            "--filter_uniform_groups drops prompts whose responses all score alike, which needs a group baseline",
+        ),
+        (PPOArgs(cliprange_high=0.0), "--cliprange_high must be > 0, got 0.0"),
+        (PPOArgs(kl_in="loss"), "--kl_in loss with --kl_estimator k1: the gradient of k1"),
+        (PPOArgs(truncation_penalty=-1.0), "--truncation_penalty must be >= 0, got -1.0"),
         # 16 prompts x 3 responses = 48 rows: 32 does not divide them
         (
             PPOArgs(
@@ -275,6 +282,18 @@ def test_validation_uses_the_prefix():
         PPOArgs(advantage_estimator="rloo", n_samples_per_prompt=4, per_device_training_batch_size=32),
         PPOArgs(n_samples_per_prompt=2),  # GAE with two responses per prompt is allowed
         PPOArgs(temperature=0.5, top_k=0, top_p=1.0),
+        # the RLVR stabilisers together (DAPO + Dr. GRPO + GRPO's KL loss)
+        PPOArgs(
+            advantage_estimator="dr_grpo",
+            n_samples_per_prompt=4,
+            filter_uniform_groups=True,
+            cliprange_high=0.28,
+            loss_agg="seq_mean_token_sum_norm",
+            kl_in="loss",
+            kl_estimator="k3",
+            truncation_penalty=1.0,
+        ),
+        PPOArgs(kl_estimator="k2"),  # any estimator in the reward
     ],
 )
 def test_valid_edge_values_are_accepted(obj):

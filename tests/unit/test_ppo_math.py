@@ -12,10 +12,12 @@ from dschat.rlhf.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     action_mask_from,
+    aggregate,
     discounted_returns,
     entropy_of,
     gae,
     group_relative_scores,
+    kl_estimate,
     kl_shaped_rewards,
     last_action_index,
     logprobs_of,
@@ -23,6 +25,8 @@ from dschat.rlhf.ppo_math import (
     masked_whiten,
     policy_loss,
     ppo_optimizer_steps,
+    truncated_rows,
+    uniform_groups,
     value_loss,
 )
 
@@ -567,3 +571,107 @@ def test_kl_controller_state_dict_round_trip(make):
     b.load_state_dict(a.state_dict())
     assert b.value == a.value
     assert a.state_dict() == {"value": a.value}
+
+
+# ---------------------------------------------------------------- RLVR stabilisers (DAPO, Dr. GRPO, GRPO's KL loss)
+
+
+def test_kl_estimators_hand_values():
+    # d = logp - ref = [0.5, -1, (masked: -inf)]
+    # k1 = d; k2 = d^2 / 2 = [0.125, 0.5]; k3 = e^-d - 1 + d = [e^-0.5 - 0.5, e - 2]
+    logp = t([[-1.0, -2.0, float("-inf")]])
+    ref = t([[-1.5, -1.0, -0.5]])
+    mask = t([[1, 1, 0]])
+    assert close(kl_estimate(logp, ref, mask, "k1"), [[0.5, -1.0, 0.0]])
+    assert close(kl_estimate(logp, ref, mask, "k2"), [[0.125, 0.5, 0.0]])
+    assert close(kl_estimate(logp, ref, mask, "k3"), [[math.exp(-0.5) - 0.5, math.e - 2.0, 0.0]])
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(logp, ref, mask, "k4")
+
+
+def test_k1_and_k3_are_unbiased_and_k2_is_not():
+    # Over a whole categorical distribution the expectations are exact:
+    # E_pi[k1] = E_pi[k3] = KL(pi || ref) (E_pi[ref/pi] = 1), E_pi[k2] = E_pi[d^2]/2 != KL here.
+    pi, ref = t([0.7, 0.2, 0.1]), t([0.2, 0.3, 0.5])
+    kl = float((pi * (pi / ref).log()).sum())
+    lp, lr, ones = pi.log()[None], ref.log()[None], torch.ones(1, 3)
+    for est in ("k1", "k3"):
+        assert math.isclose(float((pi * kl_estimate(lp, lr, ones, est)[0]).sum()), kl, rel_tol=1e-5), est
+    assert not math.isclose(float((pi * kl_estimate(lp, lr, ones, "k2")[0]).sum()), kl, rel_tol=1e-2)
+
+
+def test_kl_shaped_rewards_with_k3():
+    # d = [0.5, -1] on the two actions: reward = -0.1 * k3 (+ score 2 on the last action)
+    logp, ref, mask = t([[0.0, -1.0, -2.0]]), t([[0.0, -1.5, -1.0]]), t([[0, 1, 1]])
+    rewards, kl = kl_shaped_rewards(
+        t([2.0]), logp, ref, mask, kl_coef=0.1, clip_reward_value=5.0, estimator="k3"
+    )
+    k3 = [0.0, math.exp(-0.5) - 0.5, math.e - 2.0]
+    assert close(kl, [k3], atol=1e-6)
+    assert close(rewards, [[0.0, -0.1 * k3[1], -0.1 * k3[2] + 2.0]], atol=1e-6)
+
+
+def test_dr_grpo_is_the_group_mean_without_std():
+    # [1, -1, 1]: mean 1/3 -> [2/3, -4/3, 2/3]; [2, 4, 0]: mean 2 -> [0, 2, -2] (group_norm would divide by 2)
+    out = group_relative_scores(t([1.0, -1.0, 1.0, 2.0, 4.0, 0.0]), 3, "dr_grpo")
+    assert close(out, [2 / 3, -4 / 3, 2 / 3, 0.0, 2.0, -2.0], atol=1e-6)
+
+
+def test_uniform_groups_marks_every_row_of_an_all_equal_group():
+    out = uniform_groups(t([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 5.0, 5.0, 5.0]), 3)
+    assert out.tolist() == [True] * 3 + [False] * 3 + [True] * 3
+
+
+def test_truncated_rows_are_those_without_eos_in_the_response():
+    # prompt_len 2, EOS = 2: row 0 ends; row 1 runs out of budget; row 2 has EOS only in its prompt
+    seqs = torch.tensor([[7, 7, 5, 2, 0], [7, 7, 5, 6, 8], [7, 2, 5, 6, 8]])
+    assert truncated_rows(seqs, prompt_len=2, eos_id=2).tolist() == [False, True, True]
+
+
+def aggregation_case():
+    # row 0: actions 1, 2, 3 (a masked 9); row 1: one action 4; row 2: no action at all (a dropped group)
+    x = t([[1.0, 2.0, 3.0, 9.0], [4.0, 0.0, 0.0, 0.0], [7.0, 7.0, 7.0, 7.0]])
+    mask = t([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    return x, mask
+
+
+def test_loss_aggregations_hand_values():
+    x, mask = aggregation_case()
+    assert math.isclose(float(aggregate(x, mask, "token_mean")), (1 + 2 + 3 + 4) / 4)  # 2.5
+    assert math.isclose(float(aggregate(x, mask, "seq_mean_token_mean")), (2.0 + 4.0) / 2)  # 3
+    # each row's sum over the budget 4, then the mean over the 2 rows with actions: (6/4 + 4/4) / 2
+    assert math.isclose(float(aggregate(x, mask, "seq_mean_token_sum_norm", norm_len=4)), 1.25)
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate(x, mask, "seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(x, mask, "sum")
+
+
+def test_policy_loss_clip_higher_hand_values():
+    # policy_case with eps_high 0.6: a) A=+1, r=1.5 is now inside [0.8, 1.6] -> -1.5 (not clipped);
+    # d) A=-2, r=0.5 is still clipped below -> 1.6. (-1.5 - 0.5 + 3.0 + 1.6 - 3.3) / 5 = -0.14
+    logp, old, adv, mask = policy_case()
+    loss, stats = policy_loss(logp, old, adv, mask, cliprange=0.2, cliprange_high=0.6)
+    assert math.isclose(float(loss), -0.14, abs_tol=1e-6)
+    assert math.isclose(float(stats["clip_fraction"]), 0.2, abs_tol=1e-6)
+    # the same eps on both sides is the symmetric loss
+    sym, _ = policy_loss(logp, old, adv, mask, cliprange=0.2, cliprange_high=0.2)
+    assert math.isclose(float(sym), -0.08, abs_tol=1e-6)
+
+
+def test_policy_loss_sequence_aggregation_hand_values():
+    # policy_case's five per-token losses [-1.2, -0.5, 3.0, 1.6, -3.3] (sum -0.4) as row 0, and a row 1 with
+    # one action (A = 2, r = 1 -> -2): token mean (-0.4 - 2) / 6 = -0.4; per sequence (-0.08 - 2) / 2 = -1.04;
+    # Dr. GRPO with budget 6: (-0.4 / 6 - 2 / 6) / 2 = -0.2
+    logp, old, adv, mask = policy_case()
+    logp = torch.cat([logp, t([[-1.0] * 6])])
+    old = torch.cat([old, t([[-1.0] * 6])])
+    adv = torch.cat([adv, t([[2.0] + [0.0] * 5])])
+    mask = torch.cat([mask, t([[1] + [0] * 5])])
+    for agg, want in (
+        ("token_mean", -0.4),
+        ("seq_mean_token_mean", -1.04),
+        ("seq_mean_token_sum_norm", -0.2),
+    ):
+        loss, _ = policy_loss(logp, old, adv, mask, cliprange=0.2, agg=agg, norm_len=6)
+        assert math.isclose(float(loss), want, abs_tol=1e-6), agg

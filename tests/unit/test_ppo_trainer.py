@@ -69,13 +69,17 @@ def prompts(tokenizer) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     return ids, (torch.arange(5) >= torch.tensor([[1], [0]])).long(), texts
 
 
-def trainer(actor, reference, tokenizer, temperature: float, max_new_tokens: int = 6) -> PPOTrainer:
-    """A critic-free (rloo, 2 responses per prompt) trainer whose actor samples with ``temperature``."""
+def trainer(
+    actor, reference, tokenizer, temperature: float, max_new_tokens: int = 6, scores=None, **hyper_kw
+) -> PPOTrainer:
+    """A critic-free (rloo, 2 responses per prompt) trainer whose actor samples with ``temperature``;
+    ``hyper_kw`` override PPOHyper's fields."""
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
-    hyper = PPOHyper(kl_coef=0.1, clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
-                     whiten_advantages=False, unsup_coef=0.0, n_samples_per_prompt=2, advantage_estimator="rloo",
-                     temperature=temperature)  # fmt: skip
-    return PPOTrainer(actor=actor, reference=reference, critic=None, reward_source=Scores(),
+    kw = dict(kl_coef=0.1, clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+              whiten_advantages=False, unsup_coef=0.0, n_samples_per_prompt=2, advantage_estimator="rloo",
+              temperature=temperature)  # fmt: skip
+    hyper = PPOHyper(**{**kw, **hyper_kw})
+    return PPOTrainer(actor=actor, reference=reference, critic=None, reward_source=scores or Scores(),
                       generator=PlainGenerator(actor, tokenizer, sampling, zero3=False), tokenizer=tokenizer,
                       hyper=hyper, kl_ctl=M.FixedKLController(0.1))  # fmt: skip
 
@@ -85,9 +89,9 @@ def spy_policy_loss(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, torch
     calls = []
     real = M.policy_loss
 
-    def spy(logprobs, old_logprobs, advantages, action_mask, cliprange):
+    def spy(logprobs, old_logprobs, advantages, action_mask, cliprange, **kw):
         calls.append((logprobs.detach().clone(), old_logprobs.clone(), action_mask.clone()))
-        return real(logprobs, old_logprobs, advantages, action_mask, cliprange)
+        return real(logprobs, old_logprobs, advantages, action_mask, cliprange, **kw)
 
     monkeypatch.setattr(M, "policy_loss", spy)
     return calls
@@ -157,6 +161,52 @@ def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monk
     (new, old, mask), *_ = calls
     assert torch.equal(old, exp.logprobs)
     assert torch.allclose(new * mask, want * mask, atol=1e-5)
+
+
+class FixedScores:
+    """A reward source with the given score per row."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+        return torch.tensor(self.values)
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.5])
+def test_rlvr_stabilisers_in_one_round(tokenizer, penalty):
+    """Dr. GRPO + DAPO's uniform-group filter and overlong penalty + GRPO's k3 KL loss, in one round:
+    the penalty lowers the score of answers without EOS before the group baseline; a group whose
+    (penalised) scores are all equal keeps no action in the update and is counted; with the KL in the
+    loss the advantages are the pure group-relative scores, and the update's KL loss is k3 aggregated
+    as Dr. GRPO does (each answer's sum over the budget 6)."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, scores=FixedScores([1.0, 1.0, 0.0, 2.0]),
+                  advantage_estimator="dr_grpo", filter_uniform_groups=True, kl_in="loss", kl_estimator="k3",
+                  truncation_penalty=penalty, loss_agg="seq_mean_token_sum_norm", max_answer_len=6)  # fmt: skip
+    torch.manual_seed(5)
+    exp, stats = ppo.make_experience(*prompts(tokenizer))
+    full = M.action_mask_from(exp.sequences, exp.prompt_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    truncated = M.truncated_rows(exp.sequences, exp.prompt_len, tokenizer.eos_token_id)
+    assert truncated.any()  # a random micro model rarely says EOS within 6 tokens
+    score = torch.tensor([1.0, 1.0, 0.0, 2.0]) - penalty * truncated.float()
+    relative = score.view(2, 2) - score.view(2, 2).mean(1, keepdim=True)
+    uniform = (relative.abs() < 1e-6).all(1).repeat_interleave(2)
+    assert stats["uniform_group_rows"] == float(uniform.sum())
+    assert stats["truncated_rows"] == float(truncated.sum())
+    assert uniform[2:].tolist() == [False, False]  # prompt 1's answers score 0 and 2: never uniform
+    for i in range(4):
+        if uniform[i]:
+            assert exp.action_mask[i].sum() == 0  # the whole row leaves the update
+        else:
+            assert torch.equal(exp.action_mask[i], full[i])
+            # no KL in the reward: every action's reward-to-go is the group-relative score
+            acts = full[i] > 0
+            assert torch.allclose(exp.advantages[i][acts], relative.view(-1)[i].expand(int(acts.sum())))
+    out = ppo.train(exp)
+    k3 = M.kl_estimate(exp.logprobs, exp.ref_logprobs, exp.action_mask, "k3")
+    rows = (exp.action_mask.sum(1) > 0).sum()
+    assert out["kl_loss"] == pytest.approx(float(k3.sum() / (rows * 6)), rel=1e-5)
 
 
 # ---------------------------------------------------------------- item 6: no dropout by default in step 3

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         reference, _ = frozen_engine(ref_model, ref_stage, eng_args.offload_reference_model, dtype,
                                      ppo.per_device_generation_batch_size)  # fmt: skip
 
-    critic = None  # the critic-free estimators (rloo, group_norm) need no value model
+    critic = None  # the critic-free estimators (rloo, group_norm, dr_grpo) need no value model
     if use_critic:
         critic_optim = optim_for(ppo, ppo.critic_learning_rate, ppo.critic_weight_decay)
         critic_ds = C.DeepSpeedArgs(zero_stage=eng_args.critic_zero_stage, offload=eng_args.offload)
@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                      cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
                      whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef,
                      n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator,
-                     temperature=ppo.temperature)  # fmt: skip
+                     temperature=ppo.temperature, filter_uniform_groups=ppo.filter_uniform_groups,
+                     cliprange_high=ppo.cliprange_high, loss_agg=ppo.loss_agg, max_answer_len=ppo.max_answer_seq_len,
+                     kl_estimator=ppo.kl_estimator, kl_in=ppo.kl_in, truncation_penalty=ppo.truncation_penalty)  # fmt: skip
     trainer = PPOTrainer(actor=actor, reference=reference, critic=critic, reward_source=reward_source,
                          generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl)  # fmt: skip
     critic_desc = (f"{critic_path} ({count_parameters(critic.module) / 1e6:.2f}M, ZeRO-{eng_args.critic_zero_stage})"
@@ -368,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 "reward_mean": w["reward_sum"] / rows, "score_mean": score_mean,
                 "score_std": max(w["score_sq_sum"] / rows - score_mean**2, 0.0) ** 0.5,
                 "kl_to_reference": w["kl_sum"] / rows, "kl_coef": kl_ctl.value, "entropy": w["entropy_sum"] / rows,
-                "response_length": w["length_sum"] / rows,
+                "response_length": w["length_sum"] / rows, "truncated_fraction": w["truncated_rows"] / rows,
+                "uniform_group_fraction": w["uniform_group_rows"] / rows,
                 "generation_seconds": trainer.timing["generation"], "experience_seconds": trainer.timing["experience"],
                 "train_seconds": trainer.timing["train"], "actor_lr": actor.get_lr()[0],
             }  # fmt: skip
@@ -379,7 +382,13 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("value_loss", "value_clip_fraction"):  # critic updates (none without a critic)
                     if k in w:
                         row[k] = w[k] / u
-                for k in ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss"):  # actor updates only
+                for k in (
+                    "policy_loss",
+                    "clip_fraction",
+                    "approx_kl",
+                    "ptx_loss",
+                    "kl_loss",
+                ):  # actor updates only
                     if k in w:
                         row[k] = w[k] / ua
             first_round = first_round or row
@@ -423,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         "score_start": (first_round or {}).get("score_mean"),
         "score_end": last_round.get("score_mean"),
         "kl_end": last_round.get("kl_to_reference"),
+        # the signs of collapse or of gaming the length: sampled answers' entropy, length and cut-off share
+        **{
+            f"{k}_{when}": r.get(k)
+            for k in ("entropy", "response_length", "truncated_fraction")
+            for when, r in (("start", first_round or {}), ("end", last_round))
+        },
         "held_out_reward_start": eval_start.get("held_out_reward"),
         "held_out_reward_end": eval_end.get("held_out_reward"),
         "true_accuracy_start": eval_start.get("true_accuracy"),

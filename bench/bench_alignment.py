@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Does alignment make the real model better, by a measure a reward model cannot fake? JSON.
+
+    python bench/bench_alignment.py verifiable                    # steps 1 + 2 of the main job, then step 3 twice
+    python bench/bench_alignment.py verifiable --from output      # steps 1 + 2 of a finished main job
+    python bench/bench_alignment.py verifiable --from output --stabilisers   # + one RL run per stabiliser
+
+``verifiable``: SmolLM2-135M-Instruct on the main job's built-in tasks (sort, reverse_words), whose
+answers a verifier checks. Step 3 runs twice from the same step-1 model with the preset's settings:
+``ppo_rm`` against the learned step-2 reward model (the main job's step 3), and ``rl_verifier`` with the
+verifier itself as the reward (``--reward_fn dschat.tasks:verifier_reward``, the RLVR setting). Both
+report the verifier's true accuracy of greedy answers on the same held-out prompts before (the step-1
+model) and after, per task, and the KL to the step-1 model. ``--stabilisers`` adds one verifier run per
+stabiliser on top of ``rl_verifier`` (Dr. GRPO, DAPO's uniform-group filter, clip-higher and overlong
+penalty, sequence-level loss aggregation, GRPO's k3 KL loss), each with its true accuracy, KL, entropy,
+answer length and wall time, so that each flag's effect is a number. Targets: PPO against the reward
+model +10 points over step 1, the verifier as the reward +15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = "smollm2-135m"
+VERIFIER = ["--reward_fn", "dschat.tasks:verifier_reward"]
+# One RL-with-verifier run per stabiliser, each on top of rl_verifier's settings.
+STABILISERS = {
+    "dr_grpo": ["--advantage_estimator", "dr_grpo"],
+    "group_norm": ["--advantage_estimator", "group_norm"],
+    "filter_uniform_groups": ["--filter_uniform_groups"],
+    "seq_mean_token_mean": ["--loss_agg", "seq_mean_token_mean"],
+    "seq_mean_token_sum_norm": ["--loss_agg", "seq_mean_token_sum_norm"],
+    "clip_higher": ["--cliprange_high", "0.28"],
+    "kl_loss_k3": ["--kl_in", "loss", "--kl_estimator", "k3"],
+    "truncation_penalty": ["--truncation_penalty", "1.0"],
+}
+
+
+def train_py():
+    """train.py as a module: its preset reader is the one home of the presets' flags."""
+    spec = importlib.util.spec_from_file_location("dschat_train_py_bench", ROOT / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:], "cmd": cmd}))
+        sys.exit(1)
+
+
+def step3(out: Path, jobdir: Path, flags: list[str], extra: list[str]) -> dict:
+    """One step-3 run from ``jobdir``'s step 1 (and step 2 as the reward model) into ``out``: its summary."""
+    run([str(ROOT / "training/step3_rlhf_finetuning/main.py"), "--output_dir", str(out),
+         "--actor_model_name_or_path", str(jobdir / "step1"), "--critic_model_name_or_path", str(jobdir / "step2"),
+         *flags, *extra])  # fmt: skip
+    s = json.loads((out / "summary.json").read_text())
+    return {
+        "true_accuracy_start": s.get("true_accuracy_start"),
+        "true_accuracy_end": s.get("true_accuracy_end"),
+        "true_accuracy_by_task_end": {
+            k.split("/", 1)[1][: -len("_end")]: v for k, v in s.items() if k.startswith("true_accuracy/")
+        },
+        "true_accuracy_sampled_end": s.get("true_accuracy_sampled_end"),
+        "kl_end": s.get("kl_end"),
+        "entropy_start": s.get("entropy_start"),
+        "entropy_end": s.get("entropy_end"),
+        "response_length_end": s.get("response_length_end"),
+        "truncated_fraction_end": s.get("truncated_fraction_end"),
+        "rounds": s.get("steps"),
+        "wall_seconds": s.get("wall_seconds"),
+    }
+
+
+def verifiable(args: argparse.Namespace, out: Path) -> dict:
+    t0 = time.perf_counter()
+    train = train_py()
+    preset = train.read_preset(train.PRESETS / f"{PRESET}.yaml")
+    jobdir = Path(args.src) if args.src else out / "job"
+    if not args.src:
+        run([str(ROOT / "train.py"), "--step", "1", "2", "--output-dir", str(jobdir)])
+    flags = train.preset_flags(preset, 3, str(jobdir))
+    rl = ["--actor_learning_rate", str(args.rl_learning_rate), "--max_steps", str(args.rl_rounds)]
+    runs = {"ppo_rm": step3(out / "ppo_rm", jobdir, flags, [])}
+    runs["rl_verifier"] = step3(out / "rl_verifier", jobdir, flags, VERIFIER + rl)
+    if args.stabilisers:
+        for name in args.only or STABILISERS:
+            runs[f"rl_verifier+{name}"] = step3(
+                out / f"rl_{name}", jobdir, flags, VERIFIER + rl + STABILISERS[name]
+            )
+    ppo, rlv = runs["ppo_rm"], runs["rl_verifier"]
+    return {
+        "true_accuracy_step1": ppo["true_accuracy_start"],
+        "true_accuracy_ppo_rm": ppo["true_accuracy_end"],
+        "true_accuracy_rl_verifier": rlv["true_accuracy_end"],
+        "kl_ppo_rm": ppo["kl_end"],
+        "kl_rl_verifier": rlv["kl_end"],
+        "gain_ppo_rm": ppo["true_accuracy_end"] - ppo["true_accuracy_start"],
+        "gain_rl_verifier": rlv["true_accuracy_end"] - rlv["true_accuracy_start"],
+        "target": {"gain_ppo_rm": 0.10, "gain_rl_verifier": 0.15},
+        "runs": runs,
+        "steps_1_2_trained_here": not args.src,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", choices=("verifiable",))
+    p.add_argument("--from", dest="src", help="a finished main job (holding step1/ and step2/) to start from")
+    p.add_argument("--output_dir", help="keep the runs here (a new directory; default: a temporary one)")
+    p.add_argument(
+        "--rl_learning_rate", type=float, default=5e-5, help="actor learning rate of the verifier runs"
+    )
+    p.add_argument("--rl_rounds", type=int, default=40, help="generation rounds of the verifier runs")
+    p.add_argument("--stabilisers", action="store_true", help="one verifier run per stabiliser")
+    p.add_argument("--only", nargs="+", choices=sorted(STABILISERS), help="with --stabilisers: only these")
+    args = p.parse_args()
+    if args.output_dir and Path(args.output_dir).exists():
+        p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
+    if args.src and not all((Path(args.src) / s / "summary.json").is_file() for s in ("step1", "step2")):
+        p.error(
+            f"--from {args.src}: no finished step1/ and step2/ there (run python train.py --step 1 2 first)"
+        )
+    if args.only and not args.stabilisers:
+        p.error("--only picks among --stabilisers: give --stabilisers too")
+    tmp = None if args.output_dir else tempfile.TemporaryDirectory()
+    out = Path(args.output_dir or tmp.name)
+    out.mkdir(parents=True, exist_ok=True)
+    result = verifiable(args, out)
+    print(json.dumps({"benchmark": f"alignment_{args.suite}", "preset": PRESET, **result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
