@@ -1,0 +1,57 @@
+"""``inference/report.py``: a finished run (summaries, step 3's metrics, models with known answers) ->
+one Markdown report with PNG plots, per-task accuracy before and after, and answers side by side."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.conftest import ROOT, run_cmd
+from tests.integration.helpers import assert_ok, error_line
+
+REPORT = str(ROOT / "inference" / "report.py")
+
+
+def fake_run(root, tiny):
+    """step1 = the " 578" model, step2 = the sign reward model, step3/actor = the " 579" model."""
+    shutil.copytree(tiny.wrong, root / "step1")
+    shutil.copytree(tiny.reward, root / "step2")
+    shutil.copytree(tiny.right, root / "step3" / "actor")
+    summaries = {
+        "step1": {"true_accuracy_start": 0.0, "true_accuracy_end": 0.66, "wall_seconds": 120.0},
+        "step2": {"eval_accuracy_start": 0.5, "eval_accuracy_end": 0.97, "wall_seconds": 600.0},
+        "step3": {"true_accuracy_start": 0.7, "true_accuracy_end": 0.8, "wall_seconds": 900.0},
+    }
+    for step, s in summaries.items():
+        (root / step / "summary.json").write_text(json.dumps(s))
+    rows = [{"step": 0, "split": "eval", "true_accuracy": 0.7, "true_accuracy/sort": 0.75, "true_accuracy/add": 0.65,
+             "true_accuracy_sampled": 0.5, "held_out_reward": 1.0}]  # fmt: skip
+    for r in range(1, 21):
+        rows.append({"step": r, "split": "train", "score_mean": r / 10, "reward_mean": r / 10 - 0.01,
+                     "kl_to_reference": r / 100, "response_length": 6.0, "entropy": 0.4, "truncated_fraction": 0.0})  # fmt: skip
+    rows.append({"step": 20, "split": "eval", "true_accuracy": 0.8, "true_accuracy/sort": 0.9, "true_accuracy/add": 0.7,
+                 "true_accuracy_sampled": 0.6, "held_out_reward": 2.0})  # fmt: skip
+    lines = [json.dumps(r) for r in rows] + ['{"step": 21, "split": "tr']  # a line cut short by a kill
+    (root / "step3" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_report_of_a_finished_run(tiny, tmp_path):
+    fake_run(tmp_path, tiny)
+    assert_ok(run_cmd([REPORT, str(tmp_path), "--num_prompts", "3", "--max_new_tokens", "8"]))
+    out = tmp_path / "report"
+    md = (out / "report.md").read_text()
+    assert "| step1 | true accuracy (greedy) | 0.000 | 0.660 | 2.0 |" in md
+    assert "| step2 | held-out pairwise accuracy | 0.500 | 0.970 | 10.0 |" in md
+    assert "| step3 | KL to the reference (round 1, last) | 0.010 | 0.200 | |" in md
+    assert "| sort | 0.750 | 0.900 |" in md and "| add | 0.650 | 0.700 |" in md
+    for png in ("step3_training.png", "step3_evaluation.png"):
+        assert f"]({png})" in md
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the answers of both models, side by side, scored by the step-2 reward model
+    answers = md.split("## Answers side by side")[1]
+    assert answers.count("578") >= 3 and answers.count("579") >= 3
+    assert "win_rate" in answers
+
+
+def test_no_finished_step_is_one_line(tmp_path):
+    error_line(run_cmd([REPORT, str(tmp_path)]), f"{tmp_path}: no finished step there")
