@@ -289,6 +289,13 @@ class RLHFEngineArgs:
     reward_model_name_or_path: str | None = opt(
         None, "frozen reward model (default: --critic_model_name_or_path)", type=str
     )
+    judge_reward_model: str | None = opt(
+        None,
+        "a second reward model, trained on other pairs, that scores every rollout and held-out answer beside the "
+        "reward but is never optimised: where the reward keeps rising and the judge's score stops, the policy has "
+        "started to please its reward model rather than to get better",
+        type=str,
+    )
     actor_zero_stage: int = opt(0, "ZeRO stage of the actor (the reference uses 3 if this is 3, else 0)")
     critic_zero_stage: int = opt(0, "ZeRO stage of the critic (the reward model uses 3 if this is 3, else 0)")
     offload: bool = opt(False, "offload actor and critic optimizer states (and ZeRO-3 parameters) to CPU")

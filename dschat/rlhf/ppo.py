@@ -59,10 +59,21 @@ class PPOTrainer:
     """
 
     def __init__(
-        self, *, actor, reference, critic, reward_source, generator, tokenizer, hyper: PPOHyper, kl_ctl
+        self,
+        *,
+        actor,
+        reference,
+        critic,
+        reward_source,
+        generator,
+        tokenizer,
+        hyper: PPOHyper,
+        kl_ctl,
+        judge=None,
     ) -> None:
         self.actor, self.reference, self.critic = actor, reference, critic
         self.reward_source, self.generator, self.tokenizer = reward_source, generator, tokenizer
+        self.judge = judge  # a second reward source scored beside the reward, never optimised
         self.hyper, self.kl_ctl = hyper, kl_ctl
         self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
         self.generated_tokens = 0.0
@@ -149,6 +160,11 @@ class PPOTrainer:
                 ref_logprobs, _ = self.action_logprobs(ref, sequences, attention_mask, prompt_len)
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
+            judged = (
+                self.judge.score(prompts, responses, sequences, reward_mask)
+                if self.judge is not None
+                else None
+            )
 
             truncated = M.truncated_rows(sequences, prompt_len, tok.eos_token_id)
             clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
@@ -195,6 +211,8 @@ class PPOTrainer:
             "uniform_group_rows": float(uniform.sum()),
             "rows": float(len(lengths)),
         }
+        if judged is not None:
+            stats["judge_score_sum"] = float(judged.float().sum())
         return exp, stats
 
     # ------------------------------------------------------------------ 2. PPO update

@@ -180,6 +180,26 @@ def test_adaptive_kl_coefficient_moves_every_round_without_log_lines(models, tmp
     assert [r["step"] for r in train_rows(out)] == [3]
 
 
+def test_judge_reward_model_is_scored_beside_the_reward(models, tmp_path):
+    """--judge_reward_model scores every rollout and held-out answer and is never optimised. With the
+    reward model itself as the judge, the judge's numbers equal the reward's exactly."""
+    actor, rm = models
+    out = tmp_path / "judge"
+    assert_ok(
+        step3(out, actor, rm, "--max_steps", "2", "--judge_reward_model", str(rm), "--eval_prompts", "8")
+    )
+    rows = train_rows(out)
+    assert rows and all(r["judge_score_mean"] == pytest.approx(r["score_mean"], abs=1e-5) for r in rows)
+    evals = [
+        r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "eval"
+    ]
+    assert len(evals) == 2
+    assert all(r["held_out_judge_score"] == pytest.approx(r["held_out_reward"], abs=1e-5) for r in evals)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["held_out_judge_score_end"] == pytest.approx(s["held_out_reward_end"], abs=1e-5)
+    assert json.loads((out / "dschat_config.json").read_text())["judge_reward_model"] == str(rm)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
 def test_zero3_two_ranks(models, tmp_path):
@@ -230,6 +250,9 @@ def test_bad_inputs(models, tmp_path):
     # the reward model must have a trained value head
     error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1"),
                "not a trained reward model")  # fmt: skip
+    # so must the judge, checked before the engines start
+    error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1"),
+               f"--judge_reward_model {actor}: not a trained reward model")  # fmt: skip
     # the PPO minibatch must divide the generated batch
     error_line(
         step3(tmp_path / "b", actor, rm, "--per_device_training_batch_size", "5"),

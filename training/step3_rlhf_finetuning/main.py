@@ -43,7 +43,7 @@ from dschat.generation import (
 )
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
-from dschat.models.reward import ScalarHeadModel, load_reward_model
+from dschat.models.reward import ScalarHeadModel, has_value_head, load_reward_model
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.generation import PlainGenerator, SamplingConfig
@@ -141,6 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     if reward_tok.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"--reward_model_name_or_path {reward_path}: its tokenizer differs from the actor's "
                         f"({actor_path}); step 3 scores token ids directly, so both must share one tokenizer")  # fmt: skip
+    judge_path = None
+    if eng_args.judge_reward_model:  # checked here, before minutes of engine start-up
+        judge_path = resolve(eng_args.judge_reward_model, "--judge_reward_model")
+        if not has_value_head(judge_path):
+            raise UserError(f"--judge_reward_model {eng_args.judge_reward_model}: not a trained reward model (no "
+                            "1-label sequence-classification config.json; pass a step-2 output directory)")  # fmt: skip
+        judge_tok = load_tokenizer(
+            judge_path, trust_remote_code=critic_args.trust_remote_code, flag="--judge_reward_model"
+        )
+        if judge_tok.get_vocab() != tokenizer.get_vocab():
+            raise UserError(f"--judge_reward_model {judge_path}: its tokenizer differs from the actor's ({actor_path}); "
+                            "the judge scores the rollouts' token ids, so both must share one tokenizer")  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data: prompts (and PTX examples)
     prompts = prepare_prompt_data(
@@ -236,6 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     if ppo.reward_fn:
         sources.append(FunctionSource(ppo.reward_fn))
     reward_source = sources[0] if len(sources) == 1 else SumSource(*sources)
+    judge_source = None
+    if judge_path:  # scored beside the reward, never optimised
+        rw_stage = 3 if eng_args.critic_zero_stage == 3 else 0
+        judge_cfg = dsc.eval_ds_config(zero_stage=rw_stage, dtype=dtype, micro_batch_size=ppo.per_device_generation_batch_size,
+                                       world_size=world, offload=eng_args.offload_reward_model)  # fmt: skip
+        with engine_core.zero3_loading(judge_cfg):
+            judge_model = load_reward_model(judge_path, tokenizer=tokenizer, trust_remote_code=critic_args.trust_remote_code,
+                                            require_trained_head=True, flag="--judge_reward_model")  # fmt: skip
+        judge_engine, _ = frozen_engine(judge_model, rw_stage, eng_args.offload_reward_model, dtype,
+                                        ppo.per_device_generation_batch_size)  # fmt: skip
+        judge_source = RewardModelSource(judge_engine)
 
     ema = None
     if eng_args.enable_ema:
@@ -263,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                      cliprange_high=ppo.cliprange_high, loss_agg=ppo.loss_agg, max_answer_len=ppo.max_answer_seq_len,
                      kl_estimator=ppo.kl_estimator, kl_in=ppo.kl_in, truncation_penalty=ppo.truncation_penalty)  # fmt: skip
     trainer = PPOTrainer(actor=actor, reference=reference, critic=critic, reward_source=reward_source,
-                         generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl)  # fmt: skip
+                         generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=judge_source)  # fmt: skip
     critic_desc = (f"{critic_path} ({count_parameters(critic.module) / 1e6:.2f}M, ZeRO-{eng_args.critic_zero_stage})"
                    if critic is not None else f"none ({ppo.advantage_estimator}, {ppo.n_samples_per_prompt} samples per prompt)")  # fmt: skip
     log.info("actor %s (%.2fM, ZeRO-%d), critic %s, reward %s%s, reference %s, dtype %s, %d rank(s)",
@@ -317,9 +340,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = [p + a for p, a in zip(fmt.encode_prompts(mine), fmt.encode_responses(answers))]
             enc = {k: v.to(actor.device) for k, v in pad_right(rows, tokenizer.pad_token_id).items()}
             scores = reward_source.score(mine, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
+            judged = (judge_source.score(mine, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
+                      if judge_source is not None else torch.zeros_like(scores))  # fmt: skip
             w = torch.tensor(weights)
-            total, n = dist.all_reduce_sum([float((scores * w).sum()), float(w.sum())])
+            total, judge_total, n = dist.all_reduce_sum(
+                [float((scores * w).sum()), float((judged * w).sum()), float(w.sum())]
+            )
             out["held_out_reward"] = total / n
+            if judge_source is not None:
+                out["held_out_judge_score"] = judge_total / n
         metrics.log(out, step=step, split="eval")
         log.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
         return out
@@ -369,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "reward_mean": w["reward_sum"] / rows, "score_mean": score_mean,
                 "score_std": max(w["score_sq_sum"] / rows - score_mean**2, 0.0) ** 0.5,
+                **({"judge_score_mean": w["judge_score_sum"] / rows} if "judge_score_sum" in w else {}),
                 "kl_to_reference": w["kl_sum"] / rows, "kl_coef": kl_ctl.value, "entropy": w["entropy_sum"] / rows,
                 "response_length": w["length_sum"] / rows, "truncated_fraction": w["truncated_rows"] / rows,
                 "uniform_group_fraction": w["uniform_group_rows"] / rows,
@@ -440,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "held_out_reward_start": eval_start.get("held_out_reward"),
         "held_out_reward_end": eval_end.get("held_out_reward"),
+        "held_out_judge_score_start": eval_start.get("held_out_judge_score"),
+        "held_out_judge_score_end": eval_end.get("held_out_judge_score"),
+        "judge_score_start": (first_round or {}).get("judge_score_mean"),
+        "judge_score_end": last_round.get("judge_score_mean"),
         "true_accuracy_start": eval_start.get("true_accuracy"),
         "true_accuracy_end": eval_end.get("true_accuracy"),
         "true_accuracy_sampled_start": eval_start.get("true_accuracy_sampled"),
