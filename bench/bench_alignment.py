@@ -4,6 +4,8 @@
     python bench/bench_alignment.py verifiable                    # steps 1 + 2 of the main job, then step 3 twice
     python bench/bench_alignment.py verifiable --from output      # steps 1 + 2 of a finished main job
     python bench/bench_alignment.py verifiable --from output --stabilisers   # + one RL run per stabiliser
+    python bench/bench_alignment.py hh                            # reward model A, judge B, PPO against A
+    python bench/bench_alignment.py hh --reward_models runs/a runs/b   # with A and B already trained
 
 ``verifiable``: SmolLM2-135M-Instruct on the main job's built-in tasks (sort, reverse_words), whose
 answers a verifier checks. Step 3 runs twice from the same step-1 model with the preset's settings:
@@ -15,6 +17,15 @@ stabiliser on top of ``rl_verifier`` (Dr. GRPO, DAPO's uniform-group filter, cli
 penalty, sequence-level loss aggregation, GRPO's k3 KL loss), each with its true accuracy, KL, entropy,
 answer length and wall time, so that each flag's effect is a number. Targets: PPO against the reward
 model +10 points over step 1, the verifier as the reward +15.
+
+``hh``: human preferences, where no verifier knows the truth. ``../shared/data/hh_rlhf/train.jsonl`` is
+split into two disjoint halves (even and odd lines); reward model A is trained on one, judge B on the
+other, both from SmolLM2-135M-Instruct (top layers, grouped batches, chat template). PPO (RLOO) starts
+from SmolLM2-135M-Instruct itself (already instruction-tuned: its step 1) on the prompts of A's half,
+against A only, with B logged beside it (``--judge_reward_model``). Then both models answer held-out
+HH prompts greedily: the mean score of A and of B for each, the win rate of step 3 over step 1 under B
+(ties half), the answers' mean length (tokens) and the KL. Targets: win rate under B at least 0.60 with
+the length ratio at most 1.2.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HH = ROOT.parent / "shared" / "data" / "hh_rlhf"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PRESET = "smollm2-135m"
 VERIFIER = ["--reward_fn", "dschat.tasks:verifier_reward"]
 # One RL-with-verifier run per stabiliser, each on top of rl_verifier's settings.
@@ -115,9 +128,112 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
     }
 
 
+def hh_halves(out: Path) -> dict[str, Path]:
+    """Data directories: ``a`` and ``b`` (disjoint halves of the HH training pairs, each with the HH test
+    pairs as test.jsonl) and ``prompts`` (A's half as PPO's prompts, the test pairs' as held-out ones)."""
+    rows = (HH / "train.jsonl").read_text().splitlines(keepends=True)
+    dirs = {}
+    for name, part in (("a", rows[0::2]), ("b", rows[1::2]), ("prompts", rows[0::2])):
+        d = out / f"hh_{name}"
+        d.mkdir(parents=True)
+        (d / "train.jsonl").write_text("".join(part))
+        (d / "test.jsonl").symlink_to(HH / "test.jsonl")
+        dirs[name] = d
+    return dirs
+
+
+def hh(args: argparse.Namespace, out: Path) -> dict:
+    t0 = time.perf_counter()
+    data = hh_halves(out)
+    if args.reward_models:
+        rm_a, rm_b = map(Path, args.reward_models)
+    else:
+        rm_a, rm_b = out / "rm_a", out / "rm_b"
+        for rm, half in ((rm_a, data["a"]), (rm_b, data["b"])):
+            run([str(ROOT / "training/step2_reward_model_finetuning/main.py"), "--output_dir", str(rm),
+                 "--model_name_or_path", MODEL, "--data_path", str(half), "--data_split", "0,1,0", "--max_seq_len", "256",
+                 "--per_device_train_batch_size", "8", "--trainable_layers", "8", "--group_by_length", "--learning_rate",
+                 str(args.rm_learning_rate), "--max_eval_samples", "0", "--eval_interval", "0", "--log_interval", "20"])  # fmt: skip
+    rm_acc = {name: (json.loads((rm / "summary.json").read_text()) if (rm / "summary.json").is_file() else {})
+              .get("eval_accuracy_end") for name, rm in (("a", rm_a), ("b", rm_b))}  # fmt: skip
+    ppo = out / "ppo"
+    run([str(ROOT / "training/step3_rlhf_finetuning/main.py"), "--output_dir", str(ppo), "--actor_model_name_or_path",
+         MODEL, "--critic_model_name_or_path", str(rm_a), "--judge_reward_model", str(rm_b), "--data_path",
+         str(data["prompts"]), "--data_split", "0,0,1", "--actor_trainable_layers", "8", "--advantage_estimator", "rloo",
+         "--n_samples_per_prompt", "4", "--per_device_generation_batch_size", "8", "--per_device_training_batch_size",
+         "32", "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.max_new_tokens), "--actor_learning_rate",
+         str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
+         "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1"])  # fmt: skip
+    s3 = json.loads((ppo / "summary.json").read_text())
+    judged = judge_held_out(out, ppo / "actor", rm_a, rm_b, args)
+    return {
+        **judged,
+        "reward_model_accuracy": rm_acc,
+        "kl": s3.get("kl_end"),
+        "score_a_train_start": s3.get("score_start"),
+        "score_a_train_end": s3.get("score_end"),
+        "score_b_train_start": s3.get("judge_score_start"),
+        "score_b_train_end": s3.get("judge_score_end"),
+        "ppo_rounds": s3.get("steps"),
+        "ppo_wall_seconds": s3.get("wall_seconds"),
+        "target": {"judge_win_rate": 0.60, "length_ratio_at_most": 1.2},
+        "wall_seconds": time.perf_counter() - t0,
+    }
+
+
+def judge_held_out(out: Path, policy: Path, rm_a: Path, rm_b: Path, args: argparse.Namespace) -> dict:
+    """Greedy answers of step 1 (SmolLM2 itself) and of the policy to held-out HH prompts, scored by A and
+    B: mean scores, the win rate under B (ties half) and the mean answer length in tokens."""
+    from dschat.compare import win_rate
+    from dschat.data.prompt_format import as_dialogue, prompt_format
+    from dschat.models.loading import load_tokenizer, resolve
+    from dschat.models.reward import load_reward_model
+    from dschat.scoring import score_texts
+
+    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][: args.judge_prompts]
+    prompts = out / "held_out_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
+    run([str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL, "--model_name_or_path_finetune",
+         str(policy), "--prompts_file", str(prompts), "--max_new_tokens", str(args.max_new_tokens), "--output",
+         str(out / "held_out")])  # fmt: skip
+    answered = [json.loads(x) for x in (out / "held_out.jsonl").read_text().splitlines()]
+    tok = load_tokenizer(resolve(MODEL))
+    fmt = prompt_format(tok, "auto")
+    questions = [as_dialogue(r["prompt"]) for r in answered]
+    scores = {}
+    for name, rm in (("a", rm_a), ("b", rm_b)):
+        model = load_reward_model(str(rm), tokenizer=tok, require_trained_head=True)
+        for side in ("baseline", "finetune"):
+            scores[(name, side)] = score_texts(model, tok, questions, [r[side] for r in answered], batch_size=8,
+                                               device="cpu", fmt=fmt).tolist()  # fmt: skip
+    same = [r["baseline"] == r["finetune"] for r in answered]
+    w = win_rate(scores[("b", "finetune")], scores[("b", "baseline")], same)
+
+    def mean(x: list[float]) -> float:
+        return sum(x) / len(x)
+
+    def length(side: str) -> float:
+        return mean([len(tok(r[side], add_special_tokens=False)["input_ids"]) for r in answered])
+
+    return {
+        "judge_win_rate": w["win_rate"],
+        "reward_model_win_rate": win_rate(scores[("a", "finetune")], scores[("a", "baseline")], same)[
+            "win_rate"
+        ],
+        "score_a_step1": mean(scores[("a", "baseline")]),
+        "score_a_step3": mean(scores[("a", "finetune")]),
+        "score_b_step1": mean(scores[("b", "baseline")]),
+        "score_b_step3": mean(scores[("b", "finetune")]),
+        "length_step1": length("baseline"),
+        "length_step3": length("finetune"),
+        "length_ratio": length("finetune") / max(length("baseline"), 1e-9),
+        "held_out_prompts": len(answered),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("suite", choices=("verifiable",))
+    p.add_argument("suite", choices=("verifiable", "hh"))
     p.add_argument("--from", dest="src", help="a finished main job (holding step1/ and step2/) to start from")
     p.add_argument("--output_dir", help="keep the runs here (a new directory; default: a temporary one)")
     p.add_argument(
@@ -126,7 +242,19 @@ def main() -> None:
     p.add_argument("--rl_rounds", type=int, default=40, help="generation rounds of the verifier runs")
     p.add_argument("--stabilisers", action="store_true", help="one verifier run per stabiliser")
     p.add_argument("--only", nargs="+", choices=sorted(STABILISERS), help="with --stabilisers: only these")
+    p.add_argument(
+        "--reward_models", nargs=2, metavar=("A", "B"), help="hh: reward model A and judge B, trained"
+    )
+    p.add_argument("--rm_learning_rate", type=float, default=5e-5, help="hh: reward models' learning rate")
+    p.add_argument("--ppo_learning_rate", type=float, default=2e-6, help="hh: actor learning rate")
+    p.add_argument("--kl_coef", type=float, default=0.05, help="hh: KL coefficient")
+    p.add_argument("--ppo_rounds", type=int, default=30, help="hh: generation rounds (8 prompts x 4 answers)")
+    p.add_argument("--max_new_tokens", type=int, default=96, help="hh: longest answer")
+    p.add_argument("--judge_prompts", type=int, default=100, help="hh: held-out prompts answered and judged")
     args = p.parse_args()
+    if args.suite == "hh" and not (HH / "train.jsonl").is_file():
+        print(json.dumps({"skipped": f"{HH} not present"}))
+        return
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     if args.src and not all((Path(args.src) / s / "summary.json").is_file() for s in ("step1", "step2")):
@@ -138,8 +266,8 @@ def main() -> None:
     tmp = None if args.output_dir else tempfile.TemporaryDirectory()
     out = Path(args.output_dir or tmp.name)
     out.mkdir(parents=True, exist_ok=True)
-    result = verifiable(args, out)
-    print(json.dumps({"benchmark": f"alignment_{args.suite}", "preset": PRESET, **result}, indent=2))
+    result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
+    print(json.dumps({"benchmark": f"alignment_{args.suite}", "model": MODEL, **result}, indent=2))
 
 
 if __name__ == "__main__":
