@@ -84,18 +84,14 @@ def accuracy(verdicts: list[bool | None]) -> float | None:
 def win_rate(
     finetune: list[float], baseline: list[float], same: list[bool] | None = None
 ) -> dict[str, float]:
-    """How often ``finetune`` scores above ``baseline``, prompt by prompt; a tie counts half.
+    """How often ``finetune`` scores above ``baseline``, prompt by prompt; a tie counts half
+    (``same[i]``: both answers are the same text, a tie whatever the scores). Computed by the shipped
+    ``evaluate`` module ``dschat/metrics/win_rate``."""
+    from dschat import metrics
 
-    ``same[i]`` marks prompts where both answers are the same text: a tie whatever the scores (batches
-    padded differently can score one text a rounding error apart).
-    """
-    if len(finetune) != len(baseline) or not finetune:
+    if len(finetune) != len(baseline) or not finetune:  # evaluate would fail on empty lists less clearly
         raise ValueError("need two equally long, non-empty score lists")
-    same = same or [False] * len(finetune)
-    wins = sum(f > b and not s for f, b, s in zip(finetune, baseline, same))
-    ties = sum(f == b or s for f, b, s in zip(finetune, baseline, same))
-    n = len(finetune)
-    return {"win_rate": (wins + 0.5 * ties) / n, "wins": wins, "ties": ties, "losses": n - wins - ties}
+    return metrics.load("win_rate").compute(predictions=finetune, references=baseline, same=same)
 
 
 def side_by_side(left: str, right: str, width: int, sep: str = " | ") -> list[str]:
