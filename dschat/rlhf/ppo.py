@@ -171,9 +171,12 @@ class PPOTrainer:
             clipped = clipped - h.truncation_penalty * truncated.float()
             # With --kl_in loss the penalty is the actor's loss term (train), not a per-token reward.
             reward_kl_coef = self.kl_ctl.value if h.kl_in == "reward" else 0.0
-            kl = M.masked(
-                logprobs - ref_logprobs, action_mask
-            )  # k1, what is reported and what the controller follows
+            # k1, what is reported and what the adaptive controller follows, whatever the estimator
+            kl = M.masked(logprobs - ref_logprobs, action_mask)
+            # DAPO: a group whose answers all score alike leaves the update (its rows keep no action)
+            uniform = (M.uniform_groups(clipped, h.n_samples_per_prompt) if h.filter_uniform_groups
+                       else torch.zeros_like(truncated))  # fmt: skip
+            train_mask = action_mask * (~uniform).float().unsqueeze(1)
             if self.critic is not None:  # GAE with the critic's values
                 self.critic.eval()
                 values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
@@ -186,12 +189,8 @@ class PPOTrainer:
                 rewards, _ = M.kl_shaped_rewards(relative, logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                                  float("inf"), h.kl_estimator)  # fmt: skip
                 advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
-            if h.whiten_advantages:
-                advantages = M.masked_whiten(advantages, action_mask)
-            # DAPO: a group whose answers all score alike leaves the update (its rows keep no action)
-            uniform = (M.uniform_groups(clipped, h.n_samples_per_prompt) if h.filter_uniform_groups
-                       else torch.zeros_like(truncated))  # fmt: skip
-            train_mask = action_mask * (~uniform).float().unsqueeze(1)
+            if h.whiten_advantages:  # over the rows that train
+                advantages = M.masked_whiten(advantages, train_mask)
         exp = Experience(
             sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
