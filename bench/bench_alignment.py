@@ -237,9 +237,9 @@ def main() -> None:
     p.add_argument("--from", dest="src", help="a finished main job (holding step1/ and step2/) to start from")
     p.add_argument("--output_dir", help="keep the runs here (a new directory; default: a temporary one)")
     p.add_argument(
-        "--rl_learning_rate", type=float, default=5e-5, help="actor learning rate of the verifier runs"
+        "--rl_learning_rate", type=float, default=1e-4, help="actor learning rate of the verifier runs"
     )
-    p.add_argument("--rl_rounds", type=int, default=40, help="generation rounds of the verifier runs")
+    p.add_argument("--rl_rounds", type=int, default=80, help="generation rounds of the verifier runs")
     p.add_argument("--stabilisers", action="store_true", help="one verifier run per stabiliser")
     p.add_argument("--only", nargs="+", choices=sorted(STABILISERS), help="with --stabilisers: only these")
     p.add_argument(
