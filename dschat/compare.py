@@ -86,12 +86,12 @@ def win_rate(
 ) -> dict[str, float]:
     """How often ``finetune`` scores above ``baseline``, prompt by prompt; a tie counts half
     (``same[i]``: both answers are the same text, a tie whatever the scores). Computed by the shipped
-    ``evaluate`` module ``dschat/metrics/win_rate``."""
-    from dschat import metrics
+    ``evaluate`` module ``dschat/evaluation/win_rate``."""
+    from dschat import evaluation
 
     if len(finetune) != len(baseline) or not finetune:  # evaluate would fail on empty lists less clearly
         raise ValueError("need two equally long, non-empty score lists")
-    return metrics.load("win_rate").compute(predictions=finetune, references=baseline, same=same)
+    return evaluation.load("win_rate").compute(predictions=finetune, references=baseline, same=same)
 
 
 def side_by_side(left: str, right: str, width: int, sep: str = " | ") -> list[str]:

@@ -15,7 +15,7 @@ Args:
 Returns:
     win_rate: (wins + ties / 2) / prompts; wins, ties, losses: counts.
 Example:
-    >>> m = evaluate.load("dschat/metrics/win_rate")
+    >>> m = evaluate.load("dschat/evaluation/win_rate")
     >>> m.compute(predictions=[1.0, 2.0], references=[0.0, 2.0])
     {'win_rate': 0.75, 'wins': 1, 'ties': 1, 'losses': 0}
 """

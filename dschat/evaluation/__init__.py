@@ -1,7 +1,7 @@
 """Metrics shipped as Hugging Face ``evaluate`` modules and loaded by path, so they work offline
 (``evaluate.load("name")`` would fetch the module's code from the hub).
 
-Each metric lives in ``dschat/metrics/<name>/<name>.py``: the one home of its maths.
+Each metric lives in ``dschat/evaluation/<name>/<name>.py``: the one home of its maths.
 """
 
 from __future__ import annotations
