@@ -173,10 +173,13 @@ class PPOTrainer:
             reward_kl_coef = self.kl_ctl.value if h.kl_in == "reward" else 0.0
             # k1, what is reported and what the adaptive controller follows, whatever the estimator
             kl = M.masked(logprobs - ref_logprobs, action_mask)
-            # DAPO: a group whose answers all score alike leaves the update (its rows keep no action)
-            uniform = (M.uniform_groups(clipped, h.n_samples_per_prompt) if h.filter_uniform_groups
+            # Groups whose answers all score alike carry no signal (always counted with a group baseline);
+            # with --filter_uniform_groups (DAPO) they leave the update: their rows keep no action.
+            uniform = (M.uniform_groups(clipped, h.n_samples_per_prompt) if self.critic is None
                        else torch.zeros_like(truncated))  # fmt: skip
-            train_mask = action_mask * (~uniform).float().unsqueeze(1)
+            train_mask = (
+                action_mask * (~uniform).float().unsqueeze(1) if h.filter_uniform_groups else action_mask
+            )
             if self.critic is not None:  # GAE with the critic's values
                 self.critic.eval()
                 values = self.critic(sequences, attention_mask)[:, :-1] * action_mask

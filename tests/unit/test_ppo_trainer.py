@@ -209,6 +209,20 @@ def test_rlvr_stabilisers_in_one_round(tokenizer, penalty):
     assert out["kl_loss"] == pytest.approx(float(k3.sum() / (rows * 6)), rel=1e-5)
 
 
+def test_uniform_groups_are_counted_without_the_filter_and_stay_in_the_update(tokenizer):
+    """Without --filter_uniform_groups the share of signal-free prompts is still reported (an RLVR
+    diagnostic), and every row keeps its actions."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    ppo = trainer(
+        Engine(actor), Engine(reference), tokenizer, temperature=1.0, scores=FixedScores([1.0, 1.0, 0.0, 2.0])
+    )
+    torch.manual_seed(5)
+    exp, stats = ppo.make_experience(*prompts(tokenizer))
+    assert stats["uniform_group_rows"] == 2.0  # prompt 0's two answers both score 1
+    full = M.action_mask_from(exp.sequences, exp.prompt_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert torch.equal(exp.action_mask, full)
+
+
 # ---------------------------------------------------------------- item 6: no dropout by default in step 3
 def step3_model_args(*argv: str):
     """(actor, critic) ModelArgs as step 3's own parser resolves them (its STEP_DEFAULTS included)."""
