@@ -101,6 +101,27 @@ def frozen_engine(model: torch.nn.Module, zero_stage: int, offload: bool, dtype:
     return engine_core.initialize_engine(model, ds_config=cfg), cfg
 
 
+def frozen_reward_source(path: str, flag: str, *, tokenizer, trust_remote_code: bool, zero_stage: int,
+                         offload: bool, dtype: str, micro_batch: int) -> RewardModelSource:  # fmt: skip
+    """A trained reward model at ``path`` as a frozen engine behind the reward-source call (the reward
+    model, or the judge scored beside it)."""
+    cfg = dsc.eval_ds_config(zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch,
+                             world_size=dist.world_size(), offload=offload)  # fmt: skip
+    with engine_core.zero3_loading(cfg):
+        model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                                  require_trained_head=True, flag=flag)  # fmt: skip
+    engine, _ = frozen_engine(model, zero_stage, offload, dtype, micro_batch)
+    return RewardModelSource(engine)
+
+
+def check_same_vocabulary(path: str, flag: str, tokenizer, actor_path: str, trust_remote_code: bool) -> None:
+    """Step 3 hands the rollouts' token ids to every scoring model: each must share the actor's tokenizer."""
+    other = load_tokenizer(path, trust_remote_code=trust_remote_code, flag=flag)
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"{flag} {path}: its tokenizer differs from the actor's ({actor_path}); step 3 scores "
+                        "token ids directly, so both must share one tokenizer")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step3_rlhf_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
     actor_args, critic_args, actor_lora, critic_lora, eng_args, ppo, data_args, run = args
@@ -134,25 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         padding_side="left",
         flag="--actor_model_name_or_path",
     )
-    reward_tok = load_tokenizer(
-        reward_path, trust_remote_code=actor_args.trust_remote_code, flag="--reward_model_name_or_path"
-    )
     fmt = prompt_format(tokenizer, data_args.chat_template)
-    if reward_tok.get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"--reward_model_name_or_path {reward_path}: its tokenizer differs from the actor's "
-                        f"({actor_path}); step 3 scores token ids directly, so both must share one tokenizer")  # fmt: skip
+    check_same_vocabulary(
+        reward_path, "--reward_model_name_or_path", tokenizer, actor_path, actor_args.trust_remote_code
+    )
     judge_path = None
     if eng_args.judge_reward_model:  # checked here, before minutes of engine start-up
         judge_path = resolve(eng_args.judge_reward_model, "--judge_reward_model")
         if not has_value_head(judge_path):
             raise UserError(f"--judge_reward_model {eng_args.judge_reward_model}: not a trained reward model (no "
                             "1-label sequence-classification config.json; pass a step-2 output directory)")  # fmt: skip
-        judge_tok = load_tokenizer(
-            judge_path, trust_remote_code=critic_args.trust_remote_code, flag="--judge_reward_model"
+        check_same_vocabulary(
+            judge_path, "--judge_reward_model", tokenizer, actor_path, critic_args.trust_remote_code
         )
-        if judge_tok.get_vocab() != tokenizer.get_vocab():
-            raise UserError(f"--judge_reward_model {judge_path}: its tokenizer differs from the actor's ({actor_path}); "
-                            "the judge scores the rollouts' token ids, so both must share one tokenizer")  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data: prompts (and PTX examples)
     prompts = prepare_prompt_data(
@@ -234,31 +249,18 @@ def main(argv: list[str] | None = None) -> int:
                                 ds_config=critic_cfg, total_steps=critic_updates,
                                 gradient_checkpointing=critic_args.gradient_checkpointing)  # fmt: skip
 
+    # the reward model and the judge: frozen, at ZeRO-3 when the critic is, else unpartitioned
+    scorer = dict(tokenizer=tokenizer, trust_remote_code=critic_args.trust_remote_code,
+                  zero_stage=3 if eng_args.critic_zero_stage == 3 else 0, offload=eng_args.offload_reward_model,
+                  dtype=dtype, micro_batch=ppo.per_device_generation_batch_size)  # fmt: skip
     sources = []
     if not (ppo.reward_fn and ppo.reward_fn_mode == "replace"):
-        rw_stage = 3 if eng_args.critic_zero_stage == 3 else 0
-        rw_cfg = dsc.eval_ds_config(zero_stage=rw_stage, dtype=dtype, micro_batch_size=ppo.per_device_generation_batch_size,
-                                    world_size=world, offload=eng_args.offload_reward_model)  # fmt: skip
-        with engine_core.zero3_loading(rw_cfg):
-            reward_model = load_reward_model(reward_path, tokenizer=tokenizer, trust_remote_code=critic_args.trust_remote_code,
-                                             require_trained_head=True, flag="--reward_model_name_or_path")  # fmt: skip
-        reward_engine, _ = frozen_engine(reward_model, rw_stage, eng_args.offload_reward_model, dtype,
-                                         ppo.per_device_generation_batch_size)  # fmt: skip
-        sources.append(RewardModelSource(reward_engine))
+        sources.append(frozen_reward_source(reward_path, "--reward_model_name_or_path", **scorer))
     if ppo.reward_fn:
         sources.append(FunctionSource(ppo.reward_fn))
     reward_source = sources[0] if len(sources) == 1 else SumSource(*sources)
-    judge_source = None
-    if judge_path:  # scored beside the reward, never optimised
-        rw_stage = 3 if eng_args.critic_zero_stage == 3 else 0
-        judge_cfg = dsc.eval_ds_config(zero_stage=rw_stage, dtype=dtype, micro_batch_size=ppo.per_device_generation_batch_size,
-                                       world_size=world, offload=eng_args.offload_reward_model)  # fmt: skip
-        with engine_core.zero3_loading(judge_cfg):
-            judge_model = load_reward_model(judge_path, tokenizer=tokenizer, trust_remote_code=critic_args.trust_remote_code,
-                                            require_trained_head=True, flag="--judge_reward_model")  # fmt: skip
-        judge_engine, _ = frozen_engine(judge_model, rw_stage, eng_args.offload_reward_model, dtype,
-                                        ppo.per_device_generation_batch_size)  # fmt: skip
-        judge_source = RewardModelSource(judge_engine)
+    # scored beside the reward, never optimised
+    judge_source = frozen_reward_source(judge_path, "--judge_reward_model", **scorer) if judge_path else None
 
     ema = None
     if eng_args.enable_ema:
