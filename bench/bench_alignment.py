@@ -129,11 +129,11 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
 
 
 def hh_halves(out: Path) -> dict[str, Path]:
-    """Data directories: ``a`` and ``b`` (disjoint halves of the HH training pairs, each with the HH test
-    pairs as test.jsonl) and ``prompts`` (A's half as PPO's prompts, the test pairs' as held-out ones)."""
+    """Data directories ``a`` and ``b``: disjoint halves of the HH training pairs, each with the HH test
+    pairs as test.jsonl. ``a`` also gives PPO its prompts (its pairs' prompts; the test pairs' held out)."""
     rows = (HH / "train.jsonl").read_text().splitlines(keepends=True)
     dirs = {}
-    for name, part in (("a", rows[0::2]), ("b", rows[1::2]), ("prompts", rows[0::2])):
+    for name, part in (("a", rows[0::2]), ("b", rows[1::2])):
         d = out / f"hh_{name}"
         d.mkdir(parents=True)
         (d / "train.jsonl").write_text("".join(part))
@@ -159,7 +159,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     ppo = out / "ppo"
     run([str(ROOT / "training/step3_rlhf_finetuning/main.py"), "--output_dir", str(ppo), "--actor_model_name_or_path",
          MODEL, "--critic_model_name_or_path", str(rm_a), "--judge_reward_model", str(rm_b), "--data_path",
-         str(data["prompts"]), "--data_split", "0,0,1", "--actor_trainable_layers", "8", "--advantage_estimator", "rloo",
+         str(data["a"]), "--data_split", "0,0,1", "--actor_trainable_layers", "8", "--advantage_estimator", "rloo",
          "--n_samples_per_prompt", "4", "--per_device_generation_batch_size", "8", "--per_device_training_batch_size",
          "32", "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.max_new_tokens), "--actor_learning_rate",
          str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),

@@ -32,9 +32,8 @@ class PPOHyper:
     whiten_advantages: bool
     unsup_coef: float
     n_samples_per_prompt: int = 1
-    advantage_estimator: str = (
-        "gae"  # gae (critic) | rloo | group_norm | dr_grpo (per-prompt baseline, no critic)
-    )
+    # gae (critic) | rloo | group_norm | dr_grpo (per-prompt baseline, no critic)
+    advantage_estimator: str = "gae"
     # The stabilisers of critic-free RL (each a flag; see PPOArgs): DAPO's dropping of uniform groups,
     # clip-higher and overlong penalty, the loss's token aggregation, and where and how the KL acts.
     filter_uniform_groups: bool = False
