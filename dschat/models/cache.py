@@ -23,6 +23,9 @@ from pathlib import Path
 
 LOG = logging.getLogger("dschat")
 COMPLETE = ".dschat-complete"  # written last into an entry: its presence means the entry is whole
+# Bumped when entries written by an older dschat must not be used. 2: tied weights are stored under
+# the embedding's name (format 1 stored them under the LM head's, and reward models lost them).
+FORMAT = 2
 
 
 def cache_root() -> Path:
@@ -34,7 +37,12 @@ def models_dir() -> Path:
 
 
 def is_complete(entry: Path) -> bool:
-    return (entry / COMPLETE).is_file()
+    """The entry is whole and written in the current :data:`FORMAT`."""
+    try:
+        mark = json.loads((entry / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("format") == FORMAT
 
 
 @contextlib.contextmanager
@@ -62,14 +70,14 @@ def build_once(entry: Path, build: Callable[[Path], dict | None]) -> Path:
         if is_complete(entry):  # another process built it while this one waited
             return entry
         if entry.exists():
-            LOG.warning("model cache: %s is incomplete (an interrupted build?); rebuilding it", entry)
+            LOG.warning("model cache: %s is incomplete or written by an older dschat; rebuilding it", entry)
             shutil.rmtree(entry)
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             info = build(tmp) or {}
-            mark = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
+            mark = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "format": FORMAT, **info}
             (tmp / COMPLETE).write_text(json.dumps(mark, indent=2, sort_keys=True, default=str) + "\n")
             os.replace(tmp, entry)
         except BaseException:
@@ -78,15 +86,34 @@ def build_once(entry: Path, build: Callable[[Path], dict | None]) -> Path:
     return entry
 
 
+def unique_state_dict(model) -> dict:
+    """``model``'s state dict with every shared tensor kept once, under its first name.
+
+    The first name is the module that owns the tensor (``model.embed_tokens.weight`` before the tied
+    ``lm_head.weight``), as in transformers' own checkpoints: every head class finds it there. Kept
+    under the output head's name, a model without that head (a reward model or critic) would find no
+    embedding in the file and start from random ones.
+    """
+    seen: set[tuple] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.contiguous()
+    return out
+
+
 def write_model_dir(model, tokenizer, path: Path) -> None:
-    """Config, generation config, safetensors weights (tied weights stored once) and tokenizer of
-    ``model`` in ``path``, on whichever rank calls it."""
-    from safetensors.torch import save_model
+    """Config, generation config, safetensors weights (tied weights stored once, see
+    :func:`unique_state_dict`) and tokenizer of ``model`` in ``path``, on whichever rank calls it."""
+    from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(path)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(path)
-    save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(unique_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

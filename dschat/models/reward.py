@@ -84,13 +84,25 @@ def load_reward_model(
     if tokenizer is not None:
         config.pad_token_id = tokenizer.pad_token_id
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path,
+            config=config,
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
     except ValueError as exc:
         raise UserError(
             f"{flag} {path}: cannot be loaded as a reward model ({str(exc).splitlines()[0][:200]})"
         ) from None
+    # Only the head may start fresh: a body weight missing from the checkpoint would silently train from
+    # random values (a tied embedding stored only under the LM head's name did exactly that).
+    missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] != "score")
+    if missing:
+        raise UserError(
+            f"{flag} {path}: the checkpoint lacks {len(missing)} body weight(s) ({', '.join(missing[:3])}); "
+            "they would start random"
+        )
     if not hasattr(model, "score"):
         raise UserError(
             f"{flag} {path}: {type(model).__name__} has no 'score' head; this architecture is not supported"

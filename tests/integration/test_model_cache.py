@@ -64,11 +64,14 @@ def test_two_ranks_materialise_one_model_concurrently_on_an_empty_cache(tmp_path
     torch.testing.assert_close(_load_logits(str(entry)), _fresh_micro_logits(), rtol=0, atol=0)
 
 
-def test_an_incomplete_entry_is_rebuilt(tmp_path, monkeypatch):
+@pytest.mark.parametrize("leftover", ["tokenizer-only", "older-format"])
+def test_an_incomplete_or_older_entry_is_rebuilt(tmp_path, monkeypatch, leftover):
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path))
     entry = tmp_path / "models" / "micro-llama-v1-seed0"
     entry.mkdir(parents=True)
     (entry / "tokenizer.json").write_text("{}")  # what the race used to leave: a tokenizer, no model
+    if leftover == "older-format":  # complete, but written before tied weights kept the embedding's name
+        (entry / cache.COMPLETE).write_text('{"built_at": "2026-11-22T10:00:00"}')
     path = builtin.materialize("builtin:micro-llama")
     assert Path(path) == entry and cache.is_complete(entry)
     torch.testing.assert_close(_load_logits(path), _fresh_micro_logits(), rtol=0, atol=0)
@@ -96,3 +99,44 @@ def test_a_failed_build_leaves_nothing_and_the_next_one_succeeds(tmp_path):
     assert cache.build_once(entry, good) == entry
     assert cache.build_once(entry, good) == entry  # complete: not built again
     assert calls == [1] and (entry / "data").read_text() == "ok"
+
+
+def test_a_tied_model_written_to_the_cache_keeps_its_embeddings_for_every_head(tmp_path):
+    # A tied model (SmolLM2) has one tensor under two names. Stored under the output head's name, a
+    # model without that head (a reward model or critic, AutoModelForSequenceClassification) found no
+    # embedding in the file and trained on random ones, silently.
+    from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from dschat.models.reward import load_reward_model
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(config)
+    cache.write_model_dir(lm, None, tmp_path / "m")
+    embedding = lm.get_input_embeddings().weight
+    body = AutoModel.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert torch.equal(body.get_input_embeddings().weight, embedding)
+    reward = load_reward_model(str(tmp_path / "m")).hf_model
+    assert torch.equal(reward.get_input_embeddings().weight, embedding)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert torch.equal(again.get_output_embeddings().weight, embedding)
+
+
+def test_a_reward_model_refuses_a_checkpoint_without_its_embedding(tmp_path):
+    # What format-1 cache entries held: the tied tensor only under lm_head.weight.
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.models.reward import load_reward_model
+    from dschat.utils.errors import UserError
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    lm = LlamaForCausalLM(config)
+    (tmp_path / "m").mkdir()
+    lm.config.save_pretrained(tmp_path / "m")
+    state = {k: v for k, v in lm.state_dict().items() if k != "model.embed_tokens.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(UserError, match=r"lacks 1 body weight\(s\) \(model.embed_tokens.weight\)"):
+        load_reward_model(str(tmp_path / "m"), flag="--critic_model_name_or_path")
