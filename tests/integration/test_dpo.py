@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cmd
 from tests.integration.helpers import assert_ok, error_line, summary, train_losses
-from tests.integration.test_step2 import preference_file
+from tests.integration.test_step2 import preference_file, write_jsonl
 
 DPO = ROOT / "training" / "step2_dpo_finetuning" / "main.py"
 FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch_size", "16",
@@ -112,6 +112,16 @@ def test_resume_equals_an_uninterrupted_run(pairs, tmp_path):
 )
 def test_bad_options_are_one_line(tmp_path, flags, needles):
     error_line(dpo(tmp_path / "out", *FAST, *flags), *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pairs_with_identical_sides_are_one_line(tmp_path):
+    rows = [{"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": f" yes {i}", "rejected": f" no {i}"}
+            for i in range(40)]  # fmt: skip
+    rows[7]["rejected"] = rows[7]["chosen"] + " "  # the same answer once stripped
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    error_line(dpo(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0"),
+               str(data), "1 pair(s) have the same chosen and rejected answer")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 

@@ -79,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
+    # Step 2's reward model drops and counts such pairs; DPO refuses them: the user meant a preference
+    # there, and the pair's loss is a constant that no update can move.
+    identical = sum(data.stats[split]["dropped_identical"] for split in ("train", "eval"))
+    if identical:
+        raise UserError(
+            f"--data_path {' '.join(data_args.data_path)}: {identical} pair(s) have the same chosen and "
+            "rejected answer; DPO has nothing to prefer in them: remove them"
+        )
     # 2b. on-policy pairs (--policy_negatives_from output/step1): the right answer over the policy's own
     # wrong ones, so DPO pushes down the mistakes this policy makes rather than only synthetic ones
     mined = mine_step_pairs(pairs_args, data_args=data_args, phase=2, tokenizer=tokenizer, fmt=setup.fmt,
