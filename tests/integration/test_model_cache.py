@@ -101,18 +101,25 @@ def test_a_failed_build_leaves_nothing_and_the_next_one_succeeds(tmp_path):
     assert calls == [1] and (entry / "data").read_text() == "ok"
 
 
-def test_a_tied_model_written_to_the_cache_keeps_its_embeddings_for_every_head(tmp_path):
-    # A tied model (SmolLM2) has one tensor under two names. Stored under the output head's name, a
-    # model without that head (a reward model or critic, AutoModelForSequenceClassification) found no
-    # embedding in the file and trained on random ones, silently.
-    from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    from dschat.models.reward import load_reward_model
+def _tied_lm():
+    """A tiny Llama whose LM head is its input embedding (as in SmolLM2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(0)
-    lm = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def test_a_tied_model_written_to_the_cache_keeps_its_embeddings_for_every_head(tmp_path):
+    # A tied model (SmolLM2) has one tensor under two names. Stored under the output head's name, a
+    # model without that head (a reward model or critic, AutoModelForSequenceClassification) found no
+    # embedding in the file and trained on random ones, silently.
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from dschat.models.reward import load_reward_model
+
+    lm = _tied_lm()
     cache.write_model_dir(lm, None, tmp_path / "m")
     embedding = lm.get_input_embeddings().weight
     body = AutoModel.from_pretrained(tmp_path / "m", dtype=torch.float32)
@@ -126,14 +133,11 @@ def test_a_tied_model_written_to_the_cache_keeps_its_embeddings_for_every_head(t
 def test_a_reward_model_refuses_a_checkpoint_without_its_embedding(tmp_path):
     # What format-1 cache entries held: the tied tensor only under lm_head.weight.
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from dschat.models.reward import load_reward_model
     from dschat.utils.errors import UserError
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
-    lm = LlamaForCausalLM(config)
+    lm = _tied_lm()
     (tmp_path / "m").mkdir()
     lm.config.save_pretrained(tmp_path / "m")
     state = {k: v for k, v in lm.state_dict().items() if k != "model.embed_tokens.weight"}

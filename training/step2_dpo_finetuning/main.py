@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
     # Step 2's reward model drops and counts such pairs; DPO refuses them: the user meant a preference
-    # there, and the pair's loss is a constant that no update can move.
+    # there, and the pair's preference term is a constant that no update can move.
     identical = sum(data.stats[split]["dropped_identical"] for split in ("train", "eval"))
     if identical:
         raise UserError(
