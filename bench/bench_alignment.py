@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from hh_judge import HH, MODEL, hh_halves, judge_held_out
+
 ROOT = Path(__file__).resolve().parents[1]
-HH = ROOT.parent / "shared" / "data" / "hh_rlhf"
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PRESET = "smollm2-135m"
 VERIFIER = ["--reward_fn", "dschat.tasks:verifier_reward"]
 # One RL-with-verifier run per stabiliser, each on top of rl_verifier's settings.
@@ -128,20 +128,6 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
     }
 
 
-def hh_halves(out: Path) -> dict[str, Path]:
-    """Data directories ``a`` and ``b``: disjoint halves of the HH training pairs, each with the HH test
-    pairs as test.jsonl. ``a`` also gives PPO its prompts (its pairs' prompts; the test pairs' held out)."""
-    rows = (HH / "train.jsonl").read_text().splitlines(keepends=True)
-    dirs = {}
-    for name, part in (("a", rows[0::2]), ("b", rows[1::2])):
-        d = out / f"hh_{name}"
-        d.mkdir(parents=True)
-        (d / "train.jsonl").write_text("".join(part))
-        (d / "test.jsonl").symlink_to(HH / "test.jsonl")
-        dirs[name] = d
-    return dirs
-
-
 def hh(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
     data = hh_halves(out)
@@ -165,7 +151,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
          str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
          "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1"])  # fmt: skip
     s3 = json.loads((ppo / "summary.json").read_text())
-    judged = judge_held_out(out, ppo / "actor", rm_a, rm_b, args)
+    judged = judge_held_out(out, ppo / "actor", {"a": rm_a, "b": rm_b}, judge="b", prompts=args.judge_prompts,
+                            max_new_tokens=args.max_new_tokens, tag="step3")  # fmt: skip
     return {
         **judged,
         "reward_model_accuracy": rm_acc,
@@ -177,57 +164,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "ppo_rounds": s3.get("steps"),
         "ppo_wall_seconds": s3.get("wall_seconds"),
         "target": {"judge_win_rate": 0.60, "length_ratio_at_most": 1.2},
+        "target_met": judged["judge_win_rate"] >= 0.60 and judged["length_ratio"] <= 1.2,
         "wall_seconds": time.perf_counter() - t0,
-    }
-
-
-def judge_held_out(out: Path, policy: Path, rm_a: Path, rm_b: Path, args: argparse.Namespace) -> dict:
-    """Greedy answers of step 1 (SmolLM2 itself) and of the policy to held-out HH prompts, scored by A and
-    B: mean scores, the win rate under B (ties half) and the mean answer length in tokens."""
-    from dschat.compare import win_rate
-    from dschat.data.prompt_format import as_dialogue, prompt_format
-    from dschat.models.loading import load_tokenizer, resolve
-    from dschat.models.reward import load_reward_model
-    from dschat.scoring import score_texts
-
-    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][: args.judge_prompts]
-    prompts = out / "held_out_prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
-    run([str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL, "--model_name_or_path_finetune",
-         str(policy), "--prompts_file", str(prompts), "--max_new_tokens", str(args.max_new_tokens), "--output",
-         str(out / "held_out")])  # fmt: skip
-    answered = [json.loads(x) for x in (out / "held_out.jsonl").read_text().splitlines()]
-    tok = load_tokenizer(resolve(MODEL))
-    fmt = prompt_format(tok, "auto")
-    questions = [as_dialogue(r["prompt"]) for r in answered]
-    scores = {}
-    for name, rm in (("a", rm_a), ("b", rm_b)):
-        model = load_reward_model(str(rm), tokenizer=tok, require_trained_head=True)
-        for side in ("baseline", "finetune"):
-            scores[(name, side)] = score_texts(model, tok, questions, [r[side] for r in answered], batch_size=8,
-                                               device="cpu", fmt=fmt).tolist()  # fmt: skip
-    same = [r["baseline"] == r["finetune"] for r in answered]
-    w = win_rate(scores[("b", "finetune")], scores[("b", "baseline")], same)
-
-    def mean(x: list[float]) -> float:
-        return sum(x) / len(x)
-
-    def length(side: str) -> float:
-        return mean([len(tok(r[side], add_special_tokens=False)["input_ids"]) for r in answered])
-
-    return {
-        "judge_win_rate": w["win_rate"],
-        "reward_model_win_rate": win_rate(scores[("a", "finetune")], scores[("a", "baseline")], same)[
-            "win_rate"
-        ],
-        "score_a_step1": mean(scores[("a", "baseline")]),
-        "score_a_step3": mean(scores[("a", "finetune")]),
-        "score_b_step1": mean(scores[("b", "baseline")]),
-        "score_b_step3": mean(scores[("b", "finetune")]),
-        "length_step1": length("baseline"),
-        "length_step3": length("finetune"),
-        "length_ratio": length("finetune") / max(length("baseline"), 1e-9),
-        "held_out_prompts": len(answered),
     }
 
 
@@ -243,7 +181,10 @@ def main() -> None:
     p.add_argument("--stabilisers", action="store_true", help="one verifier run per stabiliser")
     p.add_argument("--only", nargs="+", choices=sorted(STABILISERS), help="with --stabilisers: only these")
     p.add_argument(
-        "--reward_models", nargs=2, metavar=("A", "B"), help="hh: reward model A and judge B, trained"
+        "--reward_models",
+        nargs=2,
+        metavar=("A", "B"),
+        help="hh: reward model A and judge B, already trained on the halves a and b (a kept run's rm_a, rm_b)",
     )
     p.add_argument("--rm_learning_rate", type=float, default=5e-5, help="hh: reward models' learning rate")
     p.add_argument("--ppo_learning_rate", type=float, default=2e-6, help="hh: actor learning rate")

@@ -3,7 +3,8 @@
 
     python bench/bench_dpo.py verifiable                      # step 1 (the main job's) then DPO on on-policy pairs
     python bench/bench_dpo.py verifiable --step1 output/step1   # DPO from a finished step-1 model
-    python bench/bench_dpo.py hh --judge runs/judge_rm        # DPO from SmolLM2 on HH-RLHF, judged by a reward model
+    python bench/bench_dpo.py hh                              # DPO from SmolLM2 on all HH-RLHF training pairs
+    python bench/bench_dpo.py hh --judge runs/al/rm_b         # on half a, judged by the alignment benchmark's B
 
 ``verifiable``: the built-in tasks of the main job (sort, reverse_words) with SmolLM2-135M-Instruct. DPO
 starts from the step-1 model; its pairs are the built-in synthetic ones plus the step-1 model's own wrong
@@ -13,9 +14,10 @@ implicit-reward accuracy on held-out pairs, tokens/s and wall time.
 
 ``hh``: DPO from SmolLM2-135M-Instruct itself (it is already instruction-tuned: that is its step 1) on
 ``../shared/data/hh_rlhf/train.jsonl``; implicit-reward accuracy on ``test.jsonl`` (target 0.62). With
-``--judge DIR`` (a reward model trained on other pairs, e.g. the judge of the alignment benchmark), both
-policies answer the held-out prompts greedily and the judge scores them: ``judge_win_rate`` (ties half,
-target 0.60) and ``length_ratio`` (mean answer length in tokens, DPO over step 1; target at most 1.2).
+``--judge DIR``, the judge B of ``bench_alignment.py hh`` (trained on half b of the pairs), DPO learns from
+half a only (``hh_judge.py``: the same split), both policies answer held-out prompts greedily and B scores
+them: ``judge_win_rate`` (ties half, target 0.60) and ``length_ratio`` (mean answer length in tokens, DPO
+over step 1; target at most 1.2).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from hh_judge import HH, MODEL, hh_halves, judge_held_out
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 COMMON = ["--trainable_layers", "8", "--per_device_train_batch_size", "16", "--eval_interval", "0",
           "--log_interval", "10"]  # fmt: skip
 
@@ -81,10 +83,13 @@ def by_task(s: dict) -> dict:
 
 def hh(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
-    pairs = out / "hh"
-    pairs.mkdir(parents=True)
-    for split in ("train", "test"):
-        (pairs / f"{split}.jsonl").symlink_to(SHARED / "hh_rlhf" / f"{split}.jsonl")
+    if args.judge:  # the judge saw half b: DPO learns from half a only, so the judge stays independent
+        pairs = hh_halves(out)["a"]
+    else:
+        pairs = out / "hh"
+        pairs.mkdir(parents=True)
+        for split in ("train", "test"):
+            (pairs / f"{split}.jsonl").symlink_to(HH / f"{split}.jsonl")
     dpo = out / "step2_dpo"
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
          MODEL, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
@@ -94,7 +99,9 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     s = json.loads((dpo / "summary.json").read_text())
     result = {
         "implicit_reward_accuracy": s["implicit_reward_accuracy_end"],
+        "implicit_reward_accuracy_start": s.get("implicit_reward_accuracy_start"),
         "eval_margin": s["eval_margin_end"],
+        "train_pairs": len((pairs / "train.jsonl").read_text().splitlines()),
         "steps": s["steps"],
         "train_tokens_per_sec": s["train_tokens_per_sec"],
         "dpo_wall_seconds": s["wall_seconds"],
@@ -102,27 +109,9 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "length_ratio": None,
     }
     if args.judge:
-        prompts = out / "prompts.jsonl"
-        rows = [json.loads(x) for x in (SHARED / "hh_rlhf" / "test.jsonl").read_text().splitlines()]
-        prompts.write_text(
-            "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows[: args.judge_prompts])
-        )
-        run([str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL,
-             "--model_name_or_path_finetune", str(dpo), "--prompts_file", str(prompts), "--reward_model", args.judge,
-             "--max_new_tokens", "128", "--output", str(out / "judged")])  # fmt: skip
-        judged = [json.loads(x) for x in (out / "judged.jsonl").read_text().splitlines()]
-        from dschat.compare import win_rate
-        from dschat.models.loading import load_tokenizer, resolve
-
-        tok = load_tokenizer(resolve(MODEL))
-
-        def mean_len(side: str) -> float:
-            return sum(len(tok(r[side], add_special_tokens=False)["input_ids"]) for r in judged) / len(judged)
-
-        w = win_rate([r["finetune_reward"] for r in judged], [r["baseline_reward"] for r in judged],
-                     [r["baseline"] == r["finetune"] for r in judged])  # fmt: skip
-        result.update(judge_win_rate=w["win_rate"], length_ratio=mean_len("finetune") / max(mean_len("baseline"), 1e-9),
-                      judge_prompts=len(judged))  # fmt: skip
+        result.update(judge_held_out(out, dpo, {"b": Path(args.judge)}, judge="b", prompts=args.judge_prompts,
+                                     max_new_tokens=128, tag="dpo"))  # fmt: skip
+    result["target"] = {"implicit_reward_accuracy": 0.62, "judge_win_rate": 0.60, "length_ratio_at_most": 1.2}
     result["wall_seconds"] = time.perf_counter() - t0
     return result
 
@@ -134,7 +123,8 @@ def main() -> None:
         "--step1", help="verifiable: a finished step-1 model (default: train one with the main job's preset)"
     )
     p.add_argument(
-        "--judge", help="hh: a reward model that judges step 1 against DPO (not trained on these pairs)"
+        "--judge",
+        help="hh: judge B of bench_alignment.py hh (trained on half b); DPO then trains on half a",
     )
     p.add_argument("--judge_prompts", type=int, default=200, help="hh: held-out prompts the judge scores")
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-6 hh")
@@ -143,8 +133,8 @@ def main() -> None:
     p.add_argument("--max_steps", type=int, default=None, help="default: 60 verifiable, one epoch hh")
     p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")
     args = p.parse_args()
-    if args.suite == "hh" and not (SHARED / "hh_rlhf" / "train.jsonl").exists():
-        print(json.dumps({"skipped": f"{SHARED / 'hh_rlhf'} not present"}))
+    if args.suite == "hh" and not (HH / "train.jsonl").exists():
+        print(json.dumps({"skipped": f"{HH} not present"}))
         return
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")

@@ -1,0 +1,96 @@
+"""Judging a policy on human preferences, where no verifier knows the truth: shared by
+``bench_alignment.py hh`` (PPO against reward model A) and ``bench_dpo.py hh`` (DPO on A's pairs).
+
+``../shared/data/hh_rlhf/train.jsonl`` is split into two disjoint halves (even and odd lines). A policy is
+trained on half ``a`` only (through reward model A, or directly by DPO); the judge B is a reward model
+trained on half ``b``, so it never saw the policy's training pairs. Both the untuned model and the
+policy answer held-out HH prompts greedily, and the reward models score the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HH = ROOT.parent / "shared" / "data" / "hh_rlhf"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def hh_halves(out: Path) -> dict[str, Path]:
+    """Data directories ``a`` and ``b``: disjoint halves of the HH training pairs, each with the HH test
+    pairs as test.jsonl. ``a`` also gives PPO its prompts (its pairs' prompts; the test pairs' held out)."""
+    rows = (HH / "train.jsonl").read_text().splitlines(keepends=True)
+    dirs = {}
+    for name, part in (("a", rows[0::2]), ("b", rows[1::2])):
+        d = out / f"hh_{name}"
+        d.mkdir(parents=True)
+        (d / "train.jsonl").write_text("".join(part))
+        (d / "test.jsonl").symlink_to(HH / "test.jsonl")
+        dirs[name] = d
+    return dirs
+
+
+def judge_held_out(
+    out: Path,
+    policy: Path,
+    reward_models: dict[str, Path],
+    *,
+    judge: str,
+    prompts: int,
+    max_new_tokens: int,
+    tag: str,
+) -> dict:
+    """Greedy answers of the untuned model (``step1``: SmolLM2 is already instruction-tuned) and of
+    ``policy`` to the first ``prompts`` HH test prompts, scored by every reward model in ``reward_models``.
+
+    Returns ``score_<name>_step1`` / ``score_<name>_<tag>`` (mean scores), ``win_rate_<name>`` (policy
+    over step 1, ties half), ``judge_win_rate`` (the same under ``reward_models[judge]``), the mean answer
+    lengths in tokens and ``length_ratio`` (policy over step 1)."""
+    from dschat.compare import win_rate
+    from dschat.data.prompt_format import as_dialogue, prompt_format
+    from dschat.models.loading import load_tokenizer, resolve
+    from dschat.models.reward import load_reward_model
+    from dschat.scoring import score_texts
+
+    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][:prompts]
+    prompts_file = out / "held_out_prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
+    cmd = [str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL,
+           "--model_name_or_path_finetune", str(policy), "--prompts_file", str(prompts_file),
+           "--max_new_tokens", str(max_new_tokens), "--output", str(out / "held_out")]  # fmt: skip
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:], "cmd": cmd}))
+        sys.exit(1)
+    answered = [json.loads(x) for x in (out / "held_out.jsonl").read_text().splitlines()]
+    tok = load_tokenizer(resolve(MODEL))
+    fmt = prompt_format(tok, "auto")
+    questions = [as_dialogue(r["prompt"]) for r in answered]
+    same = [r["baseline"] == r["finetune"] for r in answered]
+
+    def mean(x: list[float]) -> float:
+        return sum(x) / len(x)
+
+    def length(side: str) -> float:
+        return mean([len(tok(r[side], add_special_tokens=False)["input_ids"]) for r in answered])
+
+    result: dict = {}
+    for name, rm in reward_models.items():
+        model = load_reward_model(str(rm), tokenizer=tok, require_trained_head=True)
+        s = {side: score_texts(model, tok, questions, [r[side] for r in answered], batch_size=8, device="cpu",
+                               fmt=fmt).tolist() for side in ("baseline", "finetune")}  # fmt: skip
+        result[f"score_{name}_step1"] = mean(s["baseline"])
+        result[f"score_{name}_{tag}"] = mean(s["finetune"])
+        result[f"win_rate_{name}"] = win_rate(s["finetune"], s["baseline"], same)["win_rate"]
+    return {
+        "judge_win_rate": result[f"win_rate_{judge}"],
+        **result,
+        "length_step1": length("baseline"),
+        f"length_{tag}": length("finetune"),
+        "length_ratio": length("finetune") / max(length("baseline"), 1e-9),
+        "identical_answers": sum(same),
+        "held_out_prompts": len(answered),
+    }
