@@ -110,7 +110,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     }
     if args.judge:
         result.update(judge_held_out(out, dpo, {"b": Path(args.judge)}, judge="b", prompts=args.judge_prompts,
-                                     max_new_tokens=128, tag="dpo"))  # fmt: skip
+                                     max_new_tokens=args.max_new_tokens, tag="dpo"))  # fmt: skip
     result["target"] = {"implicit_reward_accuracy": 0.62, "judge_win_rate": 0.60, "length_ratio_at_most": 1.2}
     result["wall_seconds"] = time.perf_counter() - t0
     return result
@@ -126,9 +126,10 @@ def main() -> None:
         "--judge",
         help="hh: judge B of bench_alignment.py hh (trained on half b); DPO then trains on half a",
     )
-    p.add_argument("--judge_prompts", type=int, default=200, help="hh: held-out prompts the judge scores")
+    p.add_argument("--judge_prompts", type=int, default=100, help="hh: held-out prompts the judge scores")
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-6 hh")
     p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--max_new_tokens", type=int, default=96, help="hh: longest judged answer")
     p.add_argument("--sft_coef", type=float, default=0.0, help="weight of the chosen answer's NLL (RPO)")
     p.add_argument("--max_steps", type=int, default=None, help="default: 60 verifiable, one epoch hh")
     p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")
