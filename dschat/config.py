@@ -207,10 +207,22 @@ class RewardArgs:
         "every position from where the two answers part to the end of the longer one (DeepSpeed-Chat's loss)",
         choices=("last_token", "divergence"),
     )
+    length_expert: bool = opt(
+        False,
+        "debias the reward model against answer length (product of experts): a length-only expert "
+        "P(chosen wins) = sigmoid(w * log(len_chosen / len_rejected)) is fitted on the training pairs first, and "
+        "the reward model learns only what it does not explain; the saved reward model is used without it, so "
+        "PPO is not paid for length alone (w is logged and saved in summary.json)",
+    )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.margin < 0:
             raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
+        if self.length_expert and self.ranking_loss != "last_token":
+            raise UserError(
+                f"--{prefix}length_expert compares the final scores: it needs --{prefix}ranking_loss last_token, "
+                f"got {self.ranking_loss}"
+            )
 
 
 @dataclass

@@ -53,9 +53,51 @@ def gather_last(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
-def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
-    """Bradley-Terry ranking loss ``mean(-log sigmoid(r_chosen - r_rejected - margin))``; chosen, rejected: (B,)."""
-    return -F.logsigmoid(chosen.float() - rejected.float() - margin).mean()
+def pairwise_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0, offset: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bradley-Terry ranking loss ``mean(-log sigmoid(r_chosen - r_rejected + offset - margin))``.
+
+    chosen, rejected, offset: (B,). ``offset`` is a fixed expert's log-odds that the chosen answer wins
+    (product of experts: the reward model is trained only on what that expert does not explain, and is
+    used without it), e.g. :func:`length_expert_logits`.
+    """
+    diff = chosen.float() - rejected.float() - margin
+    if offset is not None:
+        diff = diff + offset.float()
+    return -F.logsigmoid(diff).mean()
+
+
+def length_log_ratio(response_len: torch.Tensor) -> torch.Tensor:
+    """(2B,) response lengths in tokens, chosen rows first -> (B,) ``log len_chosen - log len_rejected``."""
+    b = response_len.shape[0] // 2
+    n = response_len.float().clamp_min(1.0)
+    return n[:b].log() - n[b:].log()
+
+
+def fit_length_expert(log_ratio: torch.Tensor, l2: float = 1e-4, iters: int = 50) -> float:
+    """The length-only expert: ``w`` maximising ``sum log sigmoid(w x) - l2 w^2 / 2`` over the training
+    pairs' ``x = log len_chosen - log len_rejected`` (N,), that is ``P(chosen wins) = sigmoid(w x)``.
+
+    Newton's method on a strictly concave one-dimensional objective (the small ``l2`` keeps ``w`` finite
+    when every chosen answer is the longer one). ``w > 0``: the annotators preferred longer answers.
+    """
+    x = log_ratio.double()
+    w = torch.zeros((), dtype=torch.float64)
+    for _ in range(iters):
+        p = torch.sigmoid(w * x)
+        grad = (x * (1 - p)).sum() - l2 * w
+        hess = -(x * x * p * (1 - p)).sum() - l2
+        step = grad / hess
+        w = w - step
+        if step.abs() < 1e-10:
+            break
+    return float(w)
+
+
+def length_expert_logits(w: float, response_len: torch.Tensor) -> torch.Tensor:
+    """(2B,) response lengths -> (B,) the length expert's log-odds ``w x`` that the chosen answer wins."""
+    return w * length_log_ratio(response_len)
 
 
 def divergence_pairwise_loss(

@@ -72,13 +72,17 @@ def pair_example(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: lis
 class PairCollator:
     """Chosen and rejected of B pairs batched together, right-padded.
 
-    Returns ``input_ids (2B, T)`` (rows 0..B-1 chosen, B..2B-1 rejected) and ``attention_mask (2B, T)``.
+    Returns ``input_ids (2B, T)`` (rows 0..B-1 chosen, B..2B-1 rejected), ``attention_mask (2B, T)`` and
+    ``response_len (2B,)``, each row's response length in tokens (the prompt is shared within a pair).
     """
 
     pad_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        return pad_right([f["chosen"] for f in features] + [f["rejected"] for f in features], self.pad_id)
+        out = pad_right([f["chosen"] for f in features] + [f["rejected"] for f in features], self.pad_id)
+        lengths = [len(f[side]) - f["prompt_len"] for side in ("chosen", "rejected") for f in features]
+        out["response_len"] = torch.tensor(lengths, dtype=torch.long)
+        return out
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -181,6 +181,26 @@ def test_bad_pairs_are_counted_and_reported(tmp_path):
     assert "dropped 1 identical" in proc.stdout or "dropped 0 identical" in proc.stdout
 
 
+def test_length_expert_is_fitted_logged_and_saved(tmp_path):
+    # The chosen answer is the longer one in 3 of 4 pairs: the length-only expert comes out positive,
+    # right on those 3 in 4, and the run logs it and saves it (the option in the config, w in the summary).
+    rows = [
+        {"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": " yes" * (3 if i % 4 else 1),
+         "rejected": " no" * (1 if i % 4 else 3)}
+        for i in range(64)
+    ]  # fmt: skip
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "out"
+    proc = step2(out, *FAST, "--data_path", str(data), "--data_split", "0,1,0", "--max_steps", "2",
+                 "--per_device_train_batch_size", "4", "--length_expert")  # fmt: skip
+    assert_ok(proc)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["length_expert_coef"] > 0
+    assert s["length_expert_train_accuracy"] == pytest.approx(0.75, abs=0.1)  # this step's share of the pairs
+    assert "length expert: P(chosen wins) = sigmoid(" in proc.stdout + proc.stderr
+    assert json.loads((out / "dschat_config.json").read_text())["length_expert"] is True
+
+
 def test_missing_rejected_field_is_one_clear_line(tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"p{i}", "response": f" r{i}"} for i in range(40)])
     proc = step2(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0")

@@ -222,6 +222,10 @@ def test_parse_data_split_names_the_given_flag():
             "--policy_negatives_temperature must be > 0, got 0.0",
         ),
         (RewardArgs(margin=-1.0), "--margin must be >= 0, got -1.0"),
+        (
+            RewardArgs(length_expert=True, ranking_loss="divergence"),
+            "--length_expert compares the final scores: it needs --ranking_loss last_token, got divergence",
+        ),
         (DPOArgs(beta=0.0), "--beta must be > 0, got 0.0"),
         (
             DPOArgs(label_smoothing=0.1, dpo_loss="ipo"),

@@ -1,4 +1,5 @@
-"""Step-2 pieces: last-token pooling, the pairwise loss, pair/prompt collation, ranking metrics."""
+"""Step-2 pieces: last-token pooling, the pairwise loss, the length expert, pair/prompt collation, ranking
+metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import pytest
 import torch
 
 from dschat.data.collate import PairCollator, PromptCollator, pair_example
-from dschat.losses import divergence_pairwise_loss, gather_last, last_token_index, pairwise_loss
+from dschat.losses import (
+    divergence_pairwise_loss,
+    fit_length_expert,
+    gather_last,
+    last_token_index,
+    length_expert_logits,
+    length_log_ratio,
+    pairwise_loss,
+)
 from dschat.ranking import ranking_metrics, ranking_sums
 
 # ---------------------------------------------------------------- last_token_index / gather_last
@@ -69,6 +78,77 @@ def test_pairwise_loss_with_margin():
     assert math.isclose(float(loss), (0.4740770 + 0.9740770) / 2, abs_tol=1e-6)
 
 
+def test_pairwise_loss_with_offset():
+    # chosen 1, rejected 0, the expert's log-odds -1: -log sigmoid(1 - 0 - 1) = log 2; the margin adds in
+    assert math.isclose(float(pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0]), offset=torch.tensor([-1.0]))),
+                        math.log(2), rel_tol=1e-6)  # fmt: skip
+    got = pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0]), margin=0.5, offset=torch.tensor([-0.5]))
+    assert math.isclose(float(got), math.log(2), rel_tol=1e-6)
+
+
+def test_length_log_ratio_and_expert_logits():
+    lens = torch.tensor([4, 1, 2, 1])  # chosen 4, 1; rejected 2, 1
+    assert torch.allclose(length_log_ratio(lens), torch.tensor([math.log(2), 0.0]))
+    assert torch.allclose(length_expert_logits(0.5, lens), torch.tensor([0.5 * math.log(2), 0.0]))
+    # an empty response counts as one token (no log 0)
+    assert torch.isfinite(length_log_ratio(torch.tensor([0, 3]))).all()
+
+
+def test_fit_length_expert_hand_values():
+    # x = 1, 1, -1 (chosen longer twice, shorter once): d/dw [2 log s(w) + log s(-w)] = 2 (1 - s) - s = 0
+    # -> sigmoid(w) = 2/3, w = log 2
+    assert math.isclose(fit_length_expert(torch.tensor([1.0, 1.0, -1.0]), l2=0.0), math.log(2), rel_tol=1e-9)
+    # symmetric data: no length preference
+    assert abs(fit_length_expert(torch.tensor([0.7, -0.7]), l2=0.0)) < 1e-12
+    # chosen always the shorter: w < 0; always the longer: without l2 no maximum, with it a finite w > 0
+    assert fit_length_expert(torch.tensor([-1.0, -2.0, 0.5])) < 0
+    w = fit_length_expert(torch.tensor([1.0, 2.0]), l2=1e-2)
+    assert 0 < w < 100 and math.isfinite(w)
+
+
+def test_length_expert_takes_length_out_of_the_reward():
+    # Responses have a length feature and a content feature; annotators prefer both. A linear reward
+    # trained plainly learns to pay for length; trained beside the fitted length expert (product of
+    # experts) it pays much less for length (not nothing: the expert, fitted without the content, sees
+    # an attenuated length preference), still learns content, and ranks the pairs whose chosen answer
+    # is the shorter one better (measured here: plain 0.73, debiased 0.84).
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    feats = torch.randn(2, n, 2, generator=g)  # (side, pair, [log length, content])
+    true = torch.tensor([1.5, 2.0])
+    p_first = torch.sigmoid((feats[0] - feats[1]) @ true)
+    first_wins = torch.rand(n, generator=g) < p_first
+    chosen = torch.where(first_wins[:, None], feats[0], feats[1])
+    rejected = torch.where(first_wins[:, None], feats[1], feats[0])
+    x = chosen[:, 0] - rejected[:, 0]  # the log length ratio
+    w = fit_length_expert(x)
+    assert 0.5 < w < 1.5  # the marginal length preference, attenuated by the content it does not see
+
+    def train(offset):
+        theta = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.LBFGS([theta], max_iter=100, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            loss = pairwise_loss(chosen @ theta, rejected @ theta, offset=offset)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return theta.detach()
+
+    plain = train(None)
+    debiased = train(w * x)
+    assert plain[0] > 1.2 and debiased[0] < 0.6 * plain[0]  # pays much less for length
+    assert debiased[1] > 1.5  # still learns what the answer says
+    shorter = x < 0
+
+    def acc(theta):
+        return float(((chosen @ theta > rejected @ theta)[shorter]).float().mean())
+
+    assert acc(debiased) > acc(plain) + 0.05
+
+
 def test_pairwise_loss_is_float32_and_stable():
     loss = pairwise_loss(torch.tensor([-100.0], dtype=torch.bfloat16), torch.tensor([100.0]))
     # d = -200: log(1 + e^200) = 200 (no overflow to inf)
@@ -127,7 +207,9 @@ def test_pair_example_appends_no_eos():
 def test_pair_collator_chosen_first_right_padded():
     feats = [pair_example([1, 2], [3, 4, 5], [6]), pair_example([7], [8], [9, 9])]
     out = PairCollator(pad_id=99)(feats)
-    assert set(out) == {"input_ids", "attention_mask"}
+    assert set(out) == {"input_ids", "attention_mask", "response_len"}
+    # response lengths (prompt excluded): chosen 3, 1; rejected 1, 2
+    assert out["response_len"].tolist() == [3, 1, 1, 2]
     # rows: chosen 0, chosen 1, rejected 0, rejected 1; width = longest = 5
     assert out["input_ids"].tolist() == [
         [1, 2, 3, 4, 5],

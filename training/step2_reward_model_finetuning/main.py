@@ -7,7 +7,9 @@
 or ``python train.py --step 2``. The model is a transformer body with a scalar head
 (``AutoModelForSequenceClassification``, one label) scored at the last real token of
 ``prompt + response``; the loss is ``-log sigmoid(r_chosen - r_rejected - margin)`` with chosen and
-rejected batched together. The output directory loads with
+rejected batched together. ``--length_expert`` debiases it against answer length: a length-only
+expert fitted on the training pairs first is added to the score difference (product of experts), so the
+model learns what length does not explain. The output directory loads with
 ``AutoModelForSequenceClassification.from_pretrained`` and gives the same scores.
 """
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
 
+import torch
 from tqdm import tqdm
 
 from dschat import config as C
@@ -28,7 +31,14 @@ from dschat.data.pipeline import prepare_pair_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
-from dschat.losses import divergence_pairwise_loss, gather_last, pairwise_loss
+from dschat.losses import (
+    divergence_pairwise_loss,
+    fit_length_expert,
+    gather_last,
+    length_expert_logits,
+    length_log_ratio,
+    pairwise_loss,
+)
 from dschat.models.loading import count_parameters
 from dschat.models.reward import ScalarHeadModel, load_reward_model
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
@@ -81,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         data.train = data.train + mined.train
         policy_evals = eval_batches(mined.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
         policy_samples = mined.eval_samples
+    # 2c. the length-only expert (--length_expert), fitted on all training pairs (the same on every rank)
+    length_w = length_w_accuracy = None
+    if reward.length_expert:
+        lengths = torch.tensor(
+            [len(r[side]) - r["prompt_len"] for side in ("chosen", "rejected") for r in data.train]
+        )
+        x = length_log_ratio(lengths)  # (N,)
+        length_w = fit_length_expert(x)
+        length_w_accuracy = float(((length_w * x) > 0).float().mean())
     batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = (
         batches.loader,
@@ -99,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         len(data.train), len(data.eval), st["dropped_identical"], st["dropped_empty_response"], st["dropped_too_long"],
         st["prompt_truncated"], total_steps,
     )  # fmt: skip
+    if length_w is not None:
+        log.info("length expert: P(chosen wins) = sigmoid(%.3f * log(len_chosen / len_rejected)); alone it ranks %.3f "
+                 "of the training pairs right; the reward model learns the rest", length_w, length_w_accuracy)  # fmt: skip
 
     # ---------------------------------------------------------------- 3. model (body + scalar head) and engine
     ds_config = T.train_ds_config(optim, ds_args, dtype)
@@ -173,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         if reward.ranking_loss == "divergence":
             loss = divergence_pairwise_loss(values, ids, mask, reward.margin)
         else:
-            loss = pairwise_loss(chosen, rejected, reward.margin)
+            offset = (
+                None
+                if length_w is None
+                else length_expert_logits(length_w, batch["response_len"]).to(engine.device)
+            )
+            loss = pairwise_loss(chosen, rejected, reward.margin, offset)
         engine.backward(loss)
         engine.step()
         window.add(loss=loss, micro=1, pairs=b, right=(chosen > rejected).sum(), margin=(chosen - rejected).sum(),
@@ -230,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         "eval_policy_best_of_k_accuracy_start": eval_start.get("policy_best_of_k_accuracy"),
         "eval_policy_best_of_k_accuracy_end": eval_end.get("policy_best_of_k_accuracy"),
         "policy_negatives": mined.stats if mined else None,
+        # --length_expert: the length-only expert's coefficient and its own training-pair accuracy (the
+        # evaluation above scores the reward model alone, as PPO uses it)
+        "length_expert_coef": length_w,
+        "length_expert_train_accuracy": length_w_accuracy,
         "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
         "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
         "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
