@@ -51,9 +51,14 @@ def main() -> None:
     )
     p.add_argument("--epochs", type=int, default=1, help="pretrained models: passes over the HH pairs")
     p.add_argument("--ranking_loss", default="last_token", choices=("last_token", "divergence"))
+    p.add_argument(
+        "--length_expert", action="store_true", help="debias against answer length (step 2's --length_expert)"
+    )
     args = p.parse_args()
     pretrained = not args.model.startswith("builtin:")
     args.max_seq_len = args.max_seq_len or (320 if pretrained else 768)
+    if args.length_expert and not pretrained:
+        p.error("--length_expert applies to a pretrained --model (the builtin suite runs the default job)")
     if args.src and args.output_dir:
         p.error("--from reads a finished run and --output_dir starts one: give one of them")
     if args.output_dir and Path(args.output_dir).exists():
@@ -80,7 +85,7 @@ def main() -> None:
             start = str(out / "step1")
         rm_flags = (["--trainable_layers", str(args.trainable_layers), "--group_by_length", "--learning_rate",
                      str(args.learning_rate), "--num_train_epochs", str(args.epochs), "--log_interval", "20",
-                     "--ranking_loss", args.ranking_loss]
+                     "--ranking_loss", args.ranking_loss, *(["--length_expert"] if args.length_expert else [])]
                     if pretrained else [])  # fmt: skip
         # Train on all of hh_rlhf/train.jsonl, evaluate on hh_rlhf/test.jsonl (a directory with both files).
         pairs = out / "hh"
@@ -106,6 +111,9 @@ def main() -> None:
         "benchmark": f"reward_model_{args.suite}",
         "model": args.model,
         "ranking_loss": args.ranking_loss,
+        "learning_rate": args.learning_rate if pretrained else None,
+        "length_expert_coef": s.get("length_expert_coef"),
+        "length_expert_train_accuracy": s.get("length_expert_train_accuracy"),
         "steps": s["steps"],
         "eval_accuracy_start": s["eval_accuracy_start"],
         "eval_accuracy_end": s["eval_accuracy_end"],
