@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dschat.engine.ds_config import frozen_stage
 from dschat.utils.errors import UserError
 
 GIB = 1024**3
@@ -510,7 +511,7 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
     """Peak memory of step 3 under ``choice`` (same stage for actor and critic; offload also moves the
     ZeRO-3 reference and reward models to CPU, as --offload_reference_model / --offload_reward_model)."""
     w, s = work.dtype_bytes, work.prompt_len + work.answer_len
-    frozen_stage = 3 if choice.zero_stage == 3 else 0
+    stage_of_frozen = frozen_stage(choice.zero_stage)
     parts: dict[str, int] = {}
     cpu = 0
     c, parts["actor states"] = _model(work.actor, "lm", work.actor_lora_dim, work.only_lora, choice, w, hw)
@@ -524,7 +525,7 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
         (work.reward_model, "reward model", work.critic, "score", work.offload_reward),
     ):
         if present:
-            c, parts[name] = frozen_states(shape.parameters(head), shape.largest_layer_params(head), frozen_stage,
+            c, parts[name] = frozen_states(shape.parameters(head), shape.largest_layer_params(head), stage_of_frozen,
                                            choice.offload or off, w, hw.gpus_per_node, hw.nodes)  # fmt: skip
             cpu += c
     gc = choice.gradient_checkpointing

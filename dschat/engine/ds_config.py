@@ -62,12 +62,19 @@ def train_ds_config(
     return cfg
 
 
+def frozen_stage(trained_stage: int) -> int:
+    """The ZeRO stage of a frozen model (reference, reward, judge) beside engines trained at
+    ``trained_stage``: 3 stays 3 (its parameters are partitioned like the trained ones'), 1 and 2 become 0,
+    since they partition only optimizer states and gradients, which a frozen model does not have."""
+    return 3 if trained_stage == 3 else 0
+
+
 def eval_ds_config(
     *, zero_stage: int, dtype: str, micro_batch_size: int, world_size: int, offload: bool = False
 ) -> dict[str, Any]:
     """The config of a frozen engine (reference and reward models in step 3): no optimizer states."""
     cfg = train_ds_config(
-        zero_stage=zero_stage if zero_stage == 3 else 0,
+        zero_stage=frozen_stage(zero_stage),
         dtype=dtype,
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=1,

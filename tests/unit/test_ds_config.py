@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dschat.engine.ds_config import eval_ds_config, train_ds_config
+from dschat.engine.ds_config import eval_ds_config, frozen_stage, train_ds_config
 
 STAGE3_KEYS = {
     "offload_param",
@@ -110,3 +110,11 @@ def test_eval_config_keeps_stage3():
         "zero_optimization"
     ]
     assert z["offload_param"] == {"device": "cpu", "pin_memory": False}
+
+
+@pytest.mark.parametrize("trained, frozen", [(0, 0), (1, 0), (2, 0), (3, 3)])
+def test_frozen_models_partition_parameters_only_under_zero3(trained, frozen):
+    # ZeRO 1 and 2 partition optimizer states and gradients, which a frozen model has none of
+    assert frozen_stage(trained) == frozen
+    cfg = eval_ds_config(zero_stage=trained, dtype="bf16", micro_batch_size=2, world_size=1)
+    assert cfg["zero_optimization"]["stage"] == frozen

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = None
     if not eng_args.share_reference_with_actor:
-        ref_stage = 3 if eng_args.actor_zero_stage == 3 else 0
+        ref_stage = dsc.frozen_stage(eng_args.actor_zero_stage)
         ref_cfg = dsc.eval_ds_config(zero_stage=ref_stage, dtype=dtype, micro_batch_size=ppo.per_device_generation_batch_size,
                                      world_size=world, offload=eng_args.offload_reference_model)  # fmt: skip
         with engine_core.zero3_loading(ref_cfg):
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # the reward model and the judge: frozen, at ZeRO-3 when the critic is, else unpartitioned
     scorer = dict(tokenizer=tokenizer, trust_remote_code=critic_args.trust_remote_code,
-                  zero_stage=3 if eng_args.critic_zero_stage == 3 else 0, offload=eng_args.offload_reward_model,
+                  zero_stage=dsc.frozen_stage(eng_args.critic_zero_stage), offload=eng_args.offload_reward_model,
                   dtype=dtype, micro_batch=ppo.per_device_generation_batch_size)  # fmt: skip
     sources = []
     if not (ppo.reward_fn and ppo.reward_fn_mode == "replace"):
