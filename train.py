@@ -594,7 +594,10 @@ def planning_models(n: int, args: argparse.Namespace, extra: list[str], preset: 
     if step2_start == str(out / "step1") and not written(step2_start):
         step2_start = step1_start
     models = {}
-    if n == 2 and not written(reward_start_model(args, preset)):
+    if n == 2 and getattr(args, "algorithm", "ppo") == "dpo":  # DPO trains the policy from step 1's start
+        if not written(policy_start_model(args, preset)):
+            models["model"] = step1_start
+    elif n == 2 and not written(reward_start_model(args, preset)):
         models["model"] = step2_start
     if n == 3:
         argv = step_args(3, args, extra, preset)
@@ -631,13 +634,11 @@ def memory_plan(
 
     full = args.estimate_memory
     groups = parse_step(step_of(n, args), argv)
-    if step_of(n, args) is DPO_STEP:  # the planner knows steps 1-3; DPO holds one training model, like step 1
-        print(f"==> memory plan, step {n} (DPO): not planned; the step's own defaults apply", flush=True)
-        return []
+    dpo = step_of(n, args) is DPO_STEP
     try:
         gpn, nodes = processes(args)
         hw = P.detect_hardware(gpn, nodes, args.device_memory, args.cpu_memory)
-        flags = {"model": "--actor-model" if n == 1 else "--reward-model", "actor": "--actor-model",
+        flags = {"model": "--actor-model" if n == 1 or dpo else "--reward-model", "actor": "--actor-model",
                  "critic": "--reward-model"}  # fmt: skip
         plan = P.make_plan(n, groups, argv, hw, planning_models(n, args, extra, preset), flags)
     except UserError as exc:

@@ -433,7 +433,8 @@ class Estimate:
 
 @dataclass(frozen=True)
 class TrainWorkload:
-    """Step 1 (``head="lm"``) or step 2 (``head="score"``; chosen and rejected in one batch of ``2b``)."""
+    """Step 1 (``head="lm"``), step 2's reward model (``head="score"``, ``pairs``) or step 2 as DPO
+    (``head="lm"``, ``pairs``, and ``reference`` when the reference is another model)."""
 
     shape: ModelShape
     batch: int  # per-device micro-batch of sequences (step 2: pairs)
@@ -442,6 +443,10 @@ class TrainWorkload:
     head: str = "lm"
     lora_dim: int = 0
     only_lora: bool = False
+    pairs: bool = False  # chosen and rejected in one batch of 2b sequences (step 2)
+    # DPO's --ref_model_name_or_path: before training, a plain frozen copy on every rank scores the pairs
+    # (forward only) beside the policy's states, and is freed when training starts.
+    reference: ModelShape | None = None
 
 
 def _split_params(shape: ModelShape, head: str, lora_dim: int, only_lora: bool) -> tuple[int, int]:
@@ -479,12 +484,20 @@ def _finish(choice: Choice, parts: dict[str, int], cpu_node: int, hw: Hardware) 
 
 
 def estimate_train(work: TrainWorkload, choice: Choice, hw: Hardware) -> Estimate:
-    """Peak memory of step 1 or step 2 under ``choice``."""
+    """Peak memory of step 1 or step 2 under ``choice``: the policy's states plus the larger of its
+    training activations and, for DPO with a separate reference, the reference pass before training."""
     cpu, states = _model(work.shape, work.head, work.lora_dim, work.only_lora, choice, work.dtype_bytes, hw)
-    batch = work.batch * (2 if work.head == "score" else 1)
+    batch = work.batch * (2 if work.pairs else 1)
     acts = activation_bytes(work.shape, batch, work.seq, work.dtype_bytes, choice.gradient_checkpointing,
                             work.head)  # fmt: skip
-    return _finish(choice, {"model states": states, "activations": acts}, cpu, hw)
+    parts = {"model states": states, "activations": acts}
+    if work.reference is not None:
+        ref = work.reference.parameters("lm") * work.dtype_bytes + forward_only_bytes(
+            work.reference, batch, work.seq, work.dtype_bytes
+        )
+        if ref > acts:
+            parts = {"model states": states, "reference pass": ref}
+    return _finish(choice, parts, cpu, hw)
 
 
 @dataclass(frozen=True)

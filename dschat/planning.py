@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dschat import memory as M
-from dschat.config import DataArgs, LoraArgs, ModelArgs, OptimArgs, PPOArgs, RLHFEngineArgs
+from dschat.config import DataArgs, DPOArgs, LoraArgs, ModelArgs, OptimArgs, PPOArgs, RLHFEngineArgs
 from dschat.utils.errors import UserError
 
 STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF (PPO)"}
@@ -168,11 +168,16 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
     w = M.dtype_bytes(dtype)
     if step in (1, 2):
         optim = _of(groups, OptimArgs)[0]
+        dpo = _of(groups, DPOArgs)  # step 2 as DPO: the policy keeps its LM head
         role = shape("model", model_args[0].model_name_or_path, "--model_name_or_path")
-        work: Any = M.TrainWorkload(role[2], optim.per_device_train_batch_size, data.max_seq_len, w,
-                                    head="lm" if step == 1 else "score", lora_dim=loras[0].lora_dim,
-                                    only_lora=loras[0].only_optimize_lora)  # fmt: skip
         models = [role]
+        ref = None
+        if dpo and dpo[0].ref_model_name_or_path:
+            models.append(shape("reference", dpo[0].ref_model_name_or_path, "--ref_model_name_or_path"))
+            ref = models[-1][2]
+        work: Any = M.TrainWorkload(role[2], optim.per_device_train_batch_size, data.max_seq_len, w,
+                                    head="lm" if step == 1 or dpo else "score", lora_dim=loras[0].lora_dim,
+                                    only_lora=loras[0].only_optimize_lora, pairs=step == 2, reference=ref)  # fmt: skip
     else:
         eng, ppo = _of(groups, RLHFEngineArgs)[0], _of(groups, PPOArgs)[0]
         actor = shape("actor", model_args[0].model_name_or_path, "--actor_model_name_or_path")
@@ -210,18 +215,19 @@ def describe_hardware(hw: M.Hardware) -> str:
 
 def format_plan(p: StepPlan, full: bool) -> str:
     """The plan as text: models, workload, and (``full``) one row per choice with the chosen one marked."""
-    lines = [f"step {p.step} ({STEP_NAMES[p.step]}), {p.dtype}, {describe_hardware(p.hw)}"]
+    w = p.workload
+    dpo = isinstance(w, M.TrainWorkload) and w.pairs and w.head == "lm"
+    lines = [f"step {p.step} ({'DPO' if dpo else STEP_NAMES[p.step]}), {p.dtype}, {describe_hardware(p.hw)}"]
     for role, name, shape, where in p.models:
-        head = "score" if role == "critic" or (p.step == 2) else "lm"
+        head = "score" if role == "critic" or (role == "model" and p.workload.head == "score") else "lm"
         lines.append(f"  {role}: {name}, {M.human_params(shape.parameters(head))} parameters "
                      f"({shape.model_type}, {shape.num_layers} layers x {shape.hidden_size}; config: {where})")  # fmt: skip
-    w = p.workload
     if isinstance(w, M.RLHFWorkload):
         lines.append(f"  generation {w.generation_batch} prompts x ({w.prompt_len} + {w.answer_len}) tokens, "
                      f"PPO micro-batch {w.training_batch}" + ("" if w.reference else ", reference shared with the actor")
                      + ("" if w.reward_model else ", no reward model (reward function)"))  # fmt: skip
     else:
-        pairs = " pairs (chosen + rejected)" if w.head == "score" else ""
+        pairs = " pairs (chosen + rejected)" if w.pairs else ""
         lora = f", LoRA rank {w.lora_dim}{' only' if w.only_lora else ''}" if w.lora_dim else ""
         lines.append(f"  micro-batch {w.batch}{pairs} x {w.seq} tokens (--max_seq_len){lora}")
     if p.fixed:

@@ -118,6 +118,16 @@ def test_estimate_memory_of_step_3_from_the_built_in_table(tmp_path):
     )
 
 
+def test_estimate_memory_of_dpo_plans_the_policy_on_pairs(tmp_path):
+    # DPO's step 2 is the step-1 policy (LM head) on chosen + rejected, not the reward model
+    proc = train_py("--estimate-memory", "--algorithm", "dpo", "--step", "2", "--actor-model", "facebook/opt-1.3b",
+                    "--device-memory", "80", "--output-dir", str(tmp_path))  # fmt: skip
+    assert_ok(proc)
+    assert "step 2 (DPO)" in proc.stdout
+    assert "model: facebook/opt-1.3b, 1.32B parameters" in proc.stdout  # the policy's start, with its LM head
+    assert "pairs (chosen + rejected)" in proc.stdout and "<- choice" in proc.stdout
+
+
 def test_estimate_memory_of_an_unknown_offline_model_is_one_line():
     error_line(train_py("--estimate-memory", "--step", "1", "--actor-model", "no-org/no-such-model"),
                "--actor-model no-org/no-such-model", "offline")  # fmt: skip

@@ -86,11 +86,59 @@ def test_train_estimate_adds_its_parts(small):
     assert e.parts == {"model states": 20 * 2792, "activations": 9072, "runtime": M.GPU_RUNTIME_BYTES}
     assert e.device == sum(e.parts.values())
     # a reward model sees chosen and rejected together: activations of 2b sequences, no vocabulary logits
-    rm = M.estimate_train(M.TrainWorkload(small, 2, 3, 2, head="score"), M.Choice(0, False, False), hw)
+    rm = M.estimate_train(
+        M.TrainWorkload(small, 2, 3, 2, head="score", pairs=True), M.Choice(0, False, False), hw
+    )
     assert (
         rm.parts["activations"]
         == 2 * M.layer_activation_bytes(small, 4, 3, 2) + 2 * 2 * 4 * 3 * 8 + 4 * 4 * 3
     )
+
+
+def test_dpo_estimate_counts_both_answers_with_logits_and_a_separate_reference(small):
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=10 * M.GIB)
+    c0 = M.Choice(0, False, False)
+    dpo = M.estimate_train(M.TrainWorkload(small, 2, 3, 2, pairs=True), c0, hw)
+    sft = M.estimate_train(M.TrainWorkload(small, 2, 3, 2), c0, hw)
+    # the policy keeps its LM head and sees chosen and rejected: step 1's activations of 2b = 4 sequences
+    assert dpo.parts["activations"] == M.activation_bytes(small, 4, 3, 2, checkpointing=False)
+    assert dpo.parts["model states"] == sft.parts["model states"] == 20 * 2792
+    # a reference 10x wider than the policy: its bf16 weights plus one no-grad forward of the 4 sequences
+    # outweigh training's activations, and the estimate says so
+    wide = M.shape_from_config({**SMALL, "hidden_size": 80, "intermediate_size": 160, "num_attention_heads": 2,
+                                "num_key_value_heads": 1})  # fmt: skip
+    with_ref = M.estimate_train(M.TrainWorkload(small, 2, 3, 2, pairs=True, reference=wide), c0, hw)
+    ref = wide.parameters("lm") * 2 + M.forward_only_bytes(wide, 4, 3, 2)
+    assert ref > dpo.parts["activations"]
+    assert with_ref.parts == {
+        "model states": 20 * 2792,
+        "reference pass": ref,
+        "runtime": M.GPU_RUNTIME_BYTES,
+    }
+
+
+def test_make_plan_reads_dpo_options():
+    from dschat.config import DataArgs, DeepSpeedArgs, DPOArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
+
+    hw = M.Hardware(gpus_per_node=1, on_gpu=False, cpu_node_bytes=8 * M.GIB)
+
+    def groups(ref):
+        return (ModelArgs(model_name_or_path="builtin:micro-llama"), DataArgs(max_seq_len=64), LoraArgs(),
+                OptimArgs(per_device_train_batch_size=4), DeepSpeedArgs(), RunArgs(),
+                DPOArgs(ref_model_name_or_path=ref))  # fmt: skip
+
+    plan = P.make_plan(2, groups(None), [], hw)
+    assert (plan.workload.head, plan.workload.pairs, plan.workload.reference) == ("lm", True, None)
+    assert [m[0] for m in plan.models] == ["model"]
+    text = P.format_plan(plan, full=False)
+    assert text.startswith("step 2 (DPO)") and "micro-batch 4 pairs (chosen + rejected) x 64" in text
+    plan = P.make_plan(2, groups("builtin:tiny-llama"), [], hw)
+    assert [m[0] for m in plan.models] == ["model", "reference"]
+    assert plan.workload.reference.hidden_size == 256  # the tiny preset: 256 wide
+    # step 2's reward model (no DPO options): a scalar head over pairs
+    rm = P.make_plan(2, groups(None)[:-1], [], hw)
+    assert (rm.workload.head, rm.workload.pairs) == ("score", True)
+    assert P.format_plan(rm, full=False).startswith("step 2 (reward model)")
 
 
 def test_lora_only_trains_the_adapter(small):
