@@ -21,9 +21,9 @@ from dschat.rlhf.generation import position_ids_from_mask
 
 @dataclass(frozen=True)
 class PPOHyper:
-    """The constants of the algorithm (all flags; printed and logged by the step)."""
+    """The constants of the algorithm (all flags; printed and logged by the step). The KL coefficient is
+    not one of them: it lives in the KL controller (``kl_ctl``), which may adapt it and is resumed."""
 
-    kl_coef: float
     clip_reward_value: float
     cliprange: float
     cliprange_value: float

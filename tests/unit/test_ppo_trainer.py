@@ -75,7 +75,7 @@ def trainer(
     """A critic-free (rloo, 2 responses per prompt) trainer whose actor samples with ``temperature``;
     ``hyper_kw`` override PPOHyper's fields."""
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
-    kw = dict(kl_coef=0.1, clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+    kw = dict(clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
               whiten_advantages=False, unsup_coef=0.0, n_samples_per_prompt=2, advantage_estimator="rloo",
               temperature=temperature)  # fmt: skip
     hyper = PPOHyper(**{**kw, **hyper_kw})

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                                     unpin=eng_args.unpin_actor_parameters)  # fmt: skip
     else:
         generator = PlainGenerator(actor, tokenizer, sampling, zero3=eng_args.actor_zero_stage == 3)
-    hyper = PPOHyper(kl_coef=ppo.kl_coef, clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
+    hyper = PPOHyper(clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
                      cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
                      whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef,
                      n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator,
