@@ -280,3 +280,28 @@ def test_action_logprobs_run_the_head_on_the_response_only_and_equal_the_full_pa
     assert lp.shape == full.shape == (2, 7)
     torch.testing.assert_close(lp[:, 4:], full[:, 4:], rtol=1e-5, atol=1e-5)
     assert (lp[:, :4] == 0).all() and (ent[:, :4] == 0).all() and (ent[:, 4:] > 0).all()
+
+
+def test_shared_reference_is_the_actor_without_its_adapter_numerically(tokenizer):
+    # --share_reference_with_actor with LoRA: the reference log-probs are the base model's, the
+    # actor's differ once the adapter has learned something, and the adapter is back on afterwards.
+    from dschat.models.lora import inject_lora
+
+    base = micro_llama(len(tokenizer))
+    seq = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    attn = torch.ones_like(seq)
+    want_ref = tempered_logprobs(base, seq, attn, 0.7)
+    actor = inject_lora(base, dim=4)
+    with torch.no_grad():  # a trained adapter: B is zero at initialisation, which would hide a mix-up
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    ppo = trainer(Engine(actor), None, tokenizer, temperature=0.7)
+    with ppo.reference_mode() as ref:
+        lp_ref, _ = ppo.action_logprobs(ref, seq, attn, prompt_len=2)
+    lp_actor, _ = ppo.action_logprobs(ppo.actor, seq, attn, prompt_len=2)
+    torch.testing.assert_close(lp_ref[:, 1:], want_ref[:, 1:], rtol=1e-5, atol=1e-5)
+    assert (lp_actor[:, 1:] - lp_ref[:, 1:]).abs().max() > 1e-2
+    torch.testing.assert_close(
+        lp_actor[:, 1:], tempered_logprobs(actor, seq, attn, 0.7)[:, 1:], rtol=1e-5, atol=1e-5
+    )
