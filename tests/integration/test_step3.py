@@ -4,10 +4,12 @@ ZeRO-3 runs on two ranks, an interrupted run resumes to the same result, bad inp
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, run_cmd
@@ -213,6 +215,15 @@ def test_zero3_two_ranks(models, tmp_path):
     assert_ok(proc)
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == 2 and s["actor_zero_stage"] == 3
+    # Results, not echoed flags: the partitioned actor and critic were gathered whole for saving (every
+    # tensor has its start's shape and is finite), and both moved from where they started.
+    for start, saved in ((Path(actor), out / "actor"), (rm, out / "critic")):
+        before, after = load_file(start / "model.safetensors"), load_file(saved / "model.safetensors")
+        assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in before.items()}, saved
+        assert all(v.float().isfinite().all() for v in after.values()), saved
+        assert any(not torch.equal(before[k], after[k]) for k in after), f"{saved} did not move"
+    rows = train_rows(out)
+    assert len(rows) == 3 and all(math.isfinite(r["policy_loss"]) for r in rows)
 
 
 def test_freezing_actor_steps_trains_the_critic_alone(models, tmp_path):
