@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from dschat.config import check_zero_stage  # noqa: E402
 from dschat.utils.errors import UserError, run_cli  # noqa: E402
 from dschat.utils.run import check_output_dir  # noqa: E402
 
@@ -688,8 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         ("--actor-zero-stage", args.actor_zero_stage),
         ("--reward-zero-stage", args.reward_zero_stage),
     ):
-        if value is not None and value not in (0, 1, 2, 3):
-            raise UserError(f"{flag} must be 0, 1, 2 or 3, got {value}")
+        if value is not None:
+            check_zero_stage(flag, value)
     for flag, value in (("--device-memory", args.device_memory), ("--cpu-memory", args.cpu_memory),
                         ("--dist-timeout", args.dist_timeout)):  # fmt: skip
         if value is not None and value <= 0:

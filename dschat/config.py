@@ -151,14 +151,22 @@ class OptimArgs:
             raise UserError(f"--{prefix}learning_rate must be > 0, got {self.learning_rate}")
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(flag: str, value: int) -> None:
+    """One clear line for a ZeRO stage outside 0-3 (``flag`` as the user wrote it, e.g. ``--zero_stage``)."""
+    if value not in ZERO_STAGES:
+        raise UserError(f"{flag} must be 0, 1, 2 or 3, got {value}")
+
+
 @dataclass
 class DeepSpeedArgs:
     zero_stage: int = opt(0, "ZeRO stage: 0, 1, 2 or 3")
     offload: bool = opt(False, "offload optimizer states (and, with ZeRO-3, parameters) to CPU memory")
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise UserError(f"--{prefix}zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        check_zero_stage(f"--{prefix}zero_stage", self.zero_stage)
         if self.offload and self.zero_stage == 0:
             raise UserError(f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (ZeRO-0 cannot offload)")
 
@@ -357,8 +365,7 @@ class RLHFEngineArgs:
         if self.unpin_actor_parameters and self.inference_tp_size > 1:
             raise UserError("--inference_tp_size > 1 needs the inference copy: drop --unpin_actor_parameters")
         for name in ("actor_zero_stage", "critic_zero_stage"):
-            if getattr(self, name) not in (0, 1, 2, 3):
-                raise UserError(f"--{name} must be 0, 1, 2 or 3, got {getattr(self, name)}")
+            check_zero_stage(f"--{name}", getattr(self, name))
         if self.offload and 0 in (self.actor_zero_stage, self.critic_zero_stage):
             raise UserError(
                 "--offload needs --actor_zero_stage and --critic_zero_stage of 1, 2 or 3 (ZeRO-0 cannot offload)"
