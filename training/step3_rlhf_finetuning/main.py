@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ema = None
     if eng_args.enable_ema:
-        from dschat.rlhf.ema import EMA
+        from dschat.engine.ema import EMA
 
         ema = EMA(actor.module, eng_args.ema_decay)
 
