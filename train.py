@@ -595,7 +595,7 @@ def planning_models(n: int, args: argparse.Namespace, extra: list[str], preset: 
     if step2_start == str(out / "step1") and not written(step2_start):
         step2_start = step1_start
     models = {}
-    if n == 2 and getattr(args, "algorithm", "ppo") == "dpo":  # DPO trains the policy from step 1's start
+    if step_of(n, args) is DPO_STEP:  # DPO trains the policy from step 1's start
         if not written(policy_start_model(args, preset)):
             models["model"] = step1_start
     elif n == 2 and not written(reward_start_model(args, preset)):

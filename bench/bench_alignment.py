@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hh_judge import HH, MODEL, hh_halves, judge_held_out
+from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "smollm2-135m"
@@ -190,8 +190,10 @@ def main() -> None:
     p.add_argument("--ppo_learning_rate", type=float, default=2e-6, help="hh: actor learning rate")
     p.add_argument("--kl_coef", type=float, default=0.05, help="hh: KL coefficient")
     p.add_argument("--ppo_rounds", type=int, default=30, help="hh: generation rounds (8 prompts x 4 answers)")
-    p.add_argument("--max_new_tokens", type=int, default=96, help="hh: longest answer")
-    p.add_argument("--judge_prompts", type=int, default=100, help="hh: held-out prompts answered and judged")
+    p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest answer")
+    p.add_argument(
+        "--judge_prompts", type=int, default=JUDGE_PROMPTS, help="hh: held-out prompts answered and judged"
+    )
     args = p.parse_args()
     if args.suite == "hh" and not (HH / "train.jsonl").is_file():
         print(json.dumps({"skipped": f"{HH} not present"}))

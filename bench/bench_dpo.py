@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hh_judge import HH, MODEL, hh_halves, judge_held_out
+from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--trainable_layers", "8", "--per_device_train_batch_size", "16", "--eval_interval", "0",
@@ -126,10 +126,12 @@ def main() -> None:
         "--judge",
         help="hh: judge B of bench_alignment.py hh (trained on half b); DPO then trains on half a",
     )
-    p.add_argument("--judge_prompts", type=int, default=100, help="hh: held-out prompts the judge scores")
+    p.add_argument(
+        "--judge_prompts", type=int, default=JUDGE_PROMPTS, help="hh: held-out prompts the judge scores"
+    )
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-6 hh")
     p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--max_new_tokens", type=int, default=96, help="hh: longest judged answer")
+    p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest judged answer")
     p.add_argument("--sft_coef", type=float, default=0.0, help="weight of the chosen answer's NLL (RPO)")
     p.add_argument("--max_steps", type=int, default=None, help="default: 60 verifiable, one epoch hh")
     p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")

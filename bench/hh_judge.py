@@ -17,6 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HH = ROOT.parent / "shared" / "data" / "hh_rlhf"
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Both benchmarks judge the same held-out prompts with answers of the same budget, so PPO and DPO compare.
+JUDGE_PROMPTS = 100
+MAX_NEW_TOKENS = 96
 # The benchmarks run as scripts (sys.path[0] is bench/): the judging below imports the library.
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -80,9 +80,14 @@ class PairCollator:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         out = pad_right([f["chosen"] for f in features] + [f["rejected"] for f in features], self.pad_id)
-        lengths = [len(f[side]) - f["prompt_len"] for side in ("chosen", "rejected") for f in features]
-        out["response_len"] = torch.tensor(lengths, dtype=torch.long)
+        out["response_len"] = response_lengths(features)
         return out
+
+
+def response_lengths(features: list[dict]) -> torch.Tensor:
+    """Pairs (:func:`pair_example`) -> ``(2B,)`` response lengths in tokens, chosen rows first."""
+    lengths = [len(f[side]) - f["prompt_len"] for side in ("chosen", "rejected") for f in features]
+    return torch.tensor(lengths, dtype=torch.long)
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:

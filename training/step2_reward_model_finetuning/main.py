@@ -21,12 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
 
-import torch
 from tqdm import tqdm
 
 from dschat import config as C
 from dschat import trainer as T
-from dschat.data.collate import PairCollator
+from dschat.data.collate import PairCollator, response_lengths
 from dschat.data.pipeline import prepare_pair_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
@@ -94,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2c. the length-only expert (--length_expert), fitted on all training pairs (the same on every rank)
     length_w = length_w_accuracy = None
     if reward.length_expert:
-        lengths = torch.tensor(
-            [len(r[side]) - r["prompt_len"] for side in ("chosen", "rejected") for r in data.train]
-        )
-        x = length_log_ratio(lengths)  # (N,)
+        x = length_log_ratio(response_lengths(data.train))  # (N,)
         length_w = fit_length_expert(x)
         length_w_accuracy = float(((length_w * x) > 0).float().mean())
     batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
