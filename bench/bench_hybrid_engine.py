@@ -72,10 +72,12 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
 
     from dschat import tasks
     from dschat.engine import core
+    from dschat.engine.core import gather_zero3
     from dschat.engine.ds_config import train_ds_config
-    from dschat.engine.hybrid import HybridGenerator
+    from dschat.generation.hybrid import HybridGenerator
+    from dschat.generation.plain import PlainGenerator
+    from dschat.generation.sampling import SamplingConfig
     from dschat.models.loading import load_causal_lm, load_tokenizer, resolve
-    from dschat.rlhf.generation import PlainGenerator, SamplingConfig
     from dschat.utils import dist
 
     world, rank = dist.world_size(), dist.rank()
@@ -110,7 +112,7 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
     for key, kw in (("", {}), ("chunked_", {"gather_layers": 1}), ("tp2_", {"tp_size": world})):
         if key == "tp2_" and world == 1:
             continue
-        gen = HybridGenerator(engine, tok, s, zero3=True, measure_logprobs=False, **kw)
+        gen = HybridGenerator(engine, tok, s, zero3=True, gather=gather_zero3, measure_logprobs=False, **kw)
         row[f"{key}hybrid_tokens_per_sec"] = tps(gen)
         st = gen.stats()
         row[f"{key}switch_seconds"] = st["hybrid_switch_seconds"] / st["hybrid_switches"]

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dschat.generation.sampling import SamplingConfig
 from dschat.utils.errors import UserError
 
 T = TypeVar("T")
@@ -517,8 +518,8 @@ class PPOArgs:
             raise UserError(f"--gamma and --lam must be in [0, 1], got {self.gamma} and {self.lam}")
         if self.kl_target is not None and self.kl_target <= 0:
             raise UserError(f"--kl_target must be > 0, got {self.kl_target}")
-        if self.temperature <= 0:
-            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        SamplingConfig(max_new_tokens=self.max_answer_seq_len, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k).validate({"max_new_tokens": "--max_answer_seq_len"})  # fmt: skip
         # A filtered sampler draws from a distribution the old, new and reference log-probs do not model
         # (tokens outside the filter keep their probability there): the ratio and the KL would be wrong.
         for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0)):

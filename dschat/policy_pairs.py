@@ -31,10 +31,11 @@ from dschat import tasks
 from dschat.config import DataArgs, PolicyPairsArgs
 from dschat.data.prompt_format import PromptFormat
 from dschat.data.schema import Sample
-from dschat.generation import generate_texts, rank_slice
+from dschat.generation.sampling import SamplingConfig
+from dschat.generation.texts import generate_texts
 from dschat.losses import gather_last
-from dschat.rlhf.generation import SamplingConfig
 from dschat.scoring import score_with
+from dschat.tasks.accuracy import rank_slice
 from dschat.utils import dist
 from dschat.utils.io import atomic_write_text
 

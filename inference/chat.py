@@ -24,15 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from dschat.chat import Conversation, ReplyStream
+from dschat.chat import Conversation
 from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
 from dschat.data.prompt_format import prompt_format
-from dschat.decoding import DecodeOptions, context_length
+from dschat.generation.decoding import DecodeOptions, add_decoding_args, context_length, decode_options
+from dschat.generation.streaming import ReplyStream
 from dschat.models.loading import count_parameters, inference_dtype, load_for_generation
 from dschat.utils.errors import UserError, run_cli
 
 RESET = {"clear", "/clear", "/reset"}
 QUIT = {"quit", "exit", "/quit", "/exit"}
+# a chat samples by default (greedy replies of small models repeat themselves)
+DECODING = DecodeOptions(strategy="sample", max_new_tokens=128, temperature=0.7, top_p=0.9, top_k=50)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,12 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model directory (any step's output), HF name, builtin:NAME, or a peft LoRA adapter")  # fmt: skip
     p.add_argument("--base_model", help="base model of a LoRA adapter (default: the one its config names)")
     p.add_argument("--prompt", help="answer this one message and exit")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top_p", type=float, default=0.9)
-    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    add_decoding_args(p, DECODING, strategies=("sample", "greedy"))
+    p.add_argument(
+        "--greedy", dest="decoding", action="store_const", const="greedy", help="--decoding greedy"
+    )
     add_group(p, FormatArgs, title="prompt format (as in training)")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available")
     if args.prompt is not None and not args.prompt.strip():
         p.error("--prompt: the message is empty")
+    decode_options(args, DECODING)  # bad decoding flags fail before the model loads
     return args
 
 
@@ -69,10 +71,7 @@ class Chat:
     def __init__(self, model, tokenizer, args: argparse.Namespace, out=None) -> None:
         self.model, self.tokenizer, self.out = model, tokenizer, out or sys.stdout
         self.fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
-        strategy = "greedy" if args.greedy else "sample"
-        self.opts = DecodeOptions(strategy=strategy, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                  repetition_penalty=args.repetition_penalty).validate()  # fmt: skip
+        self.opts = decode_options(args, DECODING)
         context = context_length(model, tokenizer)
         if args.max_new_tokens >= context:
             raise UserError(

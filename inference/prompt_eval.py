@@ -31,7 +31,13 @@ from dschat import compare
 from dschat.chat import keep_last_tokens
 from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
 from dschat.data.prompt_format import as_dialogue, prompt_format
-from dschat.decoding import STRATEGIES, DecodeOptions, context_length, generate_replies
+from dschat.generation.decoding import (
+    DecodeOptions,
+    add_decoding_args,
+    context_length,
+    decode_options,
+    generate_replies,
+)
 from dschat.models.loading import inference_dtype, load_for_generation, load_tokenizer, resolve
 from dschat.models.reward import load_reward_model
 from dschat.scoring import score_texts
@@ -52,23 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--num_prompts", type=int, default=12, help="built-in held-out prompts to use without --prompts_file"
     )
     p.add_argument("--tasks", help="built-in tasks to draw them from, comma-separated (default: every task)")
-    p.add_argument("--decoding", choices=STRATEGIES, default="greedy")
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--num_beams", type=int, default=4, help="beam search width")
-    p.add_argument(
-        "--top_k",
-        type=int,
-        help="sampling: k most likely tokens (default 0 = all); contrastive: candidates (default 4)",
-    )
-    p.add_argument("--top_p", type=float, default=1.0, help="sampling: nucleus probability")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument(
-        "--penalty_alpha",
-        type=float,
-        default=0.6,
-        help="contrastive search: weight of the degeneration penalty",
-    )
-    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    add_decoding_args(p, DecodeOptions())  # greedy by default: comparable, repeatable answers
     p.add_argument("--reward_model", help="reward model (step-2 output) to score every answer")
     p.add_argument("--output", help="write PATH.md (report) and PATH.jsonl (one row per prompt)")
     add_group(p, FormatArgs, title="prompt format (as in training)")
@@ -143,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    top_k = args.top_k if args.top_k is not None else (4 if args.decoding == "contrastive" else 0)
-    opts = DecodeOptions(strategy=args.decoding, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_p=args.top_p, top_k=top_k, num_beams=args.num_beams, penalty_alpha=args.penalty_alpha,
-                         repetition_penalty=args.repetition_penalty).validate()  # fmt: skip
+    opts = decode_options(args, DecodeOptions())
     questions = (
         compare.read_prompts(args.prompts_file)
         if args.prompts_file

@@ -93,6 +93,20 @@ def zero3_loading(ds_config: dict[str, Any]) -> Iterator[None]:
         unset_hf_deepspeed_config()
 
 
+@contextlib.contextmanager
+def gather_zero3(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Full values of the ZeRO-3 partitioned ``params`` on every rank inside the block (collective);
+    other parameters are already whole."""
+    z3 = [p for p in params if hasattr(p, "ds_id")]
+    if not z3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(z3, modifier_rank=None):
+        yield
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, lora_lr: float | None, lr: float) -> list[dict]:
     """AdamW groups: no decay on biases and norm weights; LoRA matrices at their own learning rate."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}

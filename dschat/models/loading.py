@@ -7,9 +7,11 @@ Under ZeRO-3 call :func:`load_causal_lm` inside ``dschat.engine.zero3_loading(ds
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,19 @@ DROPOUT_KEYS = (
     "dropout", "attention_dropout", "hidden_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob",
     "activation_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
 )  # fmt: skip
+
+
+def has_value_head(path: str) -> bool:
+    """True if ``path`` holds a saved sequence-classification model with one label (a reward model)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    archs = cfg.get("architectures") or []
+    return (
+        any(a.endswith("ForSequenceClassification") for a in archs)
+        and cfg.get("num_labels", len(cfg.get("id2label", {}))) == 1
+    )
 
 
 def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
@@ -149,7 +164,6 @@ def inference_dtype(name: str, device: str, flag: str = "--dtype") -> torch.dtyp
 
 def _check_model_dir(path: str, flag: str) -> None:
     """One line for the usual mistakes: a file, a step directory holding models, a reward model."""
-    from dschat.models.reward import has_value_head  # reward imports this module
 
     if os.path.isfile(path):
         raise UserError(f"{flag} {path}: is a file, not a model directory")
@@ -176,8 +190,6 @@ def load_for_generation(
     adapter directory, whose base (``base_model`` or the adapter's ``base_model_name_or_path``) is loaded
     and the adapter merged in. The model is in eval mode on ``device`` with the KV cache on; the
     tokenizer pads on the left (batched generation)."""
-    import json
-
     path = resolve(name_or_path, flag)
     adapter = is_lora_adapter(path)
     if adapter:

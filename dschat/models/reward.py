@@ -9,14 +9,11 @@ and gives the same scores.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from dschat.losses import gather_last
-from dschat.models.loading import apply_dropout, load_config
+from dschat.models.loading import apply_dropout, has_value_head, load_config
 from dschat.utils.errors import UserError
 
 
@@ -44,19 +41,6 @@ class ScalarHeadModel(nn.Module):
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return gather_last(self(input_ids, attention_mask), attention_mask)
-
-
-def has_value_head(path: str) -> bool:
-    """True if ``path`` holds a saved sequence-classification model with one label (a reward model)."""
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        return False
-    cfg = json.loads(cfg_path.read_text())
-    archs = cfg.get("architectures") or []
-    return (
-        any(a.endswith("ForSequenceClassification") for a in archs)
-        and cfg.get("num_labels", len(cfg.get("id2label", {}))) == 1
-    )
 
 
 def load_reward_model(

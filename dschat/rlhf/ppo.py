@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dschat.generation.plain import position_ids_from_mask
 from dschat.lm import accepts
 from dschat.losses import mean_token_nll
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
-from dschat.rlhf.generation import position_ids_from_mask
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dschat.engine import core
 from dschat.engine.checkpoint import gather_full_state_dict, write_hf_model
+from dschat.engine.core import gather_zero3
 from dschat.engine.ds_config import train_ds_config
-from dschat.engine.hybrid import HybridGenerator
+from dschat.generation.hybrid import HybridGenerator
+from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import materialize
 from dschat.models.loading import load_causal_lm, load_tokenizer
 from dschat.models.lora import inject_lora
-from dschat.rlhf.generation import SamplingConfig
 from dschat.utils import dist
 from tests.integration.zero3_archs_script import builders
 
@@ -119,7 +120,7 @@ def single(workdir: Path) -> None:
         engine.train()
         before = snapshot(engine)
         gen = HybridGenerator(
-            engine, tok, GREEDY, zero3=stage == 3, static_cache=True
+            engine, tok, GREEDY, zero3=stage == 3, gather=gather_zero3, static_cache=True
         )  # reused, reset per round
         with gen.generation_mode() as g:
             ours = g.generate(enc["input_ids"], enc["attention_mask"])
@@ -133,15 +134,24 @@ def single(workdir: Path) -> None:
             ours_s = g.generate(enc["input_ids"], enc["attention_mask"], sampled)
         torch.manual_seed(7)
         hf_s = hf_generate(ref, enc, tok, sampled)
-        bf16 = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3, dtype=torch.bfloat16)
+        bf16 = HybridGenerator(
+            engine, tok, GREEDY, zero3=stage == 3, gather=gather_zero3, dtype=torch.bfloat16
+        )
         with bf16.generation_mode() as g:
             g.generate(enc["input_ids"], enc["attention_mask"])
         released = HybridGenerator(
-            engine, tok, GREEDY, zero3=stage == 3, gather_layers=1, release_cache=True, static_cache=True
+            engine,
+            tok,
+            GREEDY,
+            zero3=stage == 3,
+            gather=gather_zero3,
+            gather_layers=1,
+            release_cache=True,
+            static_cache=True,
         )  # the GPU default, exercised here on CPU
         with released.generation_mode() as g:
             chunked = g.generate(enc["input_ids"], enc["attention_mask"])
-        unpinned = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3, unpin=True)
+        unpinned = HybridGenerator(engine, tok, GREEDY, zero3=stage == 3, gather=gather_zero3, unpin=True)
         with unpinned.generation_mode() as g:
             unpinned_out = g.generate(enc["input_ids"], enc["attention_mask"])
         s = gen.stats()
@@ -160,7 +170,7 @@ def single(workdir: Path) -> None:
         plain = build().eval()
         plain.save_pretrained(workdir / name)
         engine = build_engine(str(workdir / name), tok, stage=3, steps=0)
-        gen = HybridGenerator(engine, tok, GREEDY, zero3=True)
+        gen = HybridGenerator(engine, tok, GREEDY, zero3=True, gather=gather_zero3)
         with gen.generation_mode() as g:
             ours = g.generate(enc["input_ids"], enc["attention_mask"])
         hf = hf_generate(plain, enc, tok, GREEDY)
@@ -206,8 +216,8 @@ def tp(workdir: Path) -> None:
     dist.barrier()
     for name, src in sources.items():
         engine = build_engine(src, tok, stage=3, steps=1)
-        one = HybridGenerator(engine, tok, GREEDY, zero3=True)
-        two = HybridGenerator(engine, tok, GREEDY, zero3=True, tp_size=2)
+        one = HybridGenerator(engine, tok, GREEDY, zero3=True, gather=gather_zero3)
+        two = HybridGenerator(engine, tok, GREEDY, zero3=True, gather=gather_zero3, tp_size=2)
         with one.generation_mode() as g:
             a = g.generate(enc["input_ids"], enc["attention_mask"])
         with two.generation_mode() as g:
@@ -222,7 +232,7 @@ def tp(workdir: Path) -> None:
     n = 4 if dist.rank() == 0 else 20
     s = SamplingConfig(max_new_tokens=n, do_sample=True)
     for unpin in (False, True):
-        gen = HybridGenerator(engine, tok, s, zero3=True, unpin=unpin)
+        gen = HybridGenerator(engine, tok, s, zero3=True, gather=gather_zero3, unpin=unpin)
         with gen.generation_mode() as g:
             out = g.generate(enc["input_ids"], enc["attention_mask"])
         emit(check="lengths", unpin=unpin, new_tokens=int(out.shape[1] - enc["input_ids"].shape[1]), limit=n)

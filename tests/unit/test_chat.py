@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from dschat import tasks
-from dschat.chat import Conversation, StopFilter, cut_reply, fit_history, keep_last_tokens
+from dschat.chat import Conversation, fit_history, keep_last_tokens
 from dschat.data.prompt_format import (
     CHAT_TEMPLATE,
     HUMAN_ASSISTANT,
@@ -17,6 +17,7 @@ from dschat.data.prompt_format import (
     render_human_assistant,
 )
 from dschat.data.prompt_format import prompt_format as chat_format
+from dschat.generation.streaming import StopFilter, cut_reply
 from dschat.models.builtin import build_tokenizer
 from dschat.utils.errors import UserError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dschat.decoding import DecodeOptions, contrastive_pick, contrastive_search, generate_replies
+from dschat.generation.decoding import DecodeOptions, contrastive_pick, contrastive_search, generate_replies
 from dschat.models.builtin import build_config, build_tokenizer
 from dschat.utils.errors import UserError
 

@@ -128,8 +128,8 @@ def test_cat_left_pads_narrower_prompt_blocks():
 def rollout(model, prompts: list[list[int]], responses: list[list[int]], seed: int) -> Experience:
     """An Experience of left-padded ``prompts`` (padded to the longest) and ``responses`` (right-padded
     with EOS = 2), with the model's log-probs and values and random advantages."""
+    from dschat.generation.plain import position_ids_from_mask
     from dschat.rlhf import ppo_math as M
-    from dschat.rlhf.generation import position_ids_from_mask
 
     p, r = max(map(len, prompts)), max(map(len, responses))
     seq = torch.tensor([[0] * (p - len(x)) + x + y + [2] * (r - len(y)) for x, y in zip(prompts, responses)])
@@ -154,9 +154,9 @@ def test_cat_of_different_prompt_widths_keeps_every_log_prob_and_loss():
     log-probs on the concatenation equal those on each part, and so do the policy and value losses."""
     from transformers import LlamaForCausalLM
 
+    from dschat.generation.plain import position_ids_from_mask
     from dschat.models.builtin import build_config
     from dschat.rlhf import ppo_math as M
-    from dschat.rlhf.generation import position_ids_from_mask
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(build_config("micro-llama", vocab_size=64)).eval()

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from dschat import config as C
-from dschat.models.builtin import build_config
-from dschat.models.inference_copy import (
+from dschat.generation.inference_copy import (
     PLANS,
     InferenceCopy,
     ShardSpec,
@@ -21,8 +20,9 @@ from dschat.models.inference_copy import (
     shard,
     shard_spec,
 )
-from dschat.rlhf.fast_decode import decode, filter_logits, next_tokens
-from dschat.rlhf.generation import SamplingConfig
+from dschat.generation.kv_decode import decode, filter_logits, next_tokens
+from dschat.generation.sampling import SamplingConfig
+from dschat.models.builtin import build_config
 from dschat.utils.errors import UserError
 
 NEG = float("-inf")

@@ -18,9 +18,9 @@ PURE = [
     "dschat.engine.ds_config",
     "dschat.memory",
     "dschat.planning",
-    "dschat.rlhf.fast_decode",
+    "dschat.generation.kv_decode",
     "dschat.rlhf.ppo_math",
-    "dschat.models.inference_copy",
+    "dschat.generation.inference_copy",
 ]
 
 
@@ -68,3 +68,71 @@ def test_library_never_imports_its_programs():
         for path in sorted((ROOT / "dschat").rglob("*.py"))
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def dschat_modules(path: Path) -> set[str]:
+    """The dschat modules that the module at ``path`` imports (``dschat.a.b``, also inside functions;
+    ``from dschat.a import b`` names the submodule ``b`` where there is one)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {m for m in found if m.startswith("dschat.") and module_file(m) is not None}
+
+
+def module_file(name: str) -> Path | None:
+    base = ROOT.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def module_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted((ROOT / "dschat").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        graph[name] = dschat_modules(path) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or ``[]``."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = "done"
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return []
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_library_modules_import_each_other_without_cycles():
+    # A cycle works only while one side imports lazily, and breaks on the first top-level import.
+    assert find_cycle(module_graph()) == []
+
+
+def test_generation_needs_no_engine_rlhf_or_tasks():
+    # The ZeRO-3 gathering is passed into the hybrid engine, so generation stays below the engine.
+    imported = set().union(
+        *(deps for mod, deps in module_graph().items() if mod.startswith("dschat.generation"))
+    )
+    assert {m for m in imported if m.split(".")[1] in {"engine", "rlhf", "tasks"}} == set()

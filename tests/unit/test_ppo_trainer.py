@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dschat.generation.kv_decode import decode
+from dschat.generation.plain import PlainGenerator, position_ids_from_mask
+from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import build_config
 from dschat.rlhf import ppo_math as M
-from dschat.rlhf.fast_decode import decode
-from dschat.rlhf.generation import PlainGenerator, SamplingConfig, position_ids_from_mask
 from dschat.rlhf.ppo import PPOHyper, PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]

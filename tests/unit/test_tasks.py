@@ -214,8 +214,8 @@ def test_reference_answer():
 
 
 def test_answer_budget_counts_cut_right_answers():
-    from dschat.generation import answers_cut_by_budget
     from dschat.models.builtin import build_tokenizer
+    from dschat.tasks.accuracy import answers_cut_by_budget
 
     tok = build_tokenizer()
     # " banana cherry grape lemon" is 26 bytes, + EOS = 27 tokens; " cba" + EOS = 4; unknown tasks count nothing
@@ -226,7 +226,7 @@ def test_answer_budget_counts_cut_right_answers():
 
 
 def test_verifier_accuracy_by_hand():
-    from dschat.generation import verifier_accuracy
+    from dschat.tasks.accuracy import verifier_accuracy
 
     s1, s2, r1 = make_prompt("Sort: plum cat"), make_prompt("Sort: dog apple"), make_prompt("Reverse: abc")
     prompts = [s1, s2, r1, make_prompt("Hello"), s1]
@@ -239,7 +239,7 @@ def test_verifier_accuracy_by_hand():
 
 @pytest.mark.parametrize("n,world", [(3, 1), (1, 4), (5, 8), (7, 3), (6, 3), (0, 2)])
 def test_rank_slice_gives_every_rank_as_many_prompts_and_counts_each_once(monkeypatch, n, world):
-    from dschat.generation import rank_slice
+    from dschat.tasks.accuracy import rank_slice
     from dschat.utils import dist
 
     prompts = [f"p{i}" for i in range(n)]

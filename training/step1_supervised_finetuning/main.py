@@ -28,10 +28,10 @@ from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
-from dschat.generation import task_accuracy
 from dschat.lm import evaluate_perplexity, target_logits
 from dschat.losses import mean_token_nll
 from dschat.models.loading import count_parameters, load_causal_lm
+from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (

@@ -38,9 +38,9 @@ from dschat.dpo import (
 )
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
-from dschat.generation import task_accuracy
 from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, load_tokenizer, resolve
 from dschat.policy_pairs import mine_step_pairs
+from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.run import Stopwatch, write_summary

@@ -33,22 +33,18 @@ from dschat.data.prompt_format import prompt_format
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import export_hf_model
-from dschat.engine.hybrid import HybridGenerator
-from dschat.generation import (
-    answers_cut_by_budget,
-    generate_texts,
-    rank_slice,
-    task_accuracy,
-    verifier_accuracy,
-)
+from dschat.generation.hybrid import HybridGenerator
+from dschat.generation.plain import PlainGenerator
+from dschat.generation.sampling import SamplingConfig
+from dschat.generation.texts import generate_texts
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve
 from dschat.models.reward import ScalarHeadModel, has_value_head, load_reward_model
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
-from dschat.rlhf.generation import PlainGenerator, SamplingConfig
 from dschat.rlhf.ppo import PPOHyper, PPOTrainer
 from dschat.rlhf.rewards import FunctionSource, RewardModelSource, SumSource
+from dschat.tasks.accuracy import answers_cut_by_budget, rank_slice, task_accuracy, verifier_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.metrics import setup_logging
@@ -275,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if eng_args.enable_hybrid_engine:
         generator = HybridGenerator(actor, tokenizer, sampling, zero3=eng_args.actor_zero_stage == 3,
-                                    tp_size=eng_args.inference_tp_size, gather_layers=eng_args.tp_gather_partition_size,
+                                    gather=engine_core.gather_zero3, tp_size=eng_args.inference_tp_size, gather_layers=eng_args.tp_gather_partition_size,
                                     release_cache=eng_args.release_inference_cache,
                                     unpin=eng_args.unpin_actor_parameters)  # fmt: skip
     else:

@@ -1,7 +1,7 @@
 """Decoding strategies for the inference tools: greedy, sampling, beam search and contrastive search.
 
-:class:`DecodeOptions` holds the flags (checked with their names) and turns them into
-``model.generate`` arguments; :func:`generate_replies` runs a list of prompts through any of the
+:class:`DecodeOptions` holds the flags (checked with their names); its greedy and sampling part is a
+:class:`~dschat.generation.sampling.SamplingConfig`, which checks and builds those ``generate`` arguments; :func:`generate_replies` runs a list of prompts through any of the
 strategies in left-padded batches and cuts each reply where the model starts an invented turn.
 
 Contrastive search (Su et al., 2022, "A Contrastive Framework for Neural Text Generation") is
@@ -11,13 +11,15 @@ implemented here: transformers 5 moved it out of ``generate`` into the hub repos
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dschat.chat import cut_reply
 from dschat.data.prompt_format import TURN_STOPS
+from dschat.generation.sampling import SamplingConfig
+from dschat.generation.streaming import cut_reply
 from dschat.utils.errors import UserError
 
 STRATEGIES = ("greedy", "sample", "beam", "contrastive")
@@ -36,14 +38,18 @@ class DecodeOptions:
     penalty_alpha: float = 0.6
     repetition_penalty: float = 1.0
 
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The greedy or sampling part of these options (beam and contrastive search add their own)."""
+        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, do_sample=self.strategy == "sample")  # fmt: skip
+
     def validate(self) -> DecodeOptions:
         """Raise :class:`UserError` naming the flag of the first out-of-range option."""
+        if self.strategy not in STRATEGIES:
+            raise UserError(f"--decoding {self.strategy}: choose one of {', '.join(STRATEGIES)}")
+        self.sampling.validate()
         checks = [
-            (self.strategy in STRATEGIES, f"--decoding {self.strategy}: choose one of {', '.join(STRATEGIES)}"),
-            (self.max_new_tokens >= 1, f"--max_new_tokens {self.max_new_tokens}: must be at least 1"),
-            (self.temperature > 0, f"--temperature {self.temperature}: must be > 0 (use greedy decoding for 0)"),
-            (0 < self.top_p <= 1, f"--top_p {self.top_p}: must be in (0, 1]"),
-            (self.top_k >= 0, f"--top_k {self.top_k}: must be >= 0 (0 turns it off)"),
             (self.num_beams >= 1, f"--num_beams {self.num_beams}: must be at least 1"),
             (0 <= self.penalty_alpha <= 1, f"--penalty_alpha {self.penalty_alpha}: must be in [0, 1]"),
             (self.repetition_penalty > 0, f"--repetition_penalty {self.repetition_penalty}: must be > 0"),
@@ -59,16 +65,53 @@ class DecodeOptions:
 
     def generate_kwargs(self) -> dict:
         """Arguments for ``model.generate`` (greedy, sample, beam); contrastive search does not use it."""
-        kw: dict = {"max_new_tokens": self.max_new_tokens, "repetition_penalty": self.repetition_penalty}
-        if self.strategy == "sample":
-            kw.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        elif self.strategy == "beam":
-            kw.update(do_sample=False, num_beams=self.num_beams, early_stopping=True)
-        else:
-            kw.update(do_sample=False, num_beams=1)
-        if not kw.get("do_sample"):  # the model's own sampling defaults would only warn
-            kw.update(temperature=None, top_p=None, top_k=None)
+        kw = {
+            **self.sampling.generate_kwargs(),
+            "repetition_penalty": self.repetition_penalty,
+            "num_beams": 1,
+        }
+        if self.strategy == "beam":
+            kw.update(num_beams=self.num_beams, early_stopping=True)
         return kw
+
+
+def add_decoding_args(
+    p: argparse.ArgumentParser, defaults: DecodeOptions, strategies: tuple[str, ...] = STRATEGIES
+) -> None:
+    """The inference tools' one decoding group; each tool passes its own defaults (chat samples,
+    prompt_eval is greedy) and the strategies it can run. Read back with :func:`decode_options`."""
+    g = p.add_argument_group("decoding")
+    g.add_argument("--decoding", choices=strategies, default=defaults.strategy, help="decoding strategy")
+    g.add_argument(
+        "--max_new_tokens", type=int, default=defaults.max_new_tokens, help="most new tokens per reply"
+    )
+    g.add_argument("--temperature", type=float, default=defaults.temperature, help="sampling temperature")
+    g.add_argument(
+        "--top_p", type=float, default=defaults.top_p, help="sampling: nucleus probability (1 = off)"
+    )
+    g.add_argument(
+        "--top_k",
+        type=int,
+        help=f"sampling: the k most likely tokens (default {defaults.top_k}, "
+        "0 = all)" + ("; contrastive search: candidates (default 4)" if "contrastive" in strategies else ""),
+    )
+    g.add_argument("--repetition_penalty", type=float, default=defaults.repetition_penalty)
+    if "beam" in strategies:
+        g.add_argument("--num_beams", type=int, default=defaults.num_beams, help="beam search width")
+    if "contrastive" in strategies:
+        g.add_argument("--penalty_alpha", type=float, default=defaults.penalty_alpha,
+                       help="contrastive search: weight of the degeneration penalty")  # fmt: skip
+
+
+def decode_options(args: argparse.Namespace, defaults: DecodeOptions) -> DecodeOptions:
+    """The validated :class:`DecodeOptions` of a parser built by :func:`add_decoding_args`."""
+    top_k = (
+        args.top_k if args.top_k is not None else (4 if args.decoding == "contrastive" else defaults.top_k)
+    )
+    return DecodeOptions(strategy=args.decoding, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, top_k=top_k, num_beams=getattr(args, "num_beams", defaults.num_beams),
+                         penalty_alpha=getattr(args, "penalty_alpha", defaults.penalty_alpha),
+                         repetition_penalty=args.repetition_penalty).validate()  # fmt: skip
 
 
 def context_length(model: torch.nn.Module, tokenizer) -> int:

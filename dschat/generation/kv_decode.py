@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dschat.rlhf.generation import SamplingConfig, position_ids_from_mask
+from dschat.generation.plain import position_ids_from_mask
+from dschat.generation.sampling import SamplingConfig
 
 
 def filter_logits(

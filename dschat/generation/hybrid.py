@@ -1,12 +1,13 @@
 """The hybrid engine: fast generation for PPO from an actor trained under any ZeRO stage.
 
-    generator = HybridGenerator(actor_engine, tokenizer, sampling, zero3=True)
+    generator = HybridGenerator(actor_engine, tokenizer, sampling, zero3=True, gather=gather_zero3)
     with generator.generation_mode() as gen:      # gather -> inference copy (LoRA merged)
         sequences = gen.generate(input_ids, attention_mask)   # (B, P) -> (B, P + n)
     # back to training: the engine's weights, optimizer state and ZeRO partitions are untouched
 
 Plain ``generate`` on a ZeRO-3 module gathers every layer's weights again for every new token. Here
-the partitioned weights are gathered once per round (``deepspeed.zero.GatheredParameters``, all at
+the partitioned weights are gathered once per round (``gather``: the engine's
+:func:`dschat.engine.core.gather_zero3`, passed in so that this package needs no DeepSpeed; all at
 once or ``gather_layers`` decoder blocks at a time) into an *inference copy*: a plain transformers
 model of the same config, built once without ZeRO-3 hooks, in the training dtype, with LoRA merged
 (``W + scaling * B @ A`` computed into the copy; the training module is only read). Each rank then
@@ -17,8 +18,8 @@ and MLP matrix and generate their combined prompts together; ``gather_layers``
 (``--tp_gather_partition_size``); ``release_cache`` (``--release_inference_cache``): free the copy
 and the KV cache after each round; ``unpin`` (``--unpin_actor_parameters``): no copy at all, generate
 on the training module itself (ZeRO-3 gathers each layer per token: least memory, slowest).
-Architectures outside :data:`dschat.models.inference_copy.PLANS` fall back to
-:class:`~dschat.rlhf.generation.PlainGenerator` with one warning.
+Architectures outside :data:`dschat.generation.inference_copy.PLANS` fall back to
+:class:`~dschat.generation.plain.PlainGenerator` with one warning.
 """
 
 from __future__ import annotations
@@ -30,27 +31,22 @@ from collections.abc import Iterator
 
 import torch
 
-from dschat.models.inference_copy import InferenceCopy, TPGroup, UnsupportedModel, fp32_kv_cache, plan_for
-from dschat.rlhf.fast_decode import decode
-from dschat.rlhf.generation import PlainGenerator, SamplingConfig, position_ids_from_mask
+from dschat.generation.inference_copy import (
+    Gather,
+    InferenceCopy,
+    TPGroup,
+    UnsupportedModel,
+    fp32_kv_cache,
+    no_gather,
+    plan_for,
+)
+from dschat.generation.kv_decode import decode
+from dschat.generation.plain import PlainGenerator, position_ids_from_mask
+from dschat.generation.sampling import SamplingConfig
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
-
-
-@contextlib.contextmanager
-def gather_zero3(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Full values of the ZeRO-3 partitioned ``params`` on every rank inside the block (collective);
-    other parameters are already whole."""
-    z3 = [p for p in params if hasattr(p, "ds_id")]
-    if not z3:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(z3, modifier_rank=None):
-        yield
 
 
 def tp_groups(tp_size: int) -> TPGroup:
@@ -75,6 +71,8 @@ def tp_groups(tp_size: int) -> TPGroup:
 class HybridGenerator:
     """Same interface as :class:`PlainGenerator`: ``with g.generation_mode() as gen: gen.generate(...)``.
 
+    ``gather`` makes ZeRO-3 partitioned parameters whole inside its block (:func:`dschat.engine.core.gather_zero3`);
+    required with ``zero3``, where copying without it would read empty partitions.
     ``dtype`` is the inference copy's dtype (default: the training parameters' dtype).
     ``static_cache``: a transformers ``StaticCache`` kept between rounds (default: on GPUs only);
     otherwise a dynamic cache per call.
@@ -89,6 +87,7 @@ class HybridGenerator:
         sampling: SamplingConfig,
         *,
         zero3: bool,
+        gather: Gather | None = None,
         tp_size: int = 1,
         gather_layers: int = 0,
         release_cache: bool = False,
@@ -99,7 +98,10 @@ class HybridGenerator:
         static_cache: bool | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
-        self.gather_layers, self.release_cache, self.unpin = gather_layers, release_cache, unpin
+        if zero3 and gather is None:
+            raise ValueError("HybridGenerator(zero3=True) needs gather= (dschat.engine.core.gather_zero3)")
+        self.gather, self.gather_layers = gather or no_gather, gather_layers
+        self.release_cache, self.unpin = release_cache, unpin
         # StaticCache: allocated once and kept between rounds, compile-friendly. On CPU a dynamic cache
         # decodes as fast (measured) and avoids StaticCache's first-use import of torch._dynamo (~2 s).
         self.static_cache = engine.device.type == "cuda" if static_cache is None else static_cache
@@ -155,7 +157,7 @@ class HybridGenerator:
             self._model = module
         else:
             self.copy.allocate()
-            peak = self.copy.refill(gather_zero3, self.gather_layers, probe=self._probe_device_memory)
+            peak = self.copy.refill(self.gather, self.gather_layers, probe=self._probe_device_memory)
             self.gather_peak_bytes = max(self.gather_peak_bytes, peak)
             self._model = self.copy.model
         if self.engine.device.type == "cuda":

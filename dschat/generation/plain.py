@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from dschat.generation.sampling import SamplingConfig
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    do_sample: bool = True
-    min_new_tokens: int = 0  # EOS is forbidden before this many new tokens (benchmarks force full length)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -44,13 +35,8 @@ def generation_config_for(sampling: SamplingConfig, tokenizer) -> GenerationConf
     filtered distribution, stopping at the tokenizer's EOS."""
     from transformers import GenerationConfig
 
-    kw = {"do_sample": sampling.do_sample, "max_new_tokens": sampling.max_new_tokens, "use_cache": True,
-          "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
-    if sampling.min_new_tokens:
-        kw["min_new_tokens"] = sampling.min_new_tokens
-    if sampling.do_sample:
-        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-    return GenerationConfig(**kw)
+    return GenerationConfig(**sampling.generate_kwargs(), use_cache=True, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id)  # fmt: skip
 
 
 @contextlib.contextmanager

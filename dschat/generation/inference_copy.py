@@ -3,8 +3,9 @@ architecture (no ZeRO-3 hooks, no peft wrappers), built once and refilled from t
 each round with LoRA merged in, optionally tensor-parallel (each rank holds 1/K of every attention and
 MLP matrix).
 
-Pure torch/transformers: the ZeRO-3 gathering is passed in as a context manager by
-``dschat/engine/hybrid.py`` (``gather(params)`` makes the full values of ``params`` readable).
+Pure torch/transformers: the ZeRO-3 gathering is passed in as a context manager (:data:`Gather`:
+``gather(params)`` makes the full values of ``params`` readable; the engine's is
+:func:`dschat.engine.core.gather_zero3`).
 
 Tensor parallelism is plain slicing plus ``torch.distributed.all_reduce`` after the row-parallel
 layers (Megatron's split: q/k/v, gate/up, fc1 by output features; o/down, fc2 by input features),
@@ -29,6 +30,8 @@ from dschat.models.layers import contiguous_head_input
 LOG = logging.getLogger("dschat")
 
 FAST_ATTENTION = "dschat_sdpa"
+# gather(params) -> a context manager inside which the full values of params are readable
+Gather = Callable[[list[nn.Parameter]], contextlib.AbstractContextManager]
 
 
 @dataclass(frozen=True)
@@ -346,7 +349,7 @@ class InferenceCopy:
     @torch.no_grad()
     def refill(
         self,
-        gather: Callable[[list[nn.Parameter]], contextlib.AbstractContextManager],
+        gather: Gather,
         layers_per_chunk: int = 0,
         probe: Callable[[], None] | None = None,
     ) -> int:
@@ -444,6 +447,7 @@ def register_fast_attention() -> None:
 __all__ = [
     "PLANS",
     "ArchPlan",
+    "Gather",
     "InferenceCopy",
     "ShardSpec",
     "TPGroup",

@@ -1,0 +1,14 @@
+"""Everything that turns a model and prompts into new tokens, in one package.
+
+- :mod:`.sampling`: :class:`SamplingConfig`, what distribution to draw from (validated in one place,
+  turned into ``generate`` arguments in one place; no torch, so option parsers use it).
+- :mod:`.plain`: :class:`PlainGenerator`, Hugging Face ``generate`` on the training module.
+- :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples exactly as ``generate`` does.
+- :mod:`.inference_copy` and :mod:`.hybrid`: the hybrid engine (a plain, optionally tensor-parallel copy
+  of the actor refilled each PPO round; the ZeRO-3 gathering is passed in by ``dschat.engine``).
+- :mod:`.texts`: prompts in, completion texts out (evaluation, on-policy pairs).
+- :mod:`.decoding`: the inference tools' strategies (greedy, sampling, beam, contrastive search).
+- :mod:`.streaming`: a reply as it is generated, cut at an invented turn.
+
+The package imports no DeepSpeed and nothing from ``dschat.engine``, ``dschat.rlhf`` or ``dschat.tasks``.
+"""
