@@ -20,52 +20,36 @@ gradient checkpointing not set by any flag are picked to fit the devices (``dsch
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
-import re
 import shlex
-import subprocess
 import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from dschat.config import check_zero_stage  # noqa: E402
+from dschat.launch.launcher import DEPLOYMENTS, LAUNCHERS, launcher, processes  # noqa: E402
+from dschat.launch.presets import (  # noqa: E402
+    load_preset,
+)
+from dschat.launch.steps import (  # noqa: E402
+    ALGORITHMS,
+    DPO_STEP,
+    STEPS,
+    Step,
+    check_conflicts,
+    describe_preset,
+    policy_start_model,
+    reward_start_model,
+    step_args,
+    step_of,
+    steps_of,
+)
+from dschat.launch.supervise import run_step  # noqa: E402
 from dschat.utils.errors import UserError, run_cli  # noqa: E402
 from dschat.utils.run import check_output_dir  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Step:
-    number: int
-    name: str
-    entry: Path
-    built: bool
-    key: str = ""  # its output directory under --output-dir and its preset section (default stepN)
-
-    @property
-    def dir_name(self) -> str:
-        return self.key or f"step{self.number}"
-
-
-DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
-LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "torchrun")
-
-STEPS = {
-    1: Step(1, "supervised fine-tuning", ROOT / "training/step1_supervised_finetuning/main.py", True),
-    2: Step(2, "reward model", ROOT / "training/step2_reward_model_finetuning/main.py", True),
-    3: Step(3, "RLHF (PPO)", ROOT / "training/step3_rlhf_finetuning/main.py", True),
-}
-# --algorithm dpo: step 2 optimises the step-1 policy on the pairs directly; no reward model, no step 3.
-DPO_STEP = Step(2, "DPO", ROOT / "training/step2_dpo_finetuning/main.py", True, "step2_dpo")
-ALGORITHMS = ("ppo", "dpo")
-
-
-def step_of(n: int, args: argparse.Namespace) -> Step:
-    return DPO_STEP if n == 2 and getattr(args, "algorithm", "ppo") == "dpo" else STEPS[n]
 
 
 class Parser(argparse.ArgumentParser):
@@ -157,424 +141,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_args(argv), extra
 
 
-def visible_devices() -> tuple[int, str]:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count(), "GPU"
-    return os.cpu_count() or 1, "CPU core"
-
-
-def read_hostfile(path: str) -> list[tuple[str, int]]:
-    """``[(host, slots)]`` of a DeepSpeed hostfile (``host slots=N`` per line, ``#`` comments)."""
-    hosts = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
-        if not m:
-            raise UserError(f"--hostfile {path} line {i}: expected 'hostname slots=N', got {line!r}")
-        hosts.append((m[1], int(m[2])))
-    if not hosts:
-        raise UserError(f"--hostfile {path}: no hosts")
-    return hosts
-
-
-def launcher(args: argparse.Namespace) -> list[str]:
-    """The command prefix that starts one step's processes."""
-    multi_only = [("--launcher", args.launcher), ("--launcher-args", args.launcher_args), ("--nnodes", args.nnodes),
-                  ("--node-rank", args.node_rank)]  # fmt: skip
-    if args.deployment_type != "multi_node":
-        if args.hostfile:
-            raise UserError("--hostfile needs --deployment-type multi_node")
-        for flag, value in multi_only:
-            if value is not None:
-                raise UserError(f"{flag} needs --deployment-type multi_node")
-    if args.deployment_type == "single_gpu":
-        if args.num_gpus not in (None, 1):
-            raise UserError(
-                "--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)"
-            )
-        return [sys.executable]
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise UserError(f"--num-gpus {args.num_gpus}: must be at least 1")
-    from dschat.utils.dist import free_port
-
-    if args.deployment_type == "multi_node" and args.launcher == "torchrun":
-        return torchrun(args)
-    port = str(args.master_port or free_port())
-    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", port]
-    if args.master_addr:
-        runner += ["--master_addr", args.master_addr]
-    if args.deployment_type == "single_node":
-        have, kind = visible_devices()
-        n = args.num_gpus or have
-        if n > have:
-            raise UserError(f"--num-gpus {n}: this machine has only {have} {kind}{'s' if have != 1 else ''}")
-        return [*runner, "--num_gpus", str(n)]
-    if args.nnodes is not None or args.node_rank is not None:
-        raise UserError(
-            "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
-        )
-    if not args.hostfile:
-        raise UserError(
-            "--deployment-type multi_node needs --hostfile FILE (lines 'host slots=N'), "
-            "or --launcher torchrun with --nnodes, --node-rank, --master-addr and --master-port"
-        )
-    if not Path(args.hostfile).is_file():
-        raise UserError(f"--hostfile {args.hostfile}: file not found")
-    read_hostfile(args.hostfile)
-    cmd = [*runner, "--hostfile", args.hostfile, "--launcher", args.launcher or "pdsh"]
-    if args.launcher_args:
-        cmd += ["--launcher_args", args.launcher_args]
-    if args.num_gpus:
-        cmd += ["--num_gpus", str(args.num_gpus)]
-    return cmd
-
-
-def torchrun(args: argparse.Namespace) -> list[str]:
-    """``torch.distributed.run`` on this node: the rendezvous alternative for clusters without
-    passwordless ssh (SLURM's srun, Kubernetes): the same command on every node, each with its --node-rank."""
-    missing = [f for f, v in (("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
-                              ("--master-addr", args.master_addr), ("--master-port", args.master_port)) if v is None]  # fmt: skip
-    if missing:
-        raise UserError(
-            f"--launcher torchrun needs {', '.join(missing)} (the same on every node but --node-rank)"
-        )
-    if args.hostfile:
-        raise UserError(
-            "--hostfile is for the DeepSpeed launcher; --launcher torchrun uses --nnodes and --master-addr"
-        )
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise UserError(f"--node-rank {args.node_rank} must be in 0 .. --nnodes - 1 ({args.nnodes - 1})")
-    have, kind = visible_devices()
-    n = args.num_gpus or have
-    if n > have:
-        raise UserError(f"--num-gpus {n}: this machine has only {have} {kind}{'s' if have != 1 else ''}")
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes), "--nproc_per_node", str(n),
-            "--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port",
-            str(args.master_port), "--max_restarts", "0"]  # fmt: skip
-
-
-def processes(args: argparse.Namespace) -> tuple[int, int]:
-    """``(processes per node, nodes)`` of the deployment, for memory planning (no checks against this
-    machine: one may plan for a cluster from a laptop)."""
-    if args.deployment_type == "single_gpu":
-        return 1, 1
-    if args.deployment_type == "single_node":
-        return args.num_gpus or visible_devices()[0], 1
-    if args.hostfile and Path(args.hostfile).is_file():
-        hosts = read_hostfile(args.hostfile)
-        return args.num_gpus or hosts[0][1], len(hosts)
-    if args.nnodes:
-        return args.num_gpus or visible_devices()[0], args.nnodes
-    raise UserError("--deployment-type multi_node: say how many nodes with --hostfile FILE or --nnodes N")
-
-
-PRESETS = ROOT / "configs" / "presets"
-DEFAULT_PRESET = (
-    "smollm2-135m"  # the main job: a real pretrained chat model (builtin-tiny: tests, smoke runs)
-)
-
-
-PRESET_KEYS = {"model", "reward_model", "deployment_type", "step1", "step2", "step3", "step2_dpo"}
-
-
-def read_preset(path: Path) -> dict:
-    """A preset file: ``model``, ``reward_model``, ``deployment_type`` and ``stepN: {"--flag": value}``."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: malformed YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of {', '.join(sorted(PRESET_KEYS))}")
-    for key, value in data.items():
-        if key not in PRESET_KEYS:
-            raise UserError(f"{path}: unknown key '{key}' (known: {', '.join(sorted(PRESET_KEYS))})")
-        if key.startswith("step"):
-            if not isinstance(value, dict) or not all(str(f).startswith("--") for f in value):
-                raise UserError(f"{path}: '{key}' must map step flags (--name) to values")
-        elif key == "deployment_type" and value not in DEPLOYMENTS:
-            raise UserError(f"{path}: deployment_type must be one of {', '.join(DEPLOYMENTS)}, got {value!r}")
-    return data
-
-
-def preset_for_model(model: str, deployment: str | None) -> tuple[Path | None, str]:
-    """The preset whose ``model`` is ``model`` (case-insensitive), preferring ``deployment``, else the
-    smallest deployment type among that model's presets."""
-    matches = []
-    for path in sorted(PRESETS.glob("*.yaml")):
-        data = read_preset(path)
-        if str(data.get("model", "")).lower() == model.lower():
-            matches.append((path, data.get("deployment_type")))
-    if not matches:
-        return None, ""
-    exact = [p for p, d in matches if d == deployment]
-    if exact:
-        return exact[0], f"implied by --actor-model {model} and --deployment-type {deployment}"
-    matches.sort(key=lambda m: DEPLOYMENTS.index(m[1]) if m[1] in DEPLOYMENTS else len(DEPLOYMENTS))
-    return matches[0][0], f"implied by --actor-model {model}"
-
-
-def load_preset(args: argparse.Namespace) -> dict:
-    """The preset (``{"model": ..., "step1": {"--flag": value}, ...}``, empty if none) and ``_name``,
-    ``_why`` for the report. Explicit ``--preset``, else the one of ``--actor-model``, else
-    :data:`DEFAULT_PRESET`."""
-    if args.preset == "none":
-        return {}
-    if args.preset:
-        name = args.preset
-        path = Path(name) if name.endswith((".yaml", ".yml")) else PRESETS / f"{name}.yaml"
-        why = "--preset"
-    elif args.actor_model:
-        path, why = preset_for_model(args.actor_model, args.deployment_type)
-        if path is None:
-            return {}
-        name = path.stem
-    else:
-        name, path, why = (
-            DEFAULT_PRESET,
-            PRESETS / f"{DEFAULT_PRESET}.yaml",
-            "the default without --actor-model",
-        )
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-        raise UserError(f"--preset {name}: no such preset (known: {known})")
-    return {**read_preset(path), "_name": path.stem, "_why": why}
-
-
-def describe_preset(preset: dict, args: argparse.Namespace) -> str:
-    """One line: the preset, why it applies, and every value it sets (after command-line overrides)."""
-    head = [f"deployment {args.deployment_type}"]
-    head += [f"model {args.actor_model or preset['model']}"] if preset.get("model") else []
-    head += (
-        [f"reward model {args.reward_model or preset['reward_model']}"] if preset.get("reward_model") else []
-    )
-    keys = [step_of(n, args).dir_name for n in steps_of(args)]
-    steps = [f"{k} {' '.join(preset_flags(preset, k, args.output_dir))}" for k in keys if preset.get(k)]
-    return f"==> preset {preset['_name']} ({preset['_why']}): " + "; ".join(head + steps)
-
-
-def preset_flags(preset: dict, step: int | str, output_dir: str | None = None) -> list[str]:
-    """The preset's flags of one step (its number, or its section name such as ``step2_dpo``);
-    ``{output_dir}`` in a value becomes the run's --output-dir (so a preset can point one step at
-    another's output, e.g. ``{output_dir}/step1``)."""
-    out: list[str] = []
-    for flag, value in (preset.get(step if isinstance(step, str) else f"step{step}") or {}).items():
-        if value is True:
-            out.append(flag)
-        elif value is not False and value is not None:
-            out += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
-    if output_dir is not None:
-        out = [v.replace("{output_dir}", output_dir) for v in out]
-    return out
-
-
-def step_args(
-    step: int, args: argparse.Namespace, extra: list[str], preset: dict | None = None, planned: list[str] = ()
-) -> list[str]:
-    """The step's command line: the preset's flags, then train.py's own, the memory plan's (``planned``:
-    only flags no one else set), then the user's after ``--`` (argparse keeps the last value, so the
-    user's flags override the preset's)."""
-    spec = step_of(step, args)
-    out_dir = str(Path(args.output_dir) / spec.dir_name)
-    a = ["--output_dir", out_dir]
-    if spec is DPO_STEP:
-        a += ["--model_name_or_path", policy_start_model(args, preset)]
-        if args.actor_zero_stage is not None:
-            a += ["--zero_stage", str(args.actor_zero_stage)]
-    elif step == 1:
-        model = args.actor_model or (preset or {}).get("model")
-        if model:
-            a += ["--model_name_or_path", model]
-        if args.actor_zero_stage is not None:
-            a += ["--zero_stage", str(args.actor_zero_stage)]
-    elif step == 2:
-        a += ["--model_name_or_path", reward_start_model(args, preset)]
-        if args.reward_zero_stage is not None:
-            a += ["--zero_stage", str(args.reward_zero_stage)]
-    elif step == 3:
-        a += ["--actor_model_name_or_path", str(Path(args.output_dir) / "step1"),
-              "--critic_model_name_or_path", args.reward_model if args.reward_model and 2 not in steps_of(args)
-              else str(Path(args.output_dir) / "step2")]  # fmt: skip
-        if args.actor_zero_stage is not None:
-            a += ["--actor_zero_stage", str(args.actor_zero_stage)]
-        if args.reward_zero_stage is not None:
-            a += ["--critic_zero_stage", str(args.reward_zero_stage)]
-    if args.data_path:
-        a += ["--data_path", *args.data_path]
-    if args.overwrite:
-        a.append("--overwrite")
-    if args.resume:
-        a.append("--resume")
-    if args.node_local_storage:
-        a.append("--node_local_storage")
-    return preset_flags(preset or {}, spec.dir_name, args.output_dir) + a + list(planned) + extra
-
-
-# train.py flag -> the step flag it sets, per step (a different value for the same step flag after -- is a conflict)
-ALIASES = {
-    "actor_zero_stage": {1: "--zero_stage", 3: "--actor_zero_stage"},
-    "reward_zero_stage": {2: "--zero_stage", 3: "--critic_zero_stage"},
-    "actor_model": {1: "--model_name_or_path"},
-}
-
-
-def check_conflicts(args: argparse.Namespace, extra: list[str], steps: list[int]) -> None:
-    """A train.py flag and the step flag it sets, given after ``--`` with another value, is an error."""
-    from dschat.planning import given
-
-    for name, per_step in ALIASES.items():
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if name == "actor_zero_stage" and args.algorithm == "dpo":  # DPO's step 2 trains the actor
-            per_step = {**per_step, 2: "--zero_stage"}
-        for n, flag in per_step.items():
-            other = given(extra, flag)
-            if n in steps and other is not None and other != str(value):
-                raise UserError(f"conflicting flags: --{name.replace('_', '-')} {value} and {flag} {other} "
-                                f"after -- (step {n}); give one")  # fmt: skip
-
-
-def steps_of(args: argparse.Namespace) -> list[int]:
-    if args.step:
-        return sorted(set(args.step))
-    return [1, 2] if getattr(args, "algorithm", "ppo") == "dpo" else [n for n, s in STEPS.items() if s.built]
-
-
-def policy_start_model(args: argparse.Namespace, preset: dict | None = None) -> str:
-    """DPO starts from this run's step-1 model (when step 1 runs or has run), else from --actor-model,
-    the preset's model or the embedded default."""
-    step1 = Path(args.output_dir) / "step1"
-    if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
-        return str(step1)
-    from dschat.config import DEFAULT_MODEL
-
-    return args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
-
-
-def reward_start_model(args: argparse.Namespace, preset: dict | None = None) -> str:
-    """Step 2 starts from --reward-model, else the preset's reward model (DeepSpeed-Chat trains OPT-350m
-    rewards for every OPT actor), else from this run's step-1 model (it already knows the prompt format
-    and the tasks), else from --actor-model or the embedded default."""
-    if args.reward_model or (preset or {}).get("reward_model"):
-        return args.reward_model or preset["reward_model"]
-    step1 = Path(args.output_dir) / "step1"
-    if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
-        return str(step1)
-    from dschat.config import DEFAULT_MODEL
-
-    return args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
-
-
-class RankWatch:
-    """Which rank failed first, for the error line of a failed step.
-
-    The DeepSpeed launcher logs ``process PID spawned with command: [... '--local_rank=R' ...]`` per
-    rank and stops every rank when one exits non-zero, but does not say which one did: a thread polls
-    those processes and remembers the first to end. torchrun's own failure report names the rank
-    (``Root Cause ... rank : R``) and is read from the output.
-    """
-
-    SPAWN = re.compile(rb"process (\d+) spawned with command: \[.*?'--local_rank=(\d+)'")
-    ROOT_CAUSE = re.compile(
-        rb"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S
-    )
-
-    def __init__(self) -> None:
-        self.pids: dict[int, int] = {}  # pid -> local rank
-        self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
-        self.tail = b""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def feed(self, chunk: bytes) -> None:
-        self.tail = (self.tail + chunk)[-65536:]
-        for m in self.SPAWN.finditer(chunk):
-            self.pids[int(m[1])] = int(m[2])
-
-    @property
-    def first(self) -> tuple[int, int] | None:
-        """(rank, pid) of the first rank seen ended (the lowest, if several were seen in the same poll)."""
-        return self.together[0] if self.together else None
-
-    def _poll(self) -> None:
-        import psutil
-
-        while self.first is None and not self._stop.wait(0.02):
-            ended = []
-            for pid, rank in list(self.pids.items()):
-                try:
-                    gone = psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-                except psutil.NoSuchProcess:
-                    gone = True
-                if gone:
-                    ended.append((rank, pid))
-            # Ranks seen ended in the same poll are not ordered (a rank's crash makes its peers' collectives
-            # fail within milliseconds): name them all rather than guess, lowest rank first.
-            self.together = sorted(ended)
-
-    def report(self) -> str:
-        self._stop.set()
-        m = self.ROOT_CAUSE.search(self.tail)
-        if m:
-            return f"torchrun on this node reports rank {int(m[1])} failed first (exit code {int(m[2])})"
-        if len(self.together) > 1:
-            names = ", ".join(f"{r} (pid {p})" for r, p in self.together)
-            return (
-                f"ranks {names} ended within 20 ms of each other; the launcher then stopped the other ranks"
-            )
-        if self.first is not None:
-            return f"rank {self.first[0]} (pid {self.first[1]}) ended first; the launcher then stopped the other ranks"
-        return ""
-
-
-def run_step(
-    step: Step, cmd: list[str], log_path: Path, append: bool, env: dict | None = None
-) -> tuple[int, str]:
-    """Run ``cmd``, copying its output byte for byte to the console and ``log_path``; returns the exit
-    code and, on failure, which rank failed first (if known)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    watch = RankWatch()
-    with open(log_path, "ab" if append else "wb") as log:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
-        # the user's working directory: relative --output-dir and data paths mean the same to every step
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()
-        )
-        try:
-            while chunk := os.read(proc.stdout.fileno(), 65536):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
-                log.write(chunk)
-                watch.feed(chunk)
-            code = proc.wait()
-            return code, watch.report() if code else ""
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait()
-            raise
-
-
-# ---------------------------------------------------------------------------------------------- memory planning
 def parse_step(step: Step, argv: list[str]) -> tuple:
     """The step's option groups parsed from ``argv`` by the step's own parser (its ``GROUPS`` and
     ``STEP_DEFAULTS``), without running the step: a bad flag stops here, before any step starts."""
     from dschat import config as C
 
-    name = f"_dschat_{step.dir_name}_main"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, step.entry)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    module = sys.modules[name]
+    module = importlib.import_module(step.module)  # the step registry: recipes are modules
     return C.parse_groups(
         step.entry.parent.name, "", module.GROUPS, argv, getattr(module, "STEP_DEFAULTS", None)
     )
@@ -733,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             continue
         log = out_dir / f"training{node}.log"
-        code, failed = run_step(step, cmd, log, append=args.resume, env=env)
+        code, failed = run_step(cmd, log, append=args.resume, env=env)
         if code != 0:
             print(
                 f"error: step {n} ({step.name}) failed with exit code {code}"

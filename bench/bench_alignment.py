@@ -31,7 +31,6 @@ the length ratio at most 1.2.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import time
 from pathlib import Path
 
 from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
+
+from dschat.launch import presets  # hh_judge put the project root on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "smollm2-135m"
@@ -55,15 +56,6 @@ STABILISERS = {
     "kl_loss_k3": ["--kl_in", "loss", "--kl_estimator", "k3"],
     "truncation_penalty": ["--truncation_penalty", "1.0"],
 }
-
-
-def train_py():
-    """train.py as a module: its preset reader is the one home of the presets' flags."""
-    spec = importlib.util.spec_from_file_location("dschat_train_py_bench", ROOT / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run(cmd: list[str]) -> None:
@@ -98,12 +90,11 @@ def step3(out: Path, jobdir: Path, flags: list[str], extra: list[str]) -> dict:
 
 def verifiable(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
-    train = train_py()
-    preset = train.read_preset(train.PRESETS / f"{PRESET}.yaml")
+    preset = presets.read_preset(presets.PRESETS / f"{PRESET}.yaml")
     jobdir = Path(args.src) if args.src else out / "job"
     if not args.src:
         run([str(ROOT / "train.py"), "--step", "1", "2", "--output-dir", str(jobdir)])
-    flags = train.preset_flags(preset, 3, str(jobdir))
+    flags = presets.preset_flags(preset, 3, str(jobdir))
     rl = ["--actor_learning_rate", str(args.rl_learning_rate), "--max_steps", str(args.rl_rounds)]
     runs = {"ppo_rm": step3(out / "ppo_rm", jobdir, flags, [])}
     runs["rl_verifier"] = step3(out / "rl_verifier", jobdir, flags, VERIFIER + rl)

@@ -65,7 +65,7 @@ LEVERS: dict[str, tuple[int, list[str], object]] = {
 
 def model_shape(model: str) -> dict[str, int]:
     """Layers, parameters per decoder layer and the LM head's size, from the model's config."""
-    from dschat.memory import load_model_config, shape_from_config
+    from dschat.models.shapes import load_model_config, shape_from_config
 
     s = shape_from_config(load_model_config(model, "--model")[0])
     kv = s.num_kv_heads * s.head_dim

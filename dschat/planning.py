@@ -14,7 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from dschat import memory as M
-from dschat.config import DataArgs, DPOArgs, LoraArgs, ModelArgs, OptimArgs, PPOArgs, RLHFEngineArgs
+from dschat.config import (
+    DataArgs,
+    DPOArgs,
+    LoraArgs,
+    ModelArgs,
+    OptimArgs,
+    PPOArgs,
+    RLHFEngineArgs,
+    step3_models,
+)
+from dschat.models.shapes import ModelShape, load_model_config, shape_from_config
 from dschat.utils.errors import UserError
 
 STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF (PPO)"}
@@ -125,7 +135,7 @@ def resolve_plan_dtype(dtype: str, on_gpu: bool) -> str:
 @dataclass
 class StepPlan:
     step: int
-    models: list[tuple[str, str, M.ModelShape, str]]  # (role, name, shape, where its config came from)
+    models: list[tuple[str, str, ModelShape, str]]  # (role, name, shape, where its config came from)
     dtype: str
     workload: Any  # TrainWorkload | RLHFWorkload
     estimates: list[M.Estimate]
@@ -156,10 +166,10 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
     """
     shapes, flags = shapes or {}, flags or {}
 
-    def shape(role: str, name: str, flag: str) -> tuple[str, str, M.ModelShape, str]:
+    def shape(role: str, name: str, flag: str) -> tuple[str, str, ModelShape, str]:
         name, flag = shapes.get(role, name), flags.get(role, flag)
-        cfg, where = M.load_model_config(name, flag)
-        return role, name, M.shape_from_config(cfg, f"{flag} {name}"), where
+        cfg, where = load_model_config(name, flag)
+        return role, name, shape_from_config(cfg, f"{flag} {name}"), where
 
     data = _of(groups, DataArgs)[0]
     model_args = _of(groups, ModelArgs)
@@ -182,15 +192,18 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
         eng, ppo = _of(groups, RLHFEngineArgs)[0], _of(groups, PPOArgs)[0]
         actor = shape("actor", model_args[0].model_name_or_path, "--actor_model_name_or_path")
         critic = shape("critic", model_args[1].model_name_or_path, "--critic_model_name_or_path")
+        held = step3_models(eng, ppo)  # what the step builds, described once
+        judge = shape("judge", eng.judge_reward_model, "--judge_reward_model") if held.judge else None
         work = M.RLHFWorkload(
             actor[2], critic[2], ppo.per_device_generation_batch_size, ppo.per_device_training_batch_size,
             ppo.max_prompt_seq_len, ppo.max_answer_seq_len, w, actor_lora_dim=loras[0].lora_dim,
-            critic_lora_dim=loras[1].lora_dim, only_lora=loras[0].only_optimize_lora,
-            reference=not eng.share_reference_with_actor,
-            reward_model=not (ppo.reward_fn and ppo.reward_fn_mode == "replace"),
-            offload_reference=eng.offload_reference_model, offload_reward=eng.offload_reward_model,
+            critic_lora_dim=loras[1].lora_dim, only_lora=loras[0].only_optimize_lora, reference=held.reference,
+            reward_model=held.reward_model, offload_reference=eng.offload_reference_model,
+            offload_reward=eng.offload_reward_model, critic_trained=held.critic, judge=judge[2] if judge else None,
+            samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy,
+            inference_tp_size=held.inference_tp_size,
         )  # fmt: skip
-        models = [actor, critic]
+        models = [actor, critic, *([judge] if judge else [])]
     fixed = fixed_choice(step, argv)
     choices = ordered_choices(fixed, hw.on_gpu, hw.gpus_per_node * hw.nodes)
     if not choices:
@@ -219,7 +232,7 @@ def format_plan(p: StepPlan, full: bool) -> str:
     dpo = isinstance(w, M.TrainWorkload) and w.pairs and w.head == "lm"
     lines = [f"step {p.step} ({'DPO' if dpo else STEP_NAMES[p.step]}), {p.dtype}, {describe_hardware(p.hw)}"]
     for role, name, shape, where in p.models:
-        head = "score" if role == "critic" or (role == "model" and p.workload.head == "score") else "lm"
+        head = "score" if role in ("critic", "judge") or (role == "model" and p.workload.head == "score") else "lm"
         lines.append(f"  {role}: {name}, {M.human_params(shape.parameters(head))} parameters "
                      f"({shape.model_type}, {shape.num_layers} layers x {shape.hidden_size}; config: {where})")  # fmt: skip
     if isinstance(w, M.RLHFWorkload):

@@ -1,7 +1,9 @@
 """Pieces every training step shares around its own loop: engine construction, resume state,
 epoch/micro-batch iteration, metric windows reduced over ranks, and checkpoint cadence.
 
-The loop itself stays in each step's ``main.py`` so the algorithm reads top to bottom there.
+Steps 1 and 2 (reward model, DPO) share one training loop, :func:`train_loop`; each step's ``main.py``
+gives it what differs (:class:`LoopSpec`: the micro-batch's forward, loss, backward and step, and the
+log columns), so the algorithm still reads top to bottom there. Step 3's rounds are PPO's own.
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
+import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from dschat.config import DataArgs, DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, to_dict
 from dschat.data.prompt_format import PromptFormat, prompt_format
@@ -24,8 +29,9 @@ from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
 from dschat.lm import eval_batches, train_loader
 from dschat.models.layers import freeze_below, top_block_names
-from dschat.models.loading import load_tokenizer, resolve
+from dschat.models.loading import count_parameters, load_tokenizer, resolve
 from dschat.models.lora import inject_lora
+from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import MetricsLogger, setup_logging
@@ -125,6 +131,54 @@ def build_engine(
     )
 
 
+def build_frozen_engine(
+    model: torch.nn.Module, *, zero_stage: int, offload: bool, dtype: str, micro_batch: int
+):
+    """A DeepSpeed engine without optimizer (a reference or reward model): eval mode, no gradients.
+    Load ``model`` under ``zero3_loading(frozen_ds_config(...))`` first when ``zero_stage`` is 3."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cfg = frozen_ds_config(zero_stage=zero_stage, offload=offload, dtype=dtype, micro_batch=micro_batch)
+    return engine_core.initialize_engine(model, ds_config=cfg)
+
+
+def frozen_ds_config(*, zero_stage: int, offload: bool, dtype: str, micro_batch: int) -> dict[str, Any]:
+    return dsc.eval_ds_config(zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch,
+                              world_size=dist.world_size(), offload=offload)  # fmt: skip
+
+
+def build_step_engine(load: Callable[..., torch.nn.Module], *, model_args: ModelArgs, lora: LoraArgs,
+                      optim: OptimArgs, ds: DeepSpeedArgs, dtype: str, total_steps: int,
+                      keep_trainable: tuple[str, ...] = (), wrap: Callable | None = None) -> tuple[Any, int]:  # fmt: skip
+    """The trained model of steps 1 and 2 as an engine: ``load(dropout=...)`` under ZeRO-3 partitioned
+    loading, what trains set (:func:`set_trainable`), ``wrap`` applied (a reward model's scalar head),
+    then :func:`build_engine`. Returns ``(engine, parameters)``."""
+    ds_config = train_ds_config(optim, ds, dtype)
+    with engine_core.zero3_loading(ds_config):
+        model = load(dropout=model_args.dropout)
+    model = set_trainable(
+        model, lora, keep_trainable=keep_trainable, trainable_layers=model_args.trainable_layers
+    )
+    model = wrap(model) if wrap is not None else model
+    parameters = count_parameters(model)
+    engine = build_engine(model, optim=optim, ds=ds, lora=lora, ds_config=ds_config, total_steps=total_steps,
+                          gradient_checkpointing=model_args.gradient_checkpointing)  # fmt: skip
+    return engine, parameters
+
+
+def true_accuracy(
+    engine, setup: StepSetup, prompts: list[str], run: RunArgs, zero3: bool, timer
+) -> dict | None:
+    """The verifier's true accuracy of greedy answers to the first ``--eval_generation_samples`` held-out
+    prompts (None when that is 0 or no built-in task knows them); the time goes to ``generation_eval``."""
+    if not run.eval_generation_samples:
+        return None
+    with timer("generation_eval"):
+        return task_accuracy(engine.module, setup.tokenizer, prompts[: run.eval_generation_samples],
+                             device=engine.device, synced_gpus=zero3, fmt=setup.fmt)  # fmt: skip
+
+
 def count_total_steps(batches_per_epoch: int, optim: OptimArgs, n_samples: int) -> int:
     """Optimizer steps of the run; refuses a data set too small for one step."""
     if batches_per_epoch < optim.gradient_accumulation_steps or batches_per_epoch == 0:
@@ -207,6 +261,96 @@ class MetricWindow:
         totals = dist.all_reduce_sum([self._sums[k] for k in keys])
         self._sums.clear()
         return dict(zip(keys, totals))
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """What one step's training loop does that the others do not (see :func:`train_loop`)."""
+
+    desc: str  # the progress bar's label
+    # micro-batch -> sums for the metric window, after forward, backward and ``engine.step()``; they hold
+    # ``loss`` and the batch's real ``tokens`` and ``positions`` (padding included)
+    micro_step: Callable[[dict[str, Any]], dict[str, float | torch.Tensor]]
+    # (window sums over all ranks, seconds per rank) -> the step's own log columns (accuracy, margin ...)
+    columns: Callable[[dict[str, float], float], dict[str, float]]
+    shown: tuple[tuple[str, str, str], ...]  # (label, column, format) on the progress bar and the log line
+
+
+def clock() -> float:
+    """Seconds, after the GPU's queued work (throughput counts finished work)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: OptimArgs, run: RunArgs,
+               total_steps: int, metrics: MetricsLogger, timer, evaluate: Callable[[int], Any]) -> None:  # fmt: skip
+    """The loop steps 1 and 2 share: micro-batches from where ``state`` stands, an optimizer step every
+    ``--gradient_accumulation_steps`` of them (DeepSpeed scales and steps at the boundary), a log row every
+    ``--log_interval`` steps (``loss`` averaged over micro-batches and ranks, the step's columns, ``lr``,
+    real ``tokens_per_sec``, ``epoch``, ``tokens``), evaluation every ``--eval_interval`` steps and a
+    checkpoint every ``--save_steps``, until ``total_steps``."""
+    world = dist.world_size()
+    window = MetricWindow()
+    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc=spec.desc,
+               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
+    engine.train()
+    for batch in micro_batches(loader, state, optim.num_train_epochs):
+        t0 = clock()
+        sums = spec.micro_step(batch)
+        window.add(micro=1, seconds=clock() - t0, **sums)
+        if state.batch_in_epoch % optim.gradient_accumulation_steps:
+            continue
+        state.step += 1
+        bar.update(1)
+        if should_log(state.step, run.log_interval, total_steps):
+            w = window.reduce()
+            seconds = max(w["seconds"] / world, 1e-9)
+            state.tokens += w["tokens"]
+            state.positions += w["positions"]
+            state.train_seconds += w["seconds"] / world
+            row = {"loss": w["loss"] / w["micro"], **spec.columns(w, seconds), "lr": engine.get_lr()[0],
+                   "tokens_per_sec": w["tokens"] / seconds, "epoch": state.epoch, "tokens": state.tokens}  # fmt: skip
+            metrics.log(row, step=state.step, split="train")
+            bar.set_postfix({label: format(row[key], f) for label, key, f in spec.shown})
+            if not sys.stdout.isatty():
+                LOG.info("step %d/%d %s", state.step, total_steps,
+                         " ".join(f"{label} {format(row[key], f)}" for label, key, f in spec.shown))  # fmt: skip
+        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
+            evaluate(state.step)
+        with timer("checkpoint"):  # atomic; a resume continues at exactly the next micro-batch
+            maybe_checkpoint(engine, run, state, total_steps)
+        if state.step >= total_steps:
+            break
+    bar.close()
+
+
+def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_stage: int, lora_dim: int,
+                run: RunArgs, start_step: int) -> dict[str, Any]:  # fmt: skip
+    """The summary.json entries every step of :func:`train_loop` writes: throughput in real tokens,
+    padding, time and how the run was set up."""
+    return {
+        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
+        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
+        "train_seconds": state.train_seconds,
+        "wall_seconds": timer.wall(),
+        "seconds_by_phase": timer.totals,
+        "parameters": parameters,
+        "dtype": dtype,
+        "world_size": dist.world_size(),
+        "zero_stage": zero_stage,
+        "lora_dim": lora_dim,
+        "resumed_from_step": start_step if run.resume else None,
+    }
+
+
+def accuracy_summary(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float]:
+    """``true_accuracy_start`` / ``_end`` and ``true_accuracy_<task>_end`` from two task-accuracy
+    results (``accuracy`` and ``accuracy/<task>`` keys); empty unless both were measured."""
+    if not (start and end):
+        return {}
+    return {"true_accuracy_start": start["accuracy"], "true_accuracy_end": end["accuracy"],
+            **{f"true_accuracy_{k.split('/')[1]}_end": v for k, v in end.items() if "/" in k}}  # fmt: skip
 
 
 def should_log(step: int, interval: int, total: int) -> bool:

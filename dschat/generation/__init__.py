@@ -5,7 +5,8 @@
 - :mod:`.plain`: :class:`PlainGenerator`, Hugging Face ``generate`` on the training module.
 - :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples exactly as ``generate`` does.
 - :mod:`.inference_copy` and :mod:`.hybrid`: the hybrid engine (a plain, optionally tensor-parallel copy
-  of the actor refilled each PPO round; the ZeRO-3 gathering is passed in by ``dschat.engine``).
+  of the actor refilled each PPO round; the ZeRO-3 gathering is passed in by ``dschat.engine``);
+  :mod:`.attention`: its fp32 SDPA and KV cache for bf16 on CPU.
 - :mod:`.texts`: prompts in, completion texts out (evaluation, on-policy pairs).
 - :mod:`.decoding`: the inference tools' strategies (greedy, sampling, beam, contrastive search).
 - :mod:`.streaming`: a reply as it is generated, cut at an invented turn.

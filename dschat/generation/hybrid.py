@@ -31,12 +31,12 @@ from collections.abc import Iterator
 
 import torch
 
+from dschat.generation.attention import fp32_kv_cache
 from dschat.generation.inference_copy import (
     Gather,
     InferenceCopy,
     TPGroup,
     UnsupportedModel,
-    fp32_kv_cache,
     no_gather,
     plan_for,
 )

@@ -77,6 +77,32 @@ class PPOTrainer:
         self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
         self.generated_tokens = 0.0
 
+    def log_row(self, w: dict[str, float]) -> dict[str, float]:
+        """The train-split log row of a window of rounds (``w``: :class:`dschat.trainer.MetricWindow` sums
+        over all ranks): per-sequence means over the rollouts, per-update means of the losses (the
+        policy's over actor updates only), the KL coefficient, time so far and learning rates."""
+        rows = max(w["rows"], 1.0)
+        score_mean = w["score_sum"] / rows
+        row = {
+            "reward_mean": w["reward_sum"] / rows, "score_mean": score_mean,
+            "score_std": max(w["score_sq_sum"] / rows - score_mean**2, 0.0) ** 0.5,
+            **({"judge_score_mean": w["judge_score_sum"] / rows} if "judge_score_sum" in w else {}),
+            "kl_to_reference": w["kl_sum"] / rows, "kl_coef": self.kl_ctl.value, "entropy": w["entropy_sum"] / rows,
+            "response_length": w["length_sum"] / rows, "truncated_fraction": w["truncated_rows"] / rows,
+            "uniform_group_fraction": w["uniform_group_rows"] / rows,
+            **{f"{k}_seconds": v for k, v in self.timing.items()}, "actor_lr": self.actor.get_lr()[0],
+        }  # fmt: skip
+        if self.critic is not None:
+            row["critic_lr"] = self.critic.get_lr()[0]
+        if w.get("updates"):
+            u, ua = w["updates"], max(w.get("actor_updates", 0.0), 1.0)
+            row.update(
+                {k: w[k] / u for k in ("value_loss", "value_clip_fraction") if k in w}
+            )  # critic updates
+            actor_keys = ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss", "kl_loss")
+            row.update({k: w[k] / ua for k in actor_keys if k in w})
+        return row
+
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:

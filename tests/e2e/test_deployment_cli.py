@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dschat.launch import presets
+from dschat.launch.supervise import RankWatch
 from tests.conftest import ROOT
 from tests.integration.helpers import assert_ok, error_line, train_py
 
@@ -45,7 +47,7 @@ def step_options(train, step: int, cmd: list[str]) -> dict:
 def test_preset_parses_through_every_step_parser(train, path):
     from dschat import memory as M
 
-    preset = train.read_preset(path)
+    preset = presets.read_preset(path)
     for step in (*train.STEPS.values(), train.DPO_STEP):  # SystemExit(2) on a bad flag or value
         assert train.parse_step(step, train.preset_flags(preset, step.dir_name))
     # its models plan offline, and --actor-model NAME with its deployment type selects this very file
@@ -53,7 +55,7 @@ def test_preset_parses_through_every_step_parser(train, path):
         if preset.get(key):
             M.shape_from_config(M.load_model_config(preset[key])[0])
     if preset.get("deployment_type"):
-        found, _ = train.preset_for_model(preset["model"], preset["deployment_type"])
+        found, _ = presets.preset_for_model(preset["model"], preset["deployment_type"])
         assert found == path
 
 
@@ -232,7 +234,7 @@ def test_rank_watch_names_the_rank_that_ended_first(train):
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dies = subprocess.Popen([sys.executable, "-c", "raise SystemExit(13)"])
     try:
-        watch = train.RankWatch()
+        watch = RankWatch()
         for rank, p in ((0, alive), (1, dies)):
             watch.feed(f"[INFO] [launch.py:256:main] process {p.pid} spawned with command: ['python', '-u', "
                        f"'main.py', '--local_rank={rank}', '--output_dir', 'x']\n".encode())  # fmt: skip
@@ -247,7 +249,7 @@ def test_rank_watch_names_the_rank_that_ended_first(train):
         alive.kill()
         alive.wait()
         dies.wait()
-    torchrun = train.RankWatch()
+    torchrun = RankWatch()
     torchrun.feed(b"Failures:\n  <NO_OTHER_FAILURES>\n------\nRoot Cause (first observed failure):\n[0]:\n"
                   b"  time      : 2026-01-01_00:00:00\n  host      : node-b\n  rank      : 3 (local_rank: 1)\n"
                   b"  exitcode  : 13 (pid: 4242)\n")  # fmt: skip

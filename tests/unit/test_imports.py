@@ -21,6 +21,7 @@ PURE = [
     "dschat.generation.kv_decode",
     "dschat.rlhf.ppo_math",
     "dschat.generation.inference_copy",
+    "dschat.generation.sampling",
 ]
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from dschat import memory as M
 from dschat import planning as P
+from dschat.models import shapes as S
 from dschat.utils.errors import UserError
 
 # A small Llama-style config worked through by hand below: vocab 100, hidden 8, 2 layers, 2 query heads
@@ -16,8 +17,8 @@ SMALL = {"model_type": "llama", "vocab_size": 100, "hidden_size": 8, "intermedia
 
 
 @pytest.fixture
-def small() -> M.ModelShape:
-    return M.shape_from_config(SMALL)
+def small() -> S.ModelShape:
+    return S.shape_from_config(SMALL)
 
 
 def test_parameter_counts_by_hand(small):
@@ -105,7 +106,7 @@ def test_dpo_estimate_counts_both_answers_with_logits_and_a_separate_reference(s
     assert dpo.parts["model states"] == sft.parts["model states"] == 20 * 2792
     # a reference 10x wider than the policy: its bf16 weights plus one no-grad forward of the 4 sequences
     # outweigh training's activations, and the estimate says so
-    wide = M.shape_from_config({**SMALL, "hidden_size": 80, "intermediate_size": 160, "num_attention_heads": 2,
+    wide = S.shape_from_config({**SMALL, "hidden_size": 80, "intermediate_size": 160, "num_attention_heads": 2,
                                 "num_key_value_heads": 1})  # fmt: skip
     with_ref = M.estimate_train(M.TrainWorkload(small, 2, 3, 2, pairs=True, reference=wide), c0, hw)
     ref = wide.parameters("lm") * 2 + M.forward_only_bytes(wide, 4, 3, 2)
@@ -174,6 +175,41 @@ def test_rlhf_estimate_counts_four_models_and_the_largest_phase(small):
     assert moved.cpu_node == kept.cpu_node + int(2792 * 2 * 1.5)
 
 
+def test_rlhf_estimate_follows_what_step3_holds(small):
+    """The parts that step 3's options add or remove, as Step3Models describes them."""
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    zero0 = M.Choice(0, False, False)
+    base = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2), zero0, hw)
+    # critic-free estimators (rloo ...): no critic states, no critic training phase
+    rloo = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, critic_trained=False), zero0, hw)
+    assert "critic states" not in rloo.parts and base.device - rloo.device == 20 * 2000
+    # --n_samples_per_prompt 3: three times the sequences in generation and experience
+    many = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, samples_per_prompt=3), zero0, hw)
+    [phase] = [v for k, v in many.parts.items() if k.startswith("activations")]
+    assert phase >= M.forward_only_bytes(small, 12, 3, 2) > M.forward_only_bytes(small, 4, 3, 2)
+    # the hybrid engine's inference copy: the actor once more in the training dtype, split by tensor parallelism
+    copy = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, inference_copy=True, inference_tp_size=2),
+                           zero0, hw)  # fmt: skip
+    assert copy.parts["inference copy"] == 2 * 2792 // 2
+    judged = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, judge=small), zero0, hw)
+    assert judged.parts["judge"] == 2 * 2000
+
+
+def test_step3_models_read_the_options():
+    from dschat.config import PPOArgs, RLHFEngineArgs, step3_models
+
+    held = step3_models(RLHFEngineArgs(), PPOArgs())
+    assert (held.critic, held.reference, held.reward_model, held.judge) == (True, True, True, False)
+    held = step3_models(
+        RLHFEngineArgs(share_reference_with_actor=True, judge_reward_model="runs/b", enable_hybrid_engine=True,
+                       inference_tp_size=2),
+        PPOArgs(advantage_estimator="rloo", n_samples_per_prompt=4, reward_fn="m:f", reward_fn_mode="replace",
+                per_device_generation_batch_size=8),
+    )  # fmt: skip
+    assert (held.critic, held.reference, held.reward_model, held.judge) == (False, False, False, True)
+    assert (held.inference_copy, held.inference_tp_size, held.rollouts_per_round) == (True, 2, 32)
+
+
 def test_plan_picks_the_first_choice_that_fits(small):
     work = M.TrainWorkload(small, 2, 3, 2)
     sizes = {c: M.estimate_train(work, c, M.Hardware(1, on_gpu=True)).device for c in M.CANDIDATES}
@@ -240,7 +276,7 @@ def test_counts_match_the_models_transformers_builds(cfg):
         **{k: v for k, v in cfg.items() if k != "model_type"}
     )
     config.num_labels = 1
-    shape = M.shape_from_config(config.to_dict())
+    shape = S.shape_from_config(config.to_dict())
     for cls, head in ((AutoModelForCausalLM, "lm"), (AutoModelForSequenceClassification, "score")):
         with torch.device("meta"):
             model = cls.from_config(config)
@@ -251,25 +287,25 @@ def test_counts_match_the_models_transformers_builds(cfg):
 
 
 def test_known_configs_give_the_published_sizes():
-    assert M.shape_from_config(M.KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"]).parameters() == 6_738_415_616
-    assert M.shape_from_config(M.KNOWN_CONFIGS["facebook/opt-1.3b"]).parameters() == 1_315_758_080
+    assert S.shape_from_config(S.KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"]).parameters() == 6_738_415_616
+    assert S.shape_from_config(S.KNOWN_CONFIGS["facebook/opt-1.3b"]).parameters() == 1_315_758_080
 
 
 def test_config_sources(tmp_path):
     import json
 
-    cfg, where = M.load_model_config("facebook/OPT-1.3b")
+    cfg, where = S.load_model_config("facebook/OPT-1.3b")
     assert cfg["hidden_size"] == 2048 and "table" in where
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    cfg, where = M.load_model_config(str(tmp_path))
+    cfg, where = S.load_model_config(str(tmp_path))
     assert cfg == SMALL and where.endswith("config.json")
-    cfg, _ = M.load_model_config("builtin:micro-llama")
+    cfg, _ = S.load_model_config("builtin:micro-llama")
     assert cfg["hidden_size"] == 64
     with pytest.raises(
         UserError, match="--actor-model no-such-org/no-such-model: no config available offline"
     ):
-        M.load_model_config("no-such-org/no-such-model", "--actor-model")
+        S.load_model_config("no-such-org/no-such-model", "--actor-model")
     with pytest.raises(UserError, match="unknown built-in model"):
-        M.load_model_config("builtin:nope")
+        S.load_model_config("builtin:nope")
     with pytest.raises(UserError, match="no 'hidden_size'"):
-        M.shape_from_config({"model_type": "llama", "vocab_size": 3})
+        S.shape_from_config({"model_type": "llama", "vocab_size": 3})

@@ -15,24 +15,21 @@ Hugging Face format, ``dschat_config.json``, ``metrics.jsonl``, ``summary.json``
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
 
 import torch
-from tqdm import tqdm
 
 from dschat import config as C
 from dschat import trainer as T
 from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
-from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import evaluate_perplexity, target_logits
 from dschat.losses import mean_token_nll
-from dschat.models.loading import count_parameters, load_causal_lm
-from dschat.tasks.accuracy import task_accuracy
-from dschat.utils import dist
+from dschat.models.loading import load_causal_lm
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
@@ -54,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
     collate = SFTCollator(tokenizer.pad_token_id)
     batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
-    loader, evals, total_steps, global_batch = (
-        batches.loader,
-        batches.evals,
-        batches.total_steps,
-        batches.global_batch,
-    )
+    loader, evals, total_steps, global_batch = batches.loader, batches.evals, batches.total_steps, batches.global_batch  # fmt: skip
 
     T.begin_outputs(run)
     resolved = T.save_step_config(1, args, run, setup, batches, data)
@@ -69,28 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
 
     # ---------------------------------------------------------------- 3. model and engine
-    ds_config = T.train_ds_config(optim, ds_args, dtype)
-    with engine_core.zero3_loading(ds_config):
-        model = load_causal_lm(
-            model_path,
-            tokenizer=tokenizer,
-            dropout=model_args.dropout,
-            trust_remote_code=model_args.trust_remote_code,
-        )
-    model = T.set_trainable(model, lora_args, trainable_layers=model_args.trainable_layers)
-    n_params = count_parameters(model)
-    engine = T.build_engine(
-        model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,
-        gradient_checkpointing=model_args.gradient_checkpointing,
-    )  # fmt: skip
-    log.info(
-        "model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)",
-        model_path,
-        n_params / 1e6,
-        dtype,
-        ds_args.zero_stage,
-        world,
+    load = partial(
+        load_causal_lm, model_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code
     )
+    engine, n_params = T.build_step_engine(load, model_args=model_args, lora=lora_args,
+                                           optim=optim, ds=ds_args, dtype=dtype, total_steps=total_steps)  # fmt: skip
+    log.info("model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
+             ds_args.zero_stage, world)  # fmt: skip
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
     state = T.resume_state(engine, run, global_batch)
@@ -100,17 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict[str, float], dict[str, float] | None]:
         """Eval-set perplexity, and (at start and end) the verifier's true accuracy of greedy answers."""
-        acc = None
-        if with_accuracy and run.eval_generation_samples:
-            with sw("generation_eval"):
-                acc = task_accuracy(
-                    engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
-                    device=engine.device, synced_gpus=ds_args.zero_stage == 3, fmt=setup.fmt,
-                )  # fmt: skip
+        acc = T.true_accuracy(engine, setup, data.eval_prompts, run, ds_args.zero_stage == 3, sw) if with_accuracy else None  # fmt: skip
         ev = evaluate_perplexity(engine, evals)
-        metrics.log(
-            {"loss": ev["loss"], "perplexity": ev["perplexity"], **(acc or {})}, step=step, split="eval"
-        )
+        metrics.log({"loss": ev["loss"], "perplexity": ev["perplexity"], **(acc or {})}, step=step, split="eval")  # fmt: skip
         log.info("eval at step %d: loss %.4f, perplexity %.3f%s", step, ev["loss"], ev["perplexity"],
                  f", true {fmt_acc(acc)}" if acc else "")  # fmt: skip
         return ev, acc
@@ -118,55 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     eval_start, acc_start = evaluate(state.step, with_accuracy=True)
 
     # ---------------------------------------------------------------- 5. training loop
-    window = T.MetricWindow()
-    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc="step 1 (SFT)",
-               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
-    engine.train()
-    for batch in T.micro_batches(loader, state, optim.num_train_epochs):
-        t0 = clock()
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
-        # 5a. forward: mean NLL over this micro-batch's target (response) tokens; the LM head runs only on
-        # the positions that predict one
-        logits, labels = target_logits(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
-        loss, _ = mean_token_nll(logits, labels)
-        # 5b. backward and step; DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary
-        engine.backward(loss)
-        engine.step()
-        window.add(loss=loss, micro=1, tokens=batch["attention_mask"].sum(), positions=batch["attention_mask"].numel(),
-                   seconds=clock() - t0)  # fmt: skip
-        if state.batch_in_epoch % optim.gradient_accumulation_steps:
-            continue
-        state.step += 1
-        bar.update(1)
-        # 5c. log: loss averaged over the window's micro-batches and ranks; real (non-pad) tokens/s
-        if T.should_log(state.step, run.log_interval, total_steps):
-            w = window.reduce()
-            state.tokens += w["tokens"]
-            state.positions += w["positions"]
-            state.train_seconds += w["seconds"] / world
-            row = {"loss": w["loss"] / w["micro"], "lr": engine.get_lr()[0], "epoch": state.epoch,
-                   "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9), "tokens": state.tokens}  # fmt: skip
-            metrics.log(row, step=state.step, split="train")
-            bar.set_postfix(
-                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_sec']:,.0f}"
-            )
-            if not sys.stdout.isatty():
-                log.info("step %d/%d loss %.4f lr %.2e tokens/s %.0f", state.step, total_steps, row["loss"], row["lr"],
-                         row["tokens_per_sec"])  # fmt: skip
-        # 5d. evaluate
-        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
-            evaluate(state.step)
-        # 5e. checkpoint (atomic; a resume continues at exactly this batch)
-        with sw("checkpoint"):
-            T.maybe_checkpoint(engine, run, state, total_steps)
-        if state.step >= total_steps:
-            break
-    bar.close()
+    shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))
+    spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine), columns=lambda w, seconds: {}, shown=shown)  # fmt: skip
+    T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
+                 timer=sw, evaluate=evaluate)  # fmt: skip
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end, acc_end = evaluate(state.step, with_accuracy=True)
     with sw("export"):
         export_hf_model(engine.module, tokenizer, run.output_dir)
+    run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
+                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
     summary = {
         "step": 1,
         "steps": state.step,
@@ -175,23 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "eval_perplexity_start": eval_start["perplexity"],
         "eval_perplexity_end": eval_end["perplexity"],
         "train_tokens": state.tokens,
-        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
-        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
-        "train_seconds": state.train_seconds,
-        "wall_seconds": sw.wall(),
-        "seconds_by_phase": sw.totals,
-        "parameters": n_params,
-        "dtype": dtype,
-        "world_size": world,
-        "zero_stage": ds_args.zero_stage,
-        "lora_dim": lora_args.lora_dim,
-        "resumed_from_step": start_step if run.resume else None,
+        **run_info,
     }
-    if acc_start and acc_end:
-        summary.update(
-            {"true_accuracy_start": acc_start["accuracy"], "true_accuracy_end": acc_end["accuracy"]}
-        )
-        summary.update({f"true_accuracy_{k.split('/')[1]}_end": v for k, v in acc_end.items() if "/" in k})
+    summary.update(T.accuracy_summary(acc_start, acc_end))
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: eval perplexity %.3f -> %.3f, %.0f tokens/s, model saved to %s",
@@ -199,16 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def sft_micro_step(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
+    """Forward, loss, backward and step on one micro-batch (input_ids, attention_mask, labels: (B, T)):
+    the mean NLL over its target (response) tokens; the LM head runs only on the positions that predict
+    one. DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary."""
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    logits, labels = target_logits(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    loss, _ = mean_token_nll(logits, labels)
+    engine.backward(loss)
+    engine.step()
+    return {
+        "loss": loss,
+        "tokens": batch["attention_mask"].sum(),
+        "positions": batch["attention_mask"].numel(),
+    }
+
+
 def fmt_acc(acc: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
-
-
-def clock() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    import time
-
-    return time.perf_counter()
 
 
 if __name__ == "__main__":

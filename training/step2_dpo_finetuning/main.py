@@ -16,12 +16,13 @@ model). The output directory holds the policy in Hugging Face format (chat.py an
 from __future__ import annotations
 
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
 
-from tqdm import tqdm
+
+import torch
 
 from dschat import config as C
 from dschat import trainer as T
@@ -36,11 +37,14 @@ from dschat.dpo import (
     save_table,
     table_rows,
 )
-from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
-from dschat.models.loading import count_parameters, inference_dtype, load_causal_lm, load_tokenizer, resolve
+from dschat.models.loading import (
+    check_same_tokenizer,
+    inference_dtype,
+    load_causal_lm,
+    resolve,
+)
 from dschat.policy_pairs import mine_step_pairs
-from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.run import Stopwatch, write_summary
@@ -71,39 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     # before any slow work: it must read text as the policy does)
     setup = T.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
-    ref_path = (
-        resolve(hp.ref_model_name_or_path, "--ref_model_name_or_path") if hp.ref_model_name_or_path else None
-    )
+    ref_path = resolve(hp.ref_model_name_or_path, "--ref_model_name_or_path") if hp.ref_model_name_or_path else None  # fmt: skip
     if ref_path:
-        check_same_tokenizer(ref_path, tokenizer, model_args.trust_remote_code)
+        check_same_tokenizer(ref_path, "--ref_model_name_or_path", tokenizer, owner="policy",
+                             trust_remote_code=model_args.trust_remote_code)  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
-    data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
-    # Step 2's reward model drops and counts such pairs; DPO refuses them: the user meant a preference
-    # there, and the pair's preference term is a constant that no update can move.
-    identical = sum(data.stats[split]["dropped_identical"] for split in ("train", "eval"))
-    if identical:
-        raise UserError(
-            f"--data_path {' '.join(data_args.data_path)}: {identical} pair(s) have the same chosen and "
-            "rejected answer; DPO has nothing to prefer in them: remove them"
-        )
-    # 2b. on-policy pairs (--policy_negatives_from output/step1): the right answer over the policy's own
-    # wrong ones, so DPO pushes down the mistakes this policy makes rather than only synthetic ones
-    mined = mine_step_pairs(pairs_args, data_args=data_args, phase=2, tokenizer=tokenizer, fmt=setup.fmt,
-                            seed=run.seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)  # fmt: skip
-    if mined:
-        data.train = data.train + mined.train
-    for split in (data.train, data.eval):
-        for i, ex in enumerate(split):
-            ex["index"] = i  # the row of its reference log-probs
+    data, mined = dpo_pairs(data_args, pairs_args, setup, run.seed, dtype, model_args.trust_remote_code)
     collate = PreferenceLMCollator(tokenizer.pad_token_id, setup.fmt.end_id)
     batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
-    loader, evals, total_steps, global_batch = (
-        batches.loader,
-        batches.evals,
-        batches.total_steps,
-        batches.global_batch,
-    )
+    loader, evals, total_steps, global_batch = batches.loader, batches.evals, batches.total_steps, batches.global_batch  # fmt: skip
 
     T.begin_outputs(run)
     resolved = T.save_step_config(2, args, run, setup, batches, data)
@@ -117,20 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
 
     # ---------------------------------------------------------------- 3. policy and engine
-    ds_config = T.train_ds_config(optim, ds_args, dtype)
-    with engine_core.zero3_loading(ds_config):
-        model = load_causal_lm(
-            model_path,
-            tokenizer=tokenizer,
-            dropout=model_args.dropout,
-            trust_remote_code=model_args.trust_remote_code,
-        )
-    model = T.set_trainable(model, lora_args, trainable_layers=model_args.trainable_layers)
-    n_params = count_parameters(model)
-    engine = T.build_engine(
-        model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,
-        gradient_checkpointing=model_args.gradient_checkpointing,
-    )  # fmt: skip
+    load = partial(
+        load_causal_lm, model_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code
+    )
+    engine, n_params = T.build_step_engine(load, model_args=model_args, lora=lora_args,
+                                           optim=optim, ds=ds_args, dtype=dtype, total_steps=total_steps)  # fmt: skip
     log.info("policy: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s); beta %g, loss %s", model_path,
              n_params / 1e6, dtype, ds_args.zero_stage, world, hp.beta, hp.dpo_loss)  # fmt: skip
 
@@ -149,13 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict, dict | None]:
         """Implicit-reward accuracy on held-out pairs; at start and end the verifier's true accuracy."""
-        acc = None
-        if with_accuracy and run.eval_generation_samples:
-            with sw("generation_eval"):
-                acc = task_accuracy(
-                    engine.module, tokenizer, data.eval_prompts[: run.eval_generation_samples],
-                    device=engine.device, synced_gpus=ds_args.zero_stage == 3, fmt=setup.fmt,
-                )  # fmt: skip
+        acc = T.true_accuracy(engine, setup, data.eval_prompts, run, ds_args.zero_stage == 3, sw) if with_accuracy else None  # fmt: skip
         with sw("eval"):
             ev = evaluate_pairs(engine, evals, ref_eval, hp, engine.device)
         metrics.log({**ev, **(acc or {})}, step=step, split="eval")
@@ -166,60 +132,56 @@ def main(argv: list[str] | None = None) -> int:
     eval_start, acc_start = evaluate(state.step, with_accuracy=True)
 
     # ---------------------------------------------------------------- 5. training loop
-    window = T.MetricWindow()
-    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc="step 2 (DPO)",
-               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
-    engine.train()
-    for batch in T.micro_batches(loader, state, optim.num_train_epochs):
-        t0 = time.perf_counter()
-        # 5a. log-probs of both answers in one forward (LM head on the response positions only)
-        lp = response_logps(engine, batch, engine.device)
-        # 5b. DPO against the reference's stored log-probs, backward, step
-        loss, out = pair_loss(lp, ref_train[batch["index"]], hp)
-        engine.backward(loss)
-        engine.step()
-        margin = out.chosen_rewards - out.rejected_rewards
-        mask = batch["attention_mask"]
-        window.add(loss=loss, micro=1, pairs=margin.numel(), right=(margin > 0).sum(), margin=margin.sum(),
-                   chosen_reward=out.chosen_rewards.sum(), rejected_reward=out.rejected_rewards.sum(),
-                   tokens=mask.sum(), positions=mask.numel(), seconds=time.perf_counter() - t0)  # fmt: skip
-        if state.batch_in_epoch % optim.gradient_accumulation_steps:
-            continue
-        state.step += 1
-        bar.update(1)
-        # 5c. log (averaged over micro-batches and ranks)
-        if T.should_log(state.step, run.log_interval, total_steps):
-            w = window.reduce()
-            state.tokens += w["tokens"]
-            state.positions += w["positions"]
-            state.train_seconds += w["seconds"] / world
-            n = max(w["pairs"], 1.0)
-            row = {"loss": w["loss"] / w["micro"], "accuracy": w["right"] / n, "margin": w["margin"] / n,
-                   "chosen_reward": w["chosen_reward"] / n, "rejected_reward": w["rejected_reward"] / n,
-                   "lr": engine.get_lr()[0], "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9),
-                   "epoch": state.epoch}  # fmt: skip
-            metrics.log(row, step=state.step, split="train")
-            bar.set_postfix(
-                loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", margin=f"{row['margin']:.3f}"
-            )
-            if not sys.stdout.isatty():
-                log.info("step %d/%d loss %.4f accuracy %.3f margin %.4f lr %.2e", state.step, total_steps,
-                         row["loss"], row["accuracy"], row["margin"], row["lr"])  # fmt: skip
-        # 5d. evaluate
-        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
-            evaluate(state.step)
-        # 5e. checkpoint
-        with sw("checkpoint"):
-            T.maybe_checkpoint(engine, run, state, total_steps)
-        if state.step >= total_steps:
-            break
-    bar.close()
+    shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "margin", ".4f"), ("lr", "lr", ".2e"))  # fmt: skip
+    spec = T.LoopSpec("step 2 (DPO)", partial(dpo_micro_step, engine, ref_train, hp), dpo_columns, shown)
+    T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
+                 timer=sw, evaluate=evaluate)  # fmt: skip
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end, acc_end = evaluate(state.step, with_accuracy=True)
     with sw("export"):
         export_hf_model(engine.module, tokenizer, run.output_dir)
-    summary = {
+    run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
+                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
+    summary = summarize(hp, state, eval_start, eval_end, ref_path, mined, run_info)
+    summary.update(T.accuracy_summary(acc_start, acc_end))
+    metrics.close()
+    write_summary(run.output_dir, summary)
+    log.info("done: implicit-reward accuracy %.4f -> %.4f, margin %.4f -> %.4f, policy saved to %s",
+             eval_start["accuracy"], eval_end["accuracy"], eval_start["margin"], eval_end["margin"],
+             run.output_dir)  # fmt: skip
+    return 0
+
+
+def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: T.StepSetup, seed: int, dtype: str,
+              trust_remote_code: bool):  # fmt: skip
+    """This step's pairs (``data.train``, ``data.eval``), each with ``index``: its row in the reference
+    tables; plus the mined on-policy pairs (or None)."""
+    data = prepare_pair_data(data_args, setup.tokenizer, seed=seed, phase=2)
+    # Step 2's reward model drops and counts such pairs; DPO refuses them: the user meant a preference
+    # there, and the pair's preference term is a constant that no update can move.
+    identical = sum(data.stats[split]["dropped_identical"] for split in ("train", "eval"))
+    if identical:
+        raise UserError(
+            f"--data_path {' '.join(data_args.data_path)}: {identical} pair(s) have the same chosen and "
+            "rejected answer; DPO has nothing to prefer in them: remove them"
+        )
+    # on-policy pairs (--policy_negatives_from output/step1): the right answer over the policy's own
+    # wrong ones, so DPO pushes down the mistakes this policy makes rather than only synthetic ones
+    mined = mine_step_pairs(pairs_args, data_args=data_args, phase=2, tokenizer=setup.tokenizer, fmt=setup.fmt,
+                            seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)  # fmt: skip
+    if mined:
+        data.train = data.train + mined.train
+    for split in (data.train, data.eval):
+        for i, ex in enumerate(split):
+            ex["index"] = i  # the row of its reference log-probs
+    return data, mined
+
+
+def summarize(hp, state: T.TrainState, eval_start: dict, eval_end: dict, ref_path: str | None, mined,
+              run_info: dict) -> dict:  # fmt: skip
+    """summary.json of DPO: implicit-reward accuracy and margins at start and end."""
+    return {
         "step": 2,
         "algorithm": "dpo",
         "steps": state.step,
@@ -233,42 +195,32 @@ def main(argv: list[str] | None = None) -> int:
         "eval_rejected_reward_end": eval_end["rejected_reward"],
         "eval_loss_start": eval_start["loss"],
         "eval_loss_end": eval_end["loss"],
-        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
-        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
-        "train_seconds": state.train_seconds,
-        "wall_seconds": sw.wall(),
-        "seconds_by_phase": sw.totals,
-        "parameters": n_params,
-        "dtype": dtype,
-        "world_size": world,
-        "zero_stage": ds_args.zero_stage,
-        "lora_dim": lora_args.lora_dim,
         "reference": ref_path or "starting policy",
         "policy_negatives": mined.stats if mined else None,
-        "resumed_from_step": start_step if run.resume else None,
+        **run_info,
     }
-    if acc_start and acc_end:
-        summary.update(
-            {"true_accuracy_start": acc_start["accuracy"], "true_accuracy_end": acc_end["accuracy"]}
-        )
-        summary.update({f"true_accuracy_{k.split('/')[1]}_end": v for k, v in acc_end.items() if "/" in k})
-    metrics.close()
-    write_summary(run.output_dir, summary)
-    log.info("done: implicit-reward accuracy %.4f -> %.4f, margin %.4f -> %.4f, policy saved to %s",
-             eval_start["accuracy"], eval_end["accuracy"], eval_start["margin"], eval_end["margin"],
-             run.output_dir)  # fmt: skip
-    return 0
 
 
-def check_same_tokenizer(ref_path: str, tokenizer, trust_remote_code: bool) -> None:
-    """The reference scores the policy's token ids: a different vocabulary would make its log-probs
-    meaningless."""
-    ref_tok = load_tokenizer(ref_path, trust_remote_code=trust_remote_code)
-    if ref_tok.get_vocab() != tokenizer.get_vocab():
-        raise UserError(
-            f"--ref_model_name_or_path {ref_path}: its tokenizer differs from the policy's "
-            f"({len(ref_tok)} vs {len(tokenizer)} tokens or other ids): the reference must share the policy's vocabulary"
-        )
+def dpo_micro_step(engine, ref_train: torch.Tensor, hp, batch: dict) -> dict:
+    """Forward, DPO loss, backward and step on one micro-batch of pairs: the log-probs of both answers
+    in one forward (the LM head on the response positions only), against the reference's stored
+    log-probs ``ref_train[batch["index"]]`` (B, 2)."""
+    lp = response_logps(engine, batch, engine.device)
+    loss, out = pair_loss(lp, ref_train[batch["index"]], hp)
+    engine.backward(loss)
+    engine.step()
+    margin = out.chosen_rewards - out.rejected_rewards
+    mask = batch["attention_mask"]
+    return {"loss": loss, "pairs": margin.numel(), "right": (margin > 0).sum(), "margin": margin.sum(),
+            "chosen_reward": out.chosen_rewards.sum(), "rejected_reward": out.rejected_rewards.sum(),
+            "tokens": mask.sum(), "positions": mask.numel()}  # fmt: skip
+
+
+def dpo_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
+    """Implicit-reward accuracy, margin and the two answers' implicit rewards over the window's pairs."""
+    n = max(w["pairs"], 1.0)
+    return {k: w[s] / n for k, s in (("accuracy", "right"), ("margin", "margin"), ("chosen_reward", "chosen_reward"),
+                                     ("rejected_reward", "rejected_reward"))}  # fmt: skip
 
 
 def reference_tables(engine, ref_path, data, used, optim, collate, run, model_args, dtype):

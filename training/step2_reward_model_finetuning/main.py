@@ -15,19 +15,21 @@ model learns what length does not explain. The output directory loads with
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a plain script
 
-from tqdm import tqdm
 
 from dschat import config as C
 from dschat import trainer as T
 from dschat.data.collate import PairCollator, response_lengths
 from dschat.data.pipeline import prepare_pair_data
-from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
 from dschat.losses import (
@@ -38,11 +40,9 @@ from dschat.losses import (
     length_log_ratio,
     pairwise_loss,
 )
-from dschat.models.loading import count_parameters
 from dschat.models.reward import ScalarHeadModel, load_reward_model
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
-from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
@@ -59,6 +59,7 @@ GROUPS = (
     C.RewardArgs,
     C.PolicyPairsArgs,
 )
+LOG = logging.getLogger("dschat")
 STEP_DEFAULTS = {
     C.RunArgs: {"output_dir": "output/step2", "eval_interval": 50},
     C.OptimArgs: {"learning_rate": 5e-4, "weight_decay": 0.1, "num_train_epochs": 1},
@@ -66,9 +67,7 @@ STEP_DEFAULTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = C.parse_groups(
-        "step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS
-    )
+    args = C.parse_groups("step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)  # fmt: skip
     model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
 
     # ---------------------------------------------------------------- 1. setup
@@ -91,18 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         policy_evals = eval_batches(mined.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
         policy_samples = mined.eval_samples
     # 2c. the length-only expert (--length_expert), fitted on all training pairs (the same on every rank)
-    length_w = length_w_accuracy = None
-    if reward.length_expert:
-        x = length_log_ratio(response_lengths(data.train))  # (N,)
-        length_w = fit_length_expert(x)
-        length_w_accuracy = float(((length_w * x) > 0).float().mean())
+    length_w, length_w_accuracy = length_expert(data.train) if reward.length_expert else (None, None)
     batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
-    loader, evals, total_steps, global_batch = (
-        batches.loader,
-        batches.evals,
-        batches.total_steps,
-        batches.global_batch,
-    )
+    loader, evals, total_steps, global_batch = batches.loader, batches.evals, batches.total_steps, batches.global_batch  # fmt: skip
 
     T.begin_outputs(run)
     resolved = T.save_step_config(2, args, run, setup, batches, data)
@@ -119,23 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                  "of the training pairs right; the reward model learns the rest", length_w, length_w_accuracy)  # fmt: skip
 
     # ---------------------------------------------------------------- 3. model (body + scalar head) and engine
-    ds_config = T.train_ds_config(optim, ds_args, dtype)
-    with engine_core.zero3_loading(ds_config):
-        hf_model = load_reward_model(
-            model_path,
-            tokenizer=tokenizer,
-            dropout=model_args.dropout,
-            trust_remote_code=model_args.trust_remote_code,
-        ).model
-    hf_model = T.set_trainable(
-        hf_model, lora_args, keep_trainable=("score.",), trainable_layers=model_args.trainable_layers
-    )
-    model = ScalarHeadModel(hf_model)
-    n_params = count_parameters(model)
-    engine = T.build_engine(
-        model, optim=optim, ds=ds_args, lora=lora_args, ds_config=ds_config, total_steps=total_steps,
-        gradient_checkpointing=model_args.gradient_checkpointing,
-    )  # fmt: skip
+    def load(dropout: float | None):  # the body with its score head, as a transformers model
+        return load_reward_model(model_path, tokenizer=tokenizer, dropout=dropout,
+                                 trust_remote_code=model_args.trust_remote_code).model  # fmt: skip
+
+    engine, n_params = T.build_step_engine(load, model_args=model_args, lora=lora_args, optim=optim, ds=ds_args,
+                                           dtype=dtype, total_steps=total_steps, keep_trainable=("score.",),
+                                           wrap=ScalarHeadModel)  # fmt: skip
     log.info("reward model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
              ds_args.zero_stage, world)  # fmt: skip
 
@@ -145,96 +125,86 @@ def main(argv: list[str] | None = None) -> int:
     metrics = T.open_metrics(run, resolved)
     sw = Stopwatch()
 
-    def evaluate(step: int) -> dict[str, float]:
-        t = time.perf_counter()
-        with sw("eval"):
-            ev = evaluate_ranking(engine, evals)
-        ev["scoring_samples_per_sec"] = 2 * ev["pairs"] / max(time.perf_counter() - t, 1e-9)
-        if policy_evals:  # held-out pairs whose rejected answer the policy itself wrote
-            with sw("eval"):
-                ev["policy_negatives_accuracy"] = evaluate_ranking(engine, policy_evals)["accuracy"]
-        if policy_samples is not None:  # the reward model picks one of the policy's K answers per prompt
-            with sw("eval"):
-                ev["policy_best_of_k_accuracy"] = evaluate_selection(
-                    engine,
-                    tokenizer,
-                    policy_samples,
-                    batch_size=optim.per_device_eval_batch_size,
-                    max_len=data_args.max_seq_len,
-                    fmt=setup.fmt,
-                )["best_of_k_accuracy"]
-        metrics.log(ev, step=step, split="eval")
-        log.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s", step, ev["accuracy"],
-                 ev["chosen_mean"], ev["rejected_mean"], ev["margin"],
-                 f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else "",
-                 f", its pick of the policy's {pairs_args.policy_negatives_per_prompt} answers right "
-                 f"{ev['policy_best_of_k_accuracy']:.4f}" if policy_samples is not None else "")  # fmt: skip
-        return ev
-
+    evaluate = RankingEval(engine, tokenizer, setup.fmt, evals, policy_evals, policy_samples, optim, data_args,
+                           pairs_args, metrics, sw)  # fmt: skip
     eval_start = evaluate(state.step)
 
     # ---------------------------------------------------------------- 5. training loop
-    window = T.MetricWindow()
-    bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc="step 2 (reward)",
-               dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
-    engine.train()
-    for batch in T.micro_batches(loader, state, optim.num_train_epochs):
-        t0 = time.perf_counter()
-        ids = batch["input_ids"].to(engine.device)
-        mask = batch["attention_mask"].to(engine.device)
-        b = ids.shape[0] // 2
-        # 5a. score chosen and rejected in one forward: the value at each sequence's last real token
-        values = engine(ids, mask)  # (2B, T)
-        scores = gather_last(values, mask)
-        chosen, rejected = scores[:b], scores[b:]
-        # 5b. ranking loss, backward, step
-        if reward.ranking_loss == "divergence":
-            loss = divergence_pairwise_loss(values, ids, mask, reward.margin)
-        else:
-            offset = (
-                None
-                if length_w is None
-                else length_expert_logits(length_w, batch["response_len"]).to(engine.device)
-            )
-            loss = pairwise_loss(chosen, rejected, reward.margin, offset)
-        engine.backward(loss)
-        engine.step()
-        window.add(loss=loss, micro=1, pairs=b, right=(chosen > rejected).sum(), margin=(chosen - rejected).sum(),
-                   tokens=mask.sum(), positions=mask.numel(), seconds=time.perf_counter() - t0)  # fmt: skip
-        if state.batch_in_epoch % optim.gradient_accumulation_steps:
-            continue
-        state.step += 1
-        bar.update(1)
-        # 5c. log (averaged over micro-batches and ranks)
-        if T.should_log(state.step, run.log_interval, total_steps):
-            w = window.reduce()
-            state.tokens += w["tokens"]
-            state.positions += w["positions"]
-            state.train_seconds += w["seconds"] / world
-            row = {"loss": w["loss"] / w["micro"], "accuracy": w["right"] / w["pairs"], "margin": w["margin"] / w["pairs"],
-                   "lr": engine.get_lr()[0], "samples_per_sec": 2 * w["pairs"] / max(w["seconds"] / world, 1e-9),
-                   "tokens_per_sec": w["tokens"] / max(w["seconds"] / world, 1e-9), "epoch": state.epoch}  # fmt: skip
-            metrics.log(row, step=state.step, split="train")
-            bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", lr=f"{row['lr']:.2e}")
-            if not sys.stdout.isatty():
-                log.info("step %d/%d loss %.4f accuracy %.3f lr %.2e samples/s %.1f", state.step, total_steps,
-                         row["loss"], row["accuracy"], row["lr"], row["samples_per_sec"])  # fmt: skip
-        # 5d. evaluate
-        if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
-            evaluate(state.step)
-        # 5e. checkpoint
-        with sw("checkpoint"):
-            T.maybe_checkpoint(engine, run, state, total_steps)
-        if state.step >= total_steps:
-            break
-    bar.close()
+    shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("lr", "lr", ".2e"),
+             ("samples/s", "samples_per_sec", ".1f"))  # fmt: skip
+    spec = T.LoopSpec("step 2 (reward)", partial(ranking_micro_step, engine, reward, length_w), pair_columns, shown)  # fmt: skip
+    T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
+                 timer=sw, evaluate=evaluate)  # fmt: skip
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end = evaluate(state.step)
     with sw("export"):
         export_hf_model(engine.module.model, tokenizer, run.output_dir)
-    train_pairs = state.step * global_batch - start_step * global_batch
-    summary = {
+    run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
+                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
+    train_pairs = (state.step - start_step) * global_batch
+    summary = summarize(
+        eval_start, eval_end, state, mined, length_w, length_w_accuracy, train_pairs, run_info
+    )
+    metrics.close()
+    write_summary(run.output_dir, summary)
+    log.info("done: eval accuracy %.4f -> %.4f, reward model saved to %s", eval_start["accuracy"], eval_end["accuracy"],
+             run.output_dir)  # fmt: skip
+    return 0
+
+
+def length_expert(train: list) -> tuple[float, float]:
+    """The length-only expert (``--length_expert``) fitted on all training pairs (the same on every
+    rank): its coefficient w in ``sigmoid(w * log(len_chosen / len_rejected))`` and its own accuracy."""
+    x = length_log_ratio(response_lengths(train))  # (N,)
+    w = fit_length_expert(x)
+    return w, float(((w * x) > 0).float().mean())
+
+
+@dataclass
+class RankingEval:
+    """``evaluate(step)``: accuracy, scores and margin on the held-out pairs (by chosen longer/shorter);
+    with ``--policy_negatives_from`` also on pairs whose rejected answer the policy wrote, and the
+    reward model's pick among the policy's K answers to held-out prompts. Logged to the eval split."""
+
+    engine: Any
+    tokenizer: Any
+    fmt: Any
+    evals: list
+    policy_evals: list
+    policy_samples: PolicySamples | None
+    optim: C.OptimArgs
+    data_args: C.DataArgs
+    pairs_args: C.PolicyPairsArgs
+    metrics: Any
+    timer: Any
+
+    def __call__(self, step: int) -> dict[str, float]:
+        t = time.perf_counter()
+        with self.timer("eval"):
+            ev = evaluate_ranking(self.engine, self.evals)
+            ev["scoring_samples_per_sec"] = 2 * ev["pairs"] / max(time.perf_counter() - t, 1e-9)
+            if self.policy_evals:  # held-out pairs whose rejected answer the policy itself wrote
+                ev["policy_negatives_accuracy"] = evaluate_ranking(self.engine, self.policy_evals)["accuracy"]
+            if (
+                self.policy_samples is not None
+            ):  # the reward model picks one of the policy's K answers per prompt
+                ev["policy_best_of_k_accuracy"] = evaluate_selection(
+                    self.engine, self.tokenizer, self.policy_samples, batch_size=self.optim.per_device_eval_batch_size,
+                    max_len=self.data_args.max_seq_len, fmt=self.fmt)["best_of_k_accuracy"]  # fmt: skip
+        self.metrics.log(ev, step=step, split="eval")
+        LOG.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s", step, ev["accuracy"],
+                 ev["chosen_mean"], ev["rejected_mean"], ev["margin"],
+                 f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if self.policy_evals else "",
+                 f", its pick of the policy's {self.pairs_args.policy_negatives_per_prompt} answers right "
+                 f"{ev['policy_best_of_k_accuracy']:.4f}" if self.policy_samples is not None else "")  # fmt: skip
+        return ev
+
+
+def summarize(eval_start: dict, eval_end: dict, state: T.TrainState, mined, length_w: float | None,
+              length_w_accuracy: float | None, train_pairs: int, run_info: dict) -> dict:  # fmt: skip
+    """summary.json of the reward model: accuracy at start and end and where it comes from."""
+    return {
         "step": 2,
         "steps": state.step,
         "eval_accuracy_start": eval_start["accuracy"],
@@ -259,23 +229,38 @@ def main(argv: list[str] | None = None) -> int:
         "length_expert_train_accuracy": length_w_accuracy,
         "train_samples_per_sec": 2 * train_pairs / max(state.train_seconds, 1e-9) if train_pairs else None,
         "scoring_samples_per_sec": eval_end["scoring_samples_per_sec"],
-        "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
-        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
-        "train_seconds": state.train_seconds,
-        "wall_seconds": sw.wall(),
-        "seconds_by_phase": sw.totals,
-        "parameters": n_params,
-        "dtype": dtype,
-        "world_size": world,
-        "zero_stage": ds_args.zero_stage,
-        "lora_dim": lora_args.lora_dim,
-        "resumed_from_step": start_step if run.resume else None,
+        **run_info,
     }
-    metrics.close()
-    write_summary(run.output_dir, summary)
-    log.info("done: eval accuracy %.4f -> %.4f, reward model saved to %s", eval_start["accuracy"], eval_end["accuracy"],
-             run.output_dir)  # fmt: skip
-    return 0
+
+
+def ranking_micro_step(engine, reward: C.RewardArgs, length_w: float | None, batch: dict) -> dict:
+    """Forward, ranking loss, backward and step on one micro-batch of pairs: input_ids and
+    attention_mask (2B, T), the B chosen sequences first. Chosen and rejected are scored in one forward
+    (the value at each sequence's last real token); ``length_w`` adds the length expert's log-odds."""
+    ids, mask = batch["input_ids"].to(engine.device), batch["attention_mask"].to(engine.device)
+    b = ids.shape[0] // 2
+    values = engine(ids, mask)  # (2B, T)
+    scores = gather_last(values, mask)  # (2B,)
+    chosen, rejected = scores[:b], scores[b:]
+    if reward.ranking_loss == "divergence":
+        loss = divergence_pairwise_loss(values, ids, mask, reward.margin)
+    else:
+        offset = (
+            None
+            if length_w is None
+            else length_expert_logits(length_w, batch["response_len"]).to(engine.device)
+        )
+        loss = pairwise_loss(chosen, rejected, reward.margin, offset)
+    engine.backward(loss)
+    engine.step()
+    return {"loss": loss, "pairs": b, "right": (chosen > rejected).sum(), "margin": (chosen - rejected).sum(),
+            "tokens": mask.sum(), "positions": mask.numel()}  # fmt: skip
+
+
+def pair_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
+    """Training accuracy and mean margin over the window's pairs; scored sequences per second."""
+    return {"accuracy": w["right"] / w["pairs"], "margin": w["margin"] / w["pairs"],
+            "samples_per_sec": 2 * w["pairs"] / seconds}  # fmt: skip
 
 
 if __name__ == "__main__":

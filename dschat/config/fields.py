@@ -1,0 +1,46 @@
+"""The building blocks of the option groups: the field constructor, shared constants and checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import field
+from typing import Any, TypeVar
+
+from dschat.utils.errors import UserError
+
+T = TypeVar("T")
+
+DTYPES = ("auto", "fp32", "fp16", "bf16")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
+DEFAULT_MODEL = "builtin:tiny-llama"
+
+
+def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = None, nargs: str | None = None):
+    """A dataclass field that is also a command-line option."""
+    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(flag: str, value: int) -> None:
+    """One clear line for a ZeRO stage outside 0-3 (``flag`` as the user wrote it, e.g. ``--zero_stage``)."""
+    if value not in ZERO_STAGES:
+        raise UserError(f"{flag} must be 0, 1, 2 or 3, got {value}")
+
+
+def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
+    """``"2,4,4"`` -> ``[0.2, 0.4, 0.4]``; exactly three non-negative numbers with a positive sum."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected three comma-separated numbers such as 2,4,4") from None
+    if len(parts) != 3 or any(not math.isfinite(p) or p < 0 for p in parts) or sum(parts) <= 0:
+        raise UserError(
+            f"{flag} {text!r}: expected three non-negative numbers with a positive sum, such as 2,4,4"
+        )
+    total = sum(parts)
+    return [p / total for p in parts]

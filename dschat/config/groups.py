@@ -1,0 +1,277 @@
+"""The option groups of steps 1 and 2 and of every run: model, prompt format, data, LoRA, optimizer,
+DeepSpeed, run, reward model, on-policy pairs, DPO."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dschat.config.fields import (
+    DEFAULT_MODEL,
+    DTYPES,
+    SCHEDULERS,
+    check_zero_stage,
+    opt,
+    parse_data_split,
+)
+from dschat.utils.errors import UserError
+
+
+@dataclass
+class ModelArgs:
+    model_name_or_path: str = opt(
+        DEFAULT_MODEL,
+        "Hugging Face model name, local directory, or builtin:NAME (built in code, no download)",
+    )
+    dtype: str = opt(
+        "auto", "training dtype; auto = bf16 where the hardware supports it, else fp32", choices=DTYPES
+    )
+    dropout: float | None = opt(None, "override every dropout probability in the model config", type=float)
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    trainable_layers: int = opt(
+        0,
+        "train only the top K decoder layers (with the final norm and a reward/value head; LoRA goes into "
+        "those K layers only): the embeddings and the layers below are frozen, so the backward pass stops "
+        "at the first trainable layer (0 = train every layer)",
+    )
+    trust_remote_code: bool = opt(
+        False, "allow model code from the model repository to run (off: safe default)"
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--{prefix}dropout must be in [0, 1), got {self.dropout}")
+        if self.trainable_layers < 0:
+            raise UserError(f"--{prefix}trainable_layers must be >= 0, got {self.trainable_layers}")
+
+
+@dataclass
+class FormatArgs:
+    chat_template: str = opt(
+        "auto",
+        "prompt format: 'on' renders every dialogue with the tokenizer's chat template (an error if it has "
+        "none), 'off' uses the Human/Assistant text form, 'auto' the template when there is one",
+        choices=("auto", "on", "off"),
+    )
+
+
+@dataclass
+class DataArgs(FormatArgs):
+    """Data sources and their processing; the prompt format (:class:`FormatArgs`) is part of it."""
+
+    data_path: list[str] = opt(
+        ["builtin"],
+        "data sources, blended: builtin[:TASK], local .json/.jsonl files or directories, or registered hub names",
+        nargs="+",
+    )
+    data_split: str = opt("2,4,4", "relative shares of every source for steps 1, 2 and 3 (disjoint)")
+    sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*")
+    max_seq_len: int = opt(512, "longest prompt + response in tokens; longer samples are dropped and counted")
+    data_output_path: str = opt(
+        "", "cache directory for tokenized data (default: $DSCHAT_CACHE/data, ~/.cache/dschat/data)"
+    )
+    train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
+    group_by_length: bool = opt(
+        False,
+        "batch samples of similar length (sorted within groups of 50 batches, batch order shuffled): far less "
+        "padding on data of mixed lengths such as HH-RLHF",
+    )
+    max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        parse_data_split(self.data_split, flag=f"--{prefix}data_split")
+        if self.max_seq_len < 8:
+            raise UserError(f"--{prefix}max_seq_len must be at least 8, got {self.max_seq_len}")
+        if self.max_eval_samples < 0:
+            raise UserError(f"--{prefix}max_eval_samples must be >= 0, got {self.max_eval_samples}")
+
+
+@dataclass
+class LoraArgs:
+    lora_dim: int = opt(0, "LoRA rank; 0 disables LoRA")
+    lora_alpha: float = opt(0.0, "LoRA scaling alpha (0 = same as --lora_dim, i.e. scale 1)")
+    lora_dropout: float = opt(0.0, "dropout on the LoRA path")
+    lora_module_name: str = opt("layers.", "LoRA is applied to every Linear whose module name contains this")
+    only_optimize_lora: bool = opt(False, "freeze the base weights and train only the LoRA matrices")
+    lora_learning_rate: float | None = opt(
+        None, "learning rate of the LoRA matrices (default: --learning_rate)", type=float
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.lora_dim < 0:
+            raise UserError(f"--{prefix}lora_dim must be >= 0, got {self.lora_dim}")
+        # A shared --only_optimize_lora (step 3) is checked by the step: it needs LoRA on some model.
+        if self.only_optimize_lora and self.lora_dim == 0 and "only_optimize_lora" not in shared:
+            raise UserError(
+                f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)"
+            )
+        if self.lora_learning_rate is not None and self.lora_dim == 0:
+            raise UserError(f"--{prefix}lora_learning_rate needs --{prefix}lora_dim > 0")
+
+
+@dataclass
+class OptimArgs:
+    per_device_train_batch_size: int = opt(16, "micro-batch size per device for training")
+    per_device_eval_batch_size: int = opt(16, "batch size per device for evaluation")
+    learning_rate: float = opt(1e-3, "peak learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.95, "AdamW beta2")
+    num_train_epochs: int = opt(1, "passes over the training data")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    lr_scheduler_type: str = opt("cosine", "learning-rate schedule", choices=SCHEDULERS)
+    num_warmup_steps: int = opt(0, "linear warm-up steps")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
+                     "gradient_accumulation_steps"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise UserError(f"--{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "num_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise UserError(f"--{prefix}learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass
+class DeepSpeedArgs:
+    zero_stage: int = opt(0, "ZeRO stage: 0, 1, 2 or 3")
+    offload: bool = opt(False, "offload optimizer states (and, with ZeRO-3, parameters) to CPU memory")
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        check_zero_stage(f"--{prefix}zero_stage", self.zero_stage)
+        if self.offload and self.zero_stage == 0:
+            raise UserError(f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (ZeRO-0 cannot offload)")
+
+
+@dataclass
+class RunArgs:
+    output_dir: str = opt("output/step1", "where the model, metrics, logs and checkpoints go")
+    seed: int = opt(1234, "random seed (data order, initialisation, dropout)")
+    eval_interval: int = opt(100, "evaluate every N optimizer steps (0 = only at start and end)")
+    eval_generation_samples: int = opt(
+        300, "built-in task prompts answered greedily at start and end to measure true accuracy (0 = off)"
+    )
+    log_interval: int = opt(10, "write a train line to metrics.jsonl every N optimizer steps")
+    save_steps: int = opt(200, "save a resumable checkpoint every N optimizer steps (0 = never)")
+    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep")
+    resume: bool = opt(False, "continue from the latest checkpoint in OUTPUT_DIR/checkpoints")
+    overwrite: bool = opt(False, "replace a finished run in OUTPUT_DIR")
+    enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
+    tensorboard_path: str | None = opt(
+        None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str
+    )
+    enable_wandb: bool = opt(False, "log to Weights & Biases (WANDB_MODE=offline works without network)")
+    wandb_project: str = opt("dschat", "W&B project name")
+    node_local_storage: bool = opt(
+        False,
+        "no shared filesystem: every node writes its ranks' checkpoint shards, the exported model and "
+        "summary.json to its own OUTPUT_DIR (DeepSpeed's use_node_local_storage)",
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        for name in ("eval_interval", "save_steps", "log_interval", "eval_generation_samples"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--{prefix}keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite contradict each other: pick one")
+
+
+@dataclass
+class RewardArgs:
+    margin: float = opt(0.0, "ranking margin m in -log sigmoid(r_chosen - r_rejected - m)")
+    ranking_loss: str = opt(
+        "last_token",
+        "last_token = compare the scores at each answer's last token; divergence = compare the running scores at "
+        "every position from where the two answers part to the end of the longer one (DeepSpeed-Chat's loss)",
+        choices=("last_token", "divergence"),
+    )
+    length_expert: bool = opt(
+        False,
+        "debias the reward model against answer length (product of experts): a length-only expert "
+        "P(chosen wins) = sigmoid(w * log(len_chosen / len_rejected)) is fitted on the training pairs first, and "
+        "the reward model learns only what it does not explain; the saved reward model is used without it, so "
+        "PPO is not paid for length alone (w is logged and saved in summary.json)",
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.margin < 0:
+            raise UserError(f"--{prefix}margin must be >= 0, got {self.margin}")
+        if self.length_expert and self.ranking_loss != "last_token":
+            raise UserError(
+                f"--{prefix}length_expert compares the final scores: it needs --{prefix}ranking_loss last_token, "
+                f"got {self.ranking_loss}"
+            )
+
+
+@dataclass
+class PolicyPairsArgs:
+    """On-policy pairs for step 2 (reward model or DPO): a policy's own wrong answers as rejected ones."""
+
+    policy_negatives_from: str | None = opt(
+        None,
+        "a causal LM (e.g. the step-1 model) whose own wrong answers to the built-in tasks' prompts become extra "
+        "rejected responses next to the right answer (on-policy pairs, as InstructGPT compared samples of its SFT "
+        "model): the reward model (or DPO) then learns from the mistakes the policy makes, not only synthetic ones",
+        type=str,
+    )
+    policy_negatives_per_prompt: int = opt(4, "answers sampled per prompt for --policy_negatives_from")
+    policy_negatives_max_prompts: int = opt(
+        0, "sample answers to at most this many of the step's training prompts (0 = all)"
+    )
+    policy_negatives_temperature: float = opt(1.0, "sampling temperature for --policy_negatives_from")
+    policy_negatives_max_new_tokens: int = opt(32, "longest sampled answer for --policy_negatives_from")
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.policy_negatives_max_prompts < 0:
+            raise UserError(
+                f"--{prefix}policy_negatives_max_prompts must be >= 0, got {self.policy_negatives_max_prompts}"
+            )
+        for name in ("policy_negatives_per_prompt", "policy_negatives_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy_negatives_temperature <= 0:
+            raise UserError(
+                f"--{prefix}policy_negatives_temperature must be > 0, got {self.policy_negatives_temperature}"
+            )
+
+
+@dataclass
+class DPOArgs:
+    """Direct preference optimisation (step 2 with --algorithm dpo): the policy learns from pairs directly."""
+
+    beta: float = opt(0.1, "DPO beta: strength of the implicit KL to the reference (higher = closer to it)")
+    dpo_loss: str = opt(
+        "sigmoid",
+        "sigmoid = DPO's logistic loss; ipo = squared distance of the token-averaged log-ratio margin to "
+        "1 / (2 beta) (IPO)",
+        choices=("sigmoid", "ipo"),
+    )
+    label_smoothing: float = opt(
+        0.0, "conservative DPO: the share of labels assumed flipped, in [0, 0.5) (sigmoid loss only)"
+    )
+    sft_coef: float = opt(
+        0.0, "weight of the NLL of the chosen answer (per token) added to the loss; 0 = pure DPO"
+    )
+    ref_model_name_or_path: str | None = opt(
+        None,
+        "frozen reference model (default: the starting policy, --model_name_or_path); its log-probs of every "
+        "pair are computed once before training and kept with the run",
+        type=str,
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        if self.beta <= 0:
+            raise UserError(f"--{prefix}beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--{prefix}label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.dpo_loss != "sigmoid":
+            raise UserError(
+                f"--{prefix}label_smoothing applies to --{prefix}dpo_loss sigmoid only, not {self.dpo_loss}"
+            )
+        if self.sft_coef < 0:
+            raise UserError(f"--{prefix}sft_coef must be >= 0, got {self.sft_coef}")

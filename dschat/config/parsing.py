@@ -1,0 +1,104 @@
+"""From option groups to a parser and back: one parser per step, one validated dataclass per group."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from dschat.config.fields import T
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line instead of usage + message."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_group(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    title: str | None = None,
+    defaults: dict[str, Any] | None = None,
+    shared: frozenset[str] = frozenset(),
+) -> None:
+    """Add every field of dataclass ``cls`` as ``--{prefix}{name}``.
+
+    ``defaults`` overrides a field's default for one step (step 2's output directory, say) while the
+    option itself, its type, help and validation stay defined once. Fields in ``shared`` keep their
+    unprefixed name and are added once even when the group is added under several prefixes (step 3's
+    ``--dtype`` serves actor and critic).
+    """
+    group = parser.add_argument_group(title or f"{cls.__name__} {prefix}".strip())
+    defaults = defaults or {}
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"defaults for unknown fields of {cls.__name__}: {sorted(unknown)}")
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = defaults.get(f.name, default)
+        flag = f"--{f.name}" if f.name in shared else f"--{prefix}{f.name}"
+        if flag in parser._option_string_actions:
+            continue
+        if isinstance(default, bool):
+            group.add_argument(flag, action="store_true", default=default, help=meta["help"])
+            continue
+        kind = meta.get("type") or (type(default) if default is not None else str)
+        kwargs: dict[str, Any] = {"default": default, "help": meta["help"] + f" (default: {default})"}
+        if isinstance(default, list) or meta.get("nargs"):
+            kwargs["nargs"] = meta.get("nargs") or "+"
+            kind = meta.get("type") or str
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        group.add_argument(flag, type=kind, **kwargs)
+
+
+GroupSpec = type | tuple  # a dataclass, or (dataclass, prefix, shared field names)
+
+
+def parse_groups(
+    prog: str,
+    description: str,
+    groups: tuple[GroupSpec, ...],
+    argv: list[str] | None = None,
+    defaults: dict[type, dict[str, Any]] | None = None,
+) -> tuple:
+    """One parser from option groups; returns one validated dataclass instance per group.
+
+    A group is a dataclass, or ``(dataclass, prefix, shared)`` to add it under a prefix (step 3 adds
+    :class:`ModelArgs` as ``actor_`` and ``critic_``) with some fields left unprefixed and shared.
+    """
+    specs = [(g, "", frozenset()) if isinstance(g, type) else (g[0], g[1], frozenset(g[2])) for g in groups]
+    parser = ArgumentParser(prog=prog, description=description)
+    for cls, prefix, shared in specs:
+        add_group(parser, cls, prefix=prefix, defaults=(defaults or {}).get(cls), shared=shared)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    ns = parser.parse_args(argv)
+    return tuple(from_namespace(cls, ns, prefix, shared) for cls, prefix, shared in specs)
+
+
+def from_namespace(
+    cls: type[T], ns: argparse.Namespace, prefix: str = "", shared: frozenset[str] = frozenset()
+) -> T:
+    values = {
+        f.name: getattr(ns, f.name if f.name in shared else f"{prefix}{f.name}")
+        for f in dataclasses.fields(cls)
+    }
+    obj = cls(**values)
+    if hasattr(obj, "validate"):
+        obj.validate(prefix, shared)
+    return obj
+
+
+def to_dict(*groups: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for g in groups:
+        out.update(dataclasses.asdict(g))
+    return out

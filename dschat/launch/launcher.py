@@ -1,0 +1,131 @@
+"""The command prefix that starts one step's processes: one process, the DeepSpeed launcher on one
+node or on a hostfile's nodes (pdsh, OpenMPI, ..., SLURM), or torchrun per node; and the process
+count of a deployment for memory planning."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+from dschat.utils.errors import UserError
+
+DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
+LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "torchrun")
+
+
+def visible_devices() -> tuple[int, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "GPU"
+    return os.cpu_count() or 1, "CPU core"
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """``[(host, slots)]`` of a DeepSpeed hostfile (``host slots=N`` per line, ``#`` comments)."""
+    hosts = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        if not m:
+            raise UserError(f"--hostfile {path} line {i}: expected 'hostname slots=N', got {line!r}")
+        hosts.append((m[1], int(m[2])))
+    if not hosts:
+        raise UserError(f"--hostfile {path}: no hosts")
+    return hosts
+
+
+def launcher(args: argparse.Namespace) -> list[str]:
+    """The command prefix that starts one step's processes."""
+    multi_only = [("--launcher", args.launcher), ("--launcher-args", args.launcher_args), ("--nnodes", args.nnodes),
+                  ("--node-rank", args.node_rank)]  # fmt: skip
+    if args.deployment_type != "multi_node":
+        if args.hostfile:
+            raise UserError("--hostfile needs --deployment-type multi_node")
+        for flag, value in multi_only:
+            if value is not None:
+                raise UserError(f"{flag} needs --deployment-type multi_node")
+    if args.deployment_type == "single_gpu":
+        if args.num_gpus not in (None, 1):
+            raise UserError(
+                "--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)"
+            )
+        return [sys.executable]
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise UserError(f"--num-gpus {args.num_gpus}: must be at least 1")
+    from dschat.utils.dist import free_port
+
+    if args.deployment_type == "multi_node" and args.launcher == "torchrun":
+        return torchrun(args)
+    port = str(args.master_port or free_port())
+    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", port]
+    if args.master_addr:
+        runner += ["--master_addr", args.master_addr]
+    if args.deployment_type == "single_node":
+        have, kind = visible_devices()
+        n = args.num_gpus or have
+        if n > have:
+            raise UserError(f"--num-gpus {n}: this machine has only {have} {kind}{'s' if have != 1 else ''}")
+        return [*runner, "--num_gpus", str(n)]
+    if args.nnodes is not None or args.node_rank is not None:
+        raise UserError(
+            "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
+        )
+    if not args.hostfile:
+        raise UserError(
+            "--deployment-type multi_node needs --hostfile FILE (lines 'host slots=N'), "
+            "or --launcher torchrun with --nnodes, --node-rank, --master-addr and --master-port"
+        )
+    if not Path(args.hostfile).is_file():
+        raise UserError(f"--hostfile {args.hostfile}: file not found")
+    read_hostfile(args.hostfile)
+    cmd = [*runner, "--hostfile", args.hostfile, "--launcher", args.launcher or "pdsh"]
+    if args.launcher_args:
+        cmd += ["--launcher_args", args.launcher_args]
+    if args.num_gpus:
+        cmd += ["--num_gpus", str(args.num_gpus)]
+    return cmd
+
+
+def torchrun(args: argparse.Namespace) -> list[str]:
+    """``torch.distributed.run`` on this node: the rendezvous alternative for clusters without
+    passwordless ssh (SLURM's srun, Kubernetes): the same command on every node, each with its --node-rank."""
+    missing = [f for f, v in (("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
+                              ("--master-addr", args.master_addr), ("--master-port", args.master_port)) if v is None]  # fmt: skip
+    if missing:
+        raise UserError(
+            f"--launcher torchrun needs {', '.join(missing)} (the same on every node but --node-rank)"
+        )
+    if args.hostfile:
+        raise UserError(
+            "--hostfile is for the DeepSpeed launcher; --launcher torchrun uses --nnodes and --master-addr"
+        )
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank {args.node_rank} must be in 0 .. --nnodes - 1 ({args.nnodes - 1})")
+    have, kind = visible_devices()
+    n = args.num_gpus or have
+    if n > have:
+        raise UserError(f"--num-gpus {n}: this machine has only {have} {kind}{'s' if have != 1 else ''}")
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes), "--nproc_per_node", str(n),
+            "--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port",
+            str(args.master_port), "--max_restarts", "0"]  # fmt: skip
+
+
+def processes(args: argparse.Namespace) -> tuple[int, int]:
+    """``(processes per node, nodes)`` of the deployment, for memory planning (no checks against this
+    machine: one may plan for a cluster from a laptop)."""
+    if args.deployment_type == "single_gpu":
+        return 1, 1
+    if args.deployment_type == "single_node":
+        return args.num_gpus or visible_devices()[0], 1
+    if args.hostfile and Path(args.hostfile).is_file():
+        hosts = read_hostfile(args.hostfile)
+        return args.num_gpus or hosts[0][1], len(hosts)
+    if args.nnodes:
+        return args.num_gpus or visible_devices()[0], args.nnodes
+    raise UserError("--deployment-type multi_node: say how many nodes with --hostfile FILE or --nnodes N")

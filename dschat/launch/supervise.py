@@ -1,0 +1,101 @@
+"""Running one step's processes: the output copied byte for byte to the console and the step's
+log, and, when the step fails, which rank failed first."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+class RankWatch:
+    """Which rank failed first, for the error line of a failed step.
+
+    The DeepSpeed launcher logs ``process PID spawned with command: [... '--local_rank=R' ...]`` per
+    rank and stops every rank when one exits non-zero, but does not say which one did: a thread polls
+    those processes and remembers the first to end. torchrun's own failure report names the rank
+    (``Root Cause ... rank : R``) and is read from the output.
+    """
+
+    SPAWN = re.compile(rb"process (\d+) spawned with command: \[.*?'--local_rank=(\d+)'")
+    ROOT_CAUSE = re.compile(
+        rb"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S
+    )
+
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}  # pid -> local rank
+        self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
+        self.tail = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def feed(self, chunk: bytes) -> None:
+        self.tail = (self.tail + chunk)[-65536:]
+        for m in self.SPAWN.finditer(chunk):
+            self.pids[int(m[1])] = int(m[2])
+
+    @property
+    def first(self) -> tuple[int, int] | None:
+        """(rank, pid) of the first rank seen ended (the lowest, if several were seen in the same poll)."""
+        return self.together[0] if self.together else None
+
+    def _poll(self) -> None:
+        import psutil
+
+        while self.first is None and not self._stop.wait(0.02):
+            ended = []
+            for pid, rank in list(self.pids.items()):
+                try:
+                    gone = psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+                except psutil.NoSuchProcess:
+                    gone = True
+                if gone:
+                    ended.append((rank, pid))
+            # Ranks seen ended in the same poll are not ordered (a rank's crash makes its peers' collectives
+            # fail within milliseconds): name them all rather than guess, lowest rank first.
+            self.together = sorted(ended)
+
+    def report(self) -> str:
+        self._stop.set()
+        m = self.ROOT_CAUSE.search(self.tail)
+        if m:
+            return f"torchrun on this node reports rank {int(m[1])} failed first (exit code {int(m[2])})"
+        if len(self.together) > 1:
+            names = ", ".join(f"{r} (pid {p})" for r, p in self.together)
+            return (
+                f"ranks {names} ended within 20 ms of each other; the launcher then stopped the other ranks"
+            )
+        if self.first is not None:
+            return f"rank {self.first[0]} (pid {self.first[1]}) ended first; the launcher then stopped the other ranks"
+        return ""
+
+
+def run_step(cmd: list[str], log_path: Path, append: bool, env: dict | None = None) -> tuple[int, str]:
+    """Run ``cmd``, copying its output byte for byte to the console and ``log_path``; returns the exit
+    code and, on failure, which rank failed first (if known)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    watch = RankWatch()
+    with open(log_path, "ab" if append else "wb") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        # the user's working directory: relative --output-dir and data paths mean the same to every step
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()
+        )
+        try:
+            while chunk := os.read(proc.stdout.fileno(), 65536):
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+                log.write(chunk)
+                watch.feed(chunk)
+            code = proc.wait()
+            return code, watch.report() if code else ""
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise

@@ -1,0 +1,89 @@
+"""Step 3's held-out evaluation: what the policy does on prompts it never trains on, measured by
+something other than the loss it optimises (the verifier's truth, the judge).
+
+Greedy answers get the reward model's score, the judge's score and (prompts of built-in tasks) the
+verifier's true accuracy; answers sampled as in training get true accuracy too
+(``true_accuracy_sampled``: the policy PPO optimises, not only its mode).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dschat.data.collate import pad_right
+from dschat.data.prompt_format import PromptFormat
+from dschat.generation.sampling import SamplingConfig
+from dschat.generation.texts import generate_texts
+from dschat.tasks.accuracy import rank_slice, task_accuracy, verifier_accuracy
+from dschat.utils import dist
+
+LOG = logging.getLogger("dschat")
+
+
+@dataclass
+class HeldOutEval:
+    """``evaluate(step) -> {"held_out_reward", "held_out_judge_score", "true_accuracy", ...}``, logged to
+    the eval split of ``metrics``. Collective: every rank answers its slice of ``prompts``."""
+
+    actor: Any  # the actor's engine
+    generator: Any  # PlainGenerator or HybridGenerator over the actor
+    reward: Any  # reward source
+    judge: Any  # a second reward source, or None
+    tokenizer: Any
+    fmt: PromptFormat
+    prompts: list[str]
+    sampling: SamplingConfig  # the training rollouts' distribution (max_new_tokens is the answer budget)
+    zero3: bool  # ZeRO-3 ranks generate in lockstep
+    seed: int
+    metrics: Any  # MetricsLogger
+    timer: Any  # Stopwatch: the time goes to "eval"
+
+    @torch.no_grad()
+    def __call__(self, step: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if not self.prompts:
+            return out
+        with self.timer("eval"):
+            actor, tok, fmt = self.actor, self.tokenizer, self.fmt
+            mine, weights = rank_slice(self.prompts)  # this rank's slice of the held-out prompts
+            with self.generator.generation_mode() as gen:  # the hybrid engine's fast path, or plain generate
+                answers = generate_texts(actor.module, tok, mine, device=actor.device, synced_gpus=self.zero3,
+                                         max_new_tokens=self.sampling.max_new_tokens, generator=gen, fmt=fmt)  # fmt: skip
+                acc = verifier_accuracy(mine, answers, weights)
+                if acc:
+                    # The same seed at every evaluation (start and end compare like with like), in a forked
+                    # RNG so that evaluating never changes the training run's samples.
+                    with torch.random.fork_rng(devices=[actor.device] if actor.device.type == "cuda" else []):
+                        torch.manual_seed(self.seed + 1 + dist.rank())
+                        sampled = task_accuracy(actor.module, tok, self.prompts, device=actor.device,
+                                                synced_gpus=self.zero3, generator=gen, sampling=self.sampling,
+                                                fmt=fmt)  # fmt: skip
+                    out.update({f"true_{k}": v for k, v in acc.items()})
+                    out.update(
+                        {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in sampled.items()}
+                    )
+            out.update(self.scores(mine, answers, weights))
+        self.metrics.log(out, step=step, split="eval")
+        LOG.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+        return out
+
+    def scores(self, prompts: list[str], answers: list[str], weights: list[float]) -> dict[str, float]:
+        """Mean reward (and judge score) of the answers over all ranks (weight 0: a padding repeat).
+        Prompt + answer are tokenized as step 2 trained the reward model (no end token)."""
+        rows = [p + a for p, a in zip(self.fmt.encode_prompts(prompts), self.fmt.encode_responses(answers))]
+        enc = {k: v.to(self.actor.device) for k, v in pad_right(rows, self.tokenizer.pad_token_id).items()}
+        scores = self.reward.score(prompts, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
+        judged = (self.judge.score(prompts, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
+                  if self.judge is not None else torch.zeros_like(scores))  # fmt: skip
+        w = torch.tensor(weights)
+        total, judge_total, n = dist.all_reduce_sum(
+            [float((scores * w).sum()), float((judged * w).sum()), float(w.sum())]
+        )
+        out = {"held_out_reward": total / n}
+        if self.judge is not None:
+            out["held_out_judge_score"] = judge_total / n
+        return out

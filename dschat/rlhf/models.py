@@ -1,0 +1,226 @@
+"""The models of step 3 and how they are built: the actor (trained), the reference (frozen copy, or
+the actor with its LoRA adapter disabled), the critic (trained, per-token values; none for the
+critic-free estimators), the reward model (frozen) and the judge (frozen, scored beside the reward),
+each a DeepSpeed engine; then the generator over the actor and the PPO trainer over all of them.
+
+    o = RLHFOptions(*parsed_groups)
+    check_options(o)
+    paths, tokenizer, fmt = resolve_models(o)          # checked before any engine starts
+    models = build_models(o, paths, tokenizer, dtype, actor_updates=..., critic_updates=...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dschat import config as C
+from dschat import trainer as T
+from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.engine import core as engine_core
+from dschat.engine import ds_config as dsc
+from dschat.generation.hybrid import HybridGenerator
+from dschat.generation.plain import PlainGenerator
+from dschat.generation.sampling import SamplingConfig
+from dschat.models.loading import (
+    check_same_tokenizer,
+    has_value_head,
+    load_causal_lm,
+    load_tokenizer,
+    resolve,
+)
+from dschat.models.reward import ScalarHeadModel, load_reward_model
+from dschat.rlhf import ppo_math as M
+from dschat.rlhf.ppo import PPOHyper, PPOTrainer
+from dschat.rlhf.rewards import FunctionSource, RewardModelSource, SumSource
+from dschat.utils.errors import UserError
+
+
+@dataclass
+class RLHFOptions:
+    """The parsed option groups of step 3."""
+
+    actor: C.ModelArgs
+    critic: C.ModelArgs
+    actor_lora: C.LoraArgs
+    critic_lora: C.LoraArgs
+    engine: C.RLHFEngineArgs
+    ppo: C.PPOArgs
+    data: C.DataArgs
+    run: C.RunArgs
+
+    @property
+    def held(self) -> C.Step3Models:
+        """Which models the step holds (the memory planner counts the same description)."""
+        return C.step3_models(self.engine, self.ppo)
+
+    @property
+    def use_critic(self) -> bool:
+        """Only ``gae`` has a critic; rloo, group_norm and dr_grpo need no value model."""
+        return self.held.critic
+
+
+@dataclass
+class ModelPaths:
+    """Where each model comes from, resolved (hub name, local directory or GGUF cache entry)."""
+
+    actor: str
+    critic: str
+    reward: str
+    judge: str | None  # scored beside the reward, never optimised
+
+
+@dataclass
+class Models:
+    actor: Any  # DeepSpeed engine
+    reference: Any  # frozen engine, or None: the actor with its LoRA adapter disabled
+    critic: Any  # DeepSpeed engine over a ScalarHeadModel, or None (critic-free estimators)
+    reward: Any  # reward source: the frozen reward model, --reward_fn, or their sum
+    judge: Any  # a second frozen reward model (--judge_reward_model), or None
+    ema: Any  # EMA of the actor's weights (--enable_ema), or None
+
+    def engines(self) -> dict[str, Any]:
+        """The trained engines, saved in checkpoints."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+
+def check_options(o: RLHFOptions) -> None:
+    """The rules that span several groups (each group checked its own options when parsed)."""
+    only_lora = o.actor_lora.only_optimize_lora
+    if only_lora and not (o.actor_lora.lora_dim or o.critic_lora.lora_dim):
+        raise UserError("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
+    if not o.use_critic and o.critic_lora.lora_dim:
+        raise UserError(
+            f"--critic_lora_dim needs a critic, and --advantage_estimator {o.ppo.advantage_estimator} has none"
+        )
+    if o.engine.share_reference_with_actor and not (o.actor_lora.lora_dim and only_lora):
+        raise UserError("--share_reference_with_actor needs --actor_lora_dim > 0 and --only_optimize_lora "
+                        "(otherwise the base weights move and are no longer the reference)")  # fmt: skip
+
+
+def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
+    """The models' locations, the actor's tokenizer (left padding, for generation) and prompt format.
+    Every model that scores the actor's token ids is checked here, before minutes of engine start-up."""
+    paths = ModelPaths(
+        actor=resolve(o.actor.model_name_or_path, "--actor_model_name_or_path"),
+        critic=resolve(o.critic.model_name_or_path, "--critic_model_name_or_path"),
+        reward=resolve(
+            o.engine.reward_model_name_or_path or o.critic.model_name_or_path, "--reward_model_name_or_path"
+        ),
+        judge=resolve(o.engine.judge_reward_model, "--judge_reward_model")
+        if o.engine.judge_reward_model
+        else None,
+    )
+    tokenizer = load_tokenizer(paths.actor, trust_remote_code=o.actor.trust_remote_code, padding_side="left",
+                               flag="--actor_model_name_or_path")  # fmt: skip
+    check_same_tokenizer(paths.reward, "--reward_model_name_or_path", tokenizer, owner="actor",
+                         trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
+    if paths.judge:
+        if not has_value_head(paths.judge):
+            raise UserError(f"--judge_reward_model {o.engine.judge_reward_model}: not a trained reward model (no "
+                            "1-label sequence-classification config.json; pass a step-2 output directory)")  # fmt: skip
+        check_same_tokenizer(paths.judge, "--judge_reward_model", tokenizer, owner="actor",
+                             trust_remote_code=o.critic.trust_remote_code)  # fmt: skip
+    return paths, tokenizer, prompt_format(tokenizer, o.data.chat_template)
+
+
+def optim_for(ppo: C.PPOArgs, lr: float, wd: float) -> C.OptimArgs:
+    """The engine-level optimizer options of actor or critic (micro-batch = the PPO minibatch)."""
+    return C.OptimArgs(per_device_train_batch_size=ppo.per_device_training_batch_size, learning_rate=lr,
+                       weight_decay=wd, lr_scheduler_type=ppo.lr_scheduler_type,
+                       num_warmup_steps=ppo.num_warmup_steps, max_grad_norm=ppo.max_grad_norm)  # fmt: skip
+
+
+def frozen_reward_model(path: str, flag: str, o: RLHFOptions, tokenizer, dtype: str) -> RewardModelSource:
+    """A trained reward model (the reward, or the judge) as a frozen engine behind the reward-source
+    call: at ZeRO-3 when the critic is, else unpartitioned."""
+    frozen = dict(zero_stage=dsc.frozen_stage(o.engine.critic_zero_stage), offload=o.engine.offload_reward_model,
+                  dtype=dtype, micro_batch=o.ppo.per_device_generation_batch_size)  # fmt: skip
+    with engine_core.zero3_loading(T.frozen_ds_config(**frozen)):
+        model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=o.critic.trust_remote_code,
+                                  require_trained_head=True, flag=flag)  # fmt: skip
+    return RewardModelSource(T.build_frozen_engine(model, **frozen))
+
+
+def build_models(
+    o: RLHFOptions, paths: ModelPaths, tokenizer, dtype: str, *, actor_updates: int, critic_updates: int
+) -> Models:
+    """The engines; ``actor_updates`` and ``critic_updates`` (optimizer steps) size the learning-rate schedules."""
+    eng, ppo = o.engine, o.ppo
+    actor_optim = optim_for(ppo, ppo.actor_learning_rate, ppo.actor_weight_decay)
+    actor_ds = C.DeepSpeedArgs(zero_stage=eng.actor_zero_stage, offload=eng.offload)
+    actor_cfg = T.train_ds_config(actor_optim, actor_ds, dtype)
+    with engine_core.zero3_loading(actor_cfg):
+        actor_model = load_causal_lm(paths.actor, tokenizer=tokenizer, dropout=o.actor.dropout,
+                                     trust_remote_code=o.actor.trust_remote_code, flag="--actor_model_name_or_path")  # fmt: skip
+    actor_model = T.set_trainable(
+        actor_model, o.actor_lora, prefix="actor_", trainable_layers=o.actor.trainable_layers
+    )
+    actor = T.build_engine(actor_model, optim=actor_optim, ds=actor_ds, lora=o.actor_lora, ds_config=actor_cfg,
+                           total_steps=actor_updates, gradient_checkpointing=o.actor.gradient_checkpointing)  # fmt: skip
+
+    reference = None
+    if o.held.reference:
+        frozen = dict(zero_stage=dsc.frozen_stage(eng.actor_zero_stage), offload=eng.offload_reference_model,
+                      dtype=dtype, micro_batch=ppo.per_device_generation_batch_size)  # fmt: skip
+        with engine_core.zero3_loading(T.frozen_ds_config(**frozen)):
+            ref_model = load_causal_lm(paths.actor, tokenizer=tokenizer, trust_remote_code=o.actor.trust_remote_code,
+                                       flag="--actor_model_name_or_path")  # fmt: skip
+        reference = T.build_frozen_engine(ref_model, **frozen)
+
+    critic = None
+    if o.use_critic:
+        critic_optim = optim_for(ppo, ppo.critic_learning_rate, ppo.critic_weight_decay)
+        critic_ds = C.DeepSpeedArgs(zero_stage=eng.critic_zero_stage, offload=eng.offload)
+        critic_cfg = T.train_ds_config(critic_optim, critic_ds, dtype)
+        with engine_core.zero3_loading(critic_cfg):
+            critic_hf = load_reward_model(paths.critic, tokenizer=tokenizer, dropout=o.critic.dropout,
+                                          trust_remote_code=o.critic.trust_remote_code, flag="--critic_model_name_or_path").model  # fmt: skip
+        critic_hf = T.set_trainable(critic_hf, o.critic_lora, prefix="critic_", keep_trainable=("score.",),
+                                    trainable_layers=o.critic.trainable_layers)  # fmt: skip
+        critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=o.critic_lora,
+                                ds_config=critic_cfg, total_steps=critic_updates,
+                                gradient_checkpointing=o.critic.gradient_checkpointing)  # fmt: skip
+
+    sources = []
+    if o.held.reward_model:
+        sources.append(frozen_reward_model(paths.reward, "--reward_model_name_or_path", o, tokenizer, dtype))
+    if ppo.reward_fn:
+        sources.append(FunctionSource(ppo.reward_fn))
+    reward = sources[0] if len(sources) == 1 else SumSource(*sources)
+    judge = (
+        frozen_reward_model(paths.judge, "--judge_reward_model", o, tokenizer, dtype) if paths.judge else None
+    )
+    ema = None
+    if eng.enable_ema:
+        from dschat.engine.ema import EMA
+
+        ema = EMA(actor.module, eng.ema_decay)
+    return Models(actor, reference, critic, reward, judge, ema)
+
+
+def make_generator(
+    o: RLHFOptions, actor, tokenizer, sampling: SamplingConfig
+) -> HybridGenerator | PlainGenerator:
+    """The hybrid engine (fast generation from the training weights), or plain ``generate``."""
+    eng, zero3 = o.engine, o.engine.actor_zero_stage == 3
+    if not eng.enable_hybrid_engine:
+        return PlainGenerator(actor, tokenizer, sampling, zero3=zero3)
+    return HybridGenerator(actor, tokenizer, sampling, zero3=zero3, gather=engine_core.gather_zero3,
+                           tp_size=eng.inference_tp_size, gather_layers=eng.tp_gather_partition_size,
+                           release_cache=eng.release_inference_cache, unpin=eng.unpin_actor_parameters)  # fmt: skip
+
+
+def make_trainer(o: RLHFOptions, m: Models, generator, tokenizer) -> PPOTrainer:
+    ppo = o.ppo
+    kl_ctl = (M.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.kl_target
+              else M.FixedKLController(ppo.kl_coef))  # fmt: skip
+    hyper = PPOHyper(clip_reward_value=ppo.clip_reward_value, cliprange=ppo.cliprange,
+                     cliprange_value=ppo.cliprange_value, gamma=ppo.gamma, lam=ppo.lam,
+                     whiten_advantages=ppo.whiten_advantages, unsup_coef=ppo.unsup_coef,
+                     n_samples_per_prompt=ppo.n_samples_per_prompt, advantage_estimator=ppo.advantage_estimator,
+                     temperature=ppo.temperature, filter_uniform_groups=ppo.filter_uniform_groups,
+                     cliprange_high=ppo.cliprange_high, loss_agg=ppo.loss_agg, max_answer_len=ppo.max_answer_seq_len,
+                     kl_estimator=ppo.kl_estimator, kl_in=ppo.kl_in, truncation_penalty=ppo.truncation_penalty)  # fmt: skip
+    return PPOTrainer(actor=m.actor, reference=m.reference, critic=m.critic, reward_source=m.reward,
+                      generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=m.judge)  # fmt: skip
