@@ -50,6 +50,7 @@ def main() -> None:
 
     from dschat import memory as M
     from dschat.engine.core import resolve_dtype
+    from dschat.models import shapes as S
 
     on_gpu = torch.cuda.is_available()
     dtype = resolve_dtype("auto")
@@ -68,7 +69,7 @@ def main() -> None:
             s = json.loads((out / "summary.json").read_text())
             measured = s["peak_gpu_reserved_bytes"] + M.GPU_RUNTIME_BYTES if on_gpu else s["peak_rss_bytes"]
             seq = longest_sample(model, 64)
-            shape = M.shape_from_config(M.load_model_config(model)[0])
+            shape = S.shape_from_config(S.load_model_config(model)[0])
             hw = M.Hardware(1, 1, on_gpu, None, None)
             choice = M.Choice(0, False, False)
             est = M.estimate_train(

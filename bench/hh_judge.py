@@ -48,30 +48,46 @@ def judge_held_out(
     prompts: int,
     max_new_tokens: int,
     tag: str,
+    sampled: bool = True,
 ) -> dict:
     """Greedy answers of the untuned model (``step1``: SmolLM2 is already instruction-tuned) and of
     ``policy`` to the first ``prompts`` HH test prompts, scored by every reward model in ``reward_models``.
 
     Returns ``score_<name>_step1`` / ``score_<name>_<tag>`` (mean scores), ``win_rate_<name>`` (policy
     over step 1, ties half), ``judge_win_rate`` (the same under ``reward_models[judge]``), the mean answer
-    lengths in tokens and ``length_ratio`` (policy over step 1)."""
+    lengths in tokens and ``length_ratio`` (policy over step 1). With ``sampled``, the same again for
+    one answer each sampled at temperature 1 (the distribution RL optimises; seed 0 for both models),
+    under keys ending in ``_sampled``: greedy decoding shows only the mode, which a small policy
+    update may leave unchanged."""
+    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][:prompts]
+    prompts_file = out / "held_out_prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
+    result = judged_answers(out, policy, reward_models, prompts_file, judge, max_new_tokens, tag, "greedy")
+    if sampled:
+        more = judged_answers(out, policy, reward_models, prompts_file, judge, max_new_tokens, tag, "sample")
+        result.update({f"{k}_sampled": v for k, v in more.items() if k != "held_out_prompts"})
+    return result
+
+
+def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prompts_file: Path, judge: str,
+                   max_new_tokens: int, tag: str, decoding: str) -> dict:  # fmt: skip
+    """Both models' answers to ``prompts_file`` with ``decoding`` (prompt_eval.py), and their scores."""
     from dschat.compare import win_rate
     from dschat.data.prompt_format import as_dialogue, prompt_format
     from dschat.models.loading import load_tokenizer, resolve
     from dschat.models.reward import load_reward_model
     from dschat.scoring import score_texts
 
-    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][:prompts]
-    prompts_file = out / "held_out_prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
+    report = out / f"held_out_{decoding}"
     cmd = [str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL,
            "--model_name_or_path_finetune", str(policy), "--prompts_file", str(prompts_file),
-           "--max_new_tokens", str(max_new_tokens), "--output", str(out / "held_out")]  # fmt: skip
+           "--max_new_tokens", str(max_new_tokens), "--decoding", decoding, "--seed", "0",
+           "--output", str(report)]  # fmt: skip
     proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
     if proc.returncode != 0:
         print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:], "cmd": cmd}))
         sys.exit(1)
-    answered = [json.loads(x) for x in (out / "held_out.jsonl").read_text().splitlines()]
+    answered = [json.loads(x) for x in report.with_suffix(".jsonl").read_text().splitlines()]
     tok = load_tokenizer(resolve(MODEL))
     fmt = prompt_format(tok, "auto")
     questions = [as_dialogue(r["prompt"]) for r in answered]

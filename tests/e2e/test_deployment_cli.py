@@ -45,15 +45,15 @@ def step_options(train, step: int, cmd: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
 def test_preset_parses_through_every_step_parser(train, path):
-    from dschat import memory as M
+    from dschat.models import shapes as S
 
     preset = presets.read_preset(path)
     for step in (*train.STEPS.values(), train.DPO_STEP):  # SystemExit(2) on a bad flag or value
-        assert train.parse_step(step, train.preset_flags(preset, step.dir_name))
+        assert train.parse_step(step, presets.preset_flags(preset, step.dir_name))
     # its models plan offline, and --actor-model NAME with its deployment type selects this very file
     for key in ("model", "reward_model"):
         if preset.get(key):
-            M.shape_from_config(M.load_model_config(preset[key])[0])
+            S.shape_from_config(S.load_model_config(preset[key])[0])
     if preset.get("deployment_type"):
         found, _ = presets.preset_for_model(preset["model"], preset["deployment_type"])
         assert found == path
@@ -89,12 +89,13 @@ def test_preset_implied_by_the_actor_model_and_overridden_by_flags(train, tmp_pa
 # ---------------------------------------------------------------------------------------------- memory
 def test_estimate_memory_prints_every_choice_and_the_pick(tmp_path):
     from dschat import memory as M
+    from dschat.models import shapes as S
 
     proc = train_py("--estimate-memory", "--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type",
                     "single_node", "--num-gpus", "4", "--device-memory", "80", "--cpu-memory", "512", "--",
                     "--max_seq_len", "64", "--per_device_train_batch_size", "4", "--dtype", "bf16")  # fmt: skip
     assert_ok(proc)
-    shape = M.shape_from_config(M.load_model_config("builtin:micro-llama")[0])
+    shape = S.shape_from_config(S.load_model_config("builtin:micro-llama")[0])
     hw = M.Hardware(4, 1, True, 80 * M.GIB, 512 * M.GIB)
     work = M.TrainWorkload(shape, 4, 64, 2)
     rows = re.findall(r"^\s+(\d)\s+(yes|no)\s+(yes|no)\s+([\d.]+)\s+([\d.]+)\s+(yes|no)", proc.stdout, re.M)
@@ -139,8 +140,9 @@ def test_the_plan_adds_what_fits_and_explicit_flags_win(train, tmp_path):
     """llama-100m on a GPU just too small for ZeRO-0 without gradient checkpointing: the plan adds
     --gradient_checkpointing; with --zero_stage 0 --offload... given by the user, theirs stand."""
     from dschat import memory as M
+    from dschat.models import shapes as S
 
-    shape = M.shape_from_config(M.load_model_config("builtin:llama-100m")[0])
+    shape = S.shape_from_config(S.load_model_config("builtin:llama-100m")[0])
     work = M.TrainWorkload(shape, 16, 512, 2)
     hw = M.Hardware(1, 1, True, None, None)
     plain, ckpt = (M.estimate_train(work, M.Choice(0, False, g), hw).device for g in (False, True))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dschat.launch.presets import preset_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -64,7 +66,7 @@ def test_preset_values_can_name_the_output_dir(train):
     preset = {
         "step2": {"--policy_negatives_from": "{output_dir}/step1", "--num_train_epochs": 2, "--flag": True}
     }
-    assert train.preset_flags(preset, 2, "runs/a") == [
+    assert preset_flags(preset, 2, "runs/a") == [
         "--policy_negatives_from", "runs/a/step1", "--num_train_epochs", "2", "--flag",
     ]  # fmt: skip
     args, extra = train.parse_args(["--step", "2", "--output-dir", "runs/b"])
