@@ -232,7 +232,11 @@ def format_plan(p: StepPlan, full: bool) -> str:
     dpo = isinstance(w, M.TrainWorkload) and w.pairs and w.head == "lm"
     lines = [f"step {p.step} ({'DPO' if dpo else STEP_NAMES[p.step]}), {p.dtype}, {describe_hardware(p.hw)}"]
     for role, name, shape, where in p.models:
-        head = "score" if role in ("critic", "judge") or (role == "model" and p.workload.head == "score") else "lm"
+        head = (
+            "score"
+            if role in ("critic", "judge") or (role == "model" and p.workload.head == "score")
+            else "lm"
+        )
         lines.append(f"  {role}: {name}, {M.human_params(shape.parameters(head))} parameters "
                      f"({shape.model_type}, {shape.num_layers} layers x {shape.hidden_size}; config: {where})")  # fmt: skip
     if isinstance(w, M.RLHFWorkload):
