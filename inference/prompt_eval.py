@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         else compare.builtin_prompts(args.num_prompts, args.tasks.split(",") if args.tasks else None)
     )
     if args.reward_model:  # fail on a bad reward model before minutes of generation
-        from dschat.models.reward import has_value_head
+        from dschat.models.loading import has_value_head
 
         path = resolve(args.reward_model, "--reward_model")
         if not has_value_head(path):

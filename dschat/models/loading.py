@@ -238,14 +238,15 @@ def load_for_generation(
     return model.to(device).eval(), tokenizer
 
 
-def check_same_tokenizer(
-    path: str, flag: str, tokenizer, *, owner: str, trust_remote_code: bool = False
-) -> None:
+def check_same_tokenizer(path: str, flag: str, tokenizer, *, owner: str, owner_path: str = "",
+                         trust_remote_code: bool = False) -> None:  # fmt: skip
     """Raise :class:`UserError` unless the model at ``path`` shares ``tokenizer``'s vocabulary: a model
     that scores another model's token ids (a reference, a reward model, a judge) would otherwise read
-    different words. ``owner`` names whose token ids they are (``"policy"``, ``"actor"``)."""
+    different words. ``owner`` names whose token ids they are (``"policy"``, ``"actor"``), ``owner_path``
+    where that model comes from."""
     other = load_tokenizer(path, trust_remote_code=trust_remote_code, flag=flag)
     if other.get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"{flag} {path}: its tokenizer differs from the {owner}'s ({len(other)} vs {len(tokenizer)} "
-                        f"tokens or other ids): it scores the {owner}'s token ids, so it must share the {owner}'s "
+        whose = f"the {owner}'s" + (f" ({owner_path})" if owner_path else "")
+        raise UserError(f"{flag} {path}: its tokenizer differs from {whose}: {len(other)} vs {len(tokenizer)} "
+                        f"tokens or other ids; it scores the {owner}'s token ids, so it must share the {owner}'s "
                         "vocabulary")  # fmt: skip

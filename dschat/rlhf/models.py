@@ -113,13 +113,13 @@ def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
     )
     tokenizer = load_tokenizer(paths.actor, trust_remote_code=o.actor.trust_remote_code, padding_side="left",
                                flag="--actor_model_name_or_path")  # fmt: skip
-    check_same_tokenizer(paths.reward, "--reward_model_name_or_path", tokenizer, owner="actor",
+    check_same_tokenizer(paths.reward, "--reward_model_name_or_path", tokenizer, owner="actor", owner_path=paths.actor,
                          trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
     if paths.judge:
         if not has_value_head(paths.judge):
             raise UserError(f"--judge_reward_model {o.engine.judge_reward_model}: not a trained reward model (no "
                             "1-label sequence-classification config.json; pass a step-2 output directory)")  # fmt: skip
-        check_same_tokenizer(paths.judge, "--judge_reward_model", tokenizer, owner="actor",
+        check_same_tokenizer(paths.judge, "--judge_reward_model", tokenizer, owner="actor", owner_path=paths.actor,
                              trust_remote_code=o.critic.trust_remote_code)  # fmt: skip
     return paths, tokenizer, prompt_format(tokenizer, o.data.chat_template)
 

@@ -1,4 +1,4 @@
-"""dschat.rlhf.ppo and dschat.rlhf.generation on a micro Llama: the distribution rollouts are sampled from
+"""dschat.rlhf.ppo and dschat.generation.plain on a micro Llama: the distribution rollouts are sampled from
 is the one every PPO log-prob is taken of (temperature, no checkpoint generation settings, no dropout).
 
 The engines are a minimal stand-in (forward, ``backward``, ``step`` with a torch optimizer): these tests
