@@ -190,7 +190,8 @@ def resumed_choice(n: int, args: argparse.Namespace):
     try:
         cfg = json.loads((Path(args.output_dir) / f"step{n}" / "dschat_config.json").read_text())
         if n == 3:
-            return Choice(cfg["actor_zero_stage"], cfg["offload"], cfg["actor"]["gradient_checkpointing"])
+            actor = cfg["actor"]  # step 3 keeps each model's options under its name
+            return Choice(actor["zero_stage"], actor["offload"], actor["gradient_checkpointing"])
         return Choice(cfg["zero_stage"], cfg["offload"], cfg["gradient_checkpointing"])
     except (OSError, ValueError, KeyError):
         return None

@@ -3,7 +3,7 @@ DeepSpeed, run, reward model, on-policy pairs, DPO."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from dschat.config.fields import (
     DEFAULT_MODEL,
@@ -109,30 +109,58 @@ class LoraArgs:
 
 
 @dataclass
-class OptimArgs:
-    per_device_train_batch_size: int = opt(16, "micro-batch size per device for training")
-    per_device_eval_batch_size: int = opt(16, "batch size per device for evaluation")
+class OptimizerArgs:
+    """The optimizer and its learning-rate schedule. Steps 1 and 2 take it inside :class:`OptimArgs`; step 3
+    adds it once per trained model (``--actor_learning_rate``, ``--critic_weight_decay``), the schedule and
+    Adam's betas shared by both."""
+
     learning_rate: float = opt(1e-3, "peak learning rate")
     weight_decay: float = opt(0.0, "AdamW weight decay (not applied to biases and norms)")
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.95, "AdamW beta2")
-    num_train_epochs: int = opt(1, "passes over the training data")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
-    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
     lr_scheduler_type: str = opt("cosine", "learning-rate schedule", choices=SCHEDULERS)
     num_warmup_steps: int = opt(0, "linear warm-up steps")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        def flag(name: str) -> str:
+            return f"--{name}" if name in shared else f"--{prefix}{name}"
+
+        if self.learning_rate <= 0:
+            raise UserError(f"{flag('learning_rate')} must be > 0, got {self.learning_rate}")
+        if self.num_warmup_steps < 0:
+            raise UserError(f"{flag('num_warmup_steps')} must be >= 0, got {self.num_warmup_steps}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"{flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            bad = "weight_decay" if self.weight_decay < 0 else "max_grad_norm"
+            raise UserError(f"{flag(bad)} must be >= 0, got {getattr(self, bad)}")
+
+
+@dataclass
+class OptimArgs(OptimizerArgs):
+    """Steps 1 and 2: the optimizer plus the batch geometry and length of the run (step 3's are PPO's)."""
+
+    per_device_train_batch_size: int = opt(16, "micro-batch size per device for training")
+    per_device_eval_batch_size: int = opt(16, "batch size per device for evaluation")
+    num_train_epochs: int = opt(1, "passes over the training data")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        super().validate(prefix, shared)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
                      "gradient_accumulation_steps"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise UserError(f"--{prefix}{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "num_warmup_steps"):
-            if getattr(self, name) < 0:
-                raise UserError(f"--{prefix}{name} must be >= 0, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise UserError(f"--{prefix}learning_rate must be > 0, got {self.learning_rate}")
+        if self.max_steps < 0:
+            raise UserError(f"--{prefix}max_steps must be >= 0, got {self.max_steps}")
+
+    @classmethod
+    def of(cls, optimizer: OptimizerArgs, **geometry) -> OptimArgs:
+        """An optimizer's options with a batch geometry (step 3: the PPO minibatch as the micro-batch)."""
+        return cls(**{f.name: getattr(optimizer, f.name) for f in fields(OptimizerArgs)}, **geometry)
 
 
 @dataclass
@@ -142,8 +170,9 @@ class DeepSpeedArgs:
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         check_zero_stage(f"--{prefix}zero_stage", self.zero_stage)
+        offload = "--offload" if "offload" in shared else f"--{prefix}offload"
         if self.offload and self.zero_stage == 0:
-            raise UserError(f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (ZeRO-0 cannot offload)")
+            raise UserError(f"{offload} needs --{prefix}zero_stage 1, 2 or 3 (ZeRO-0 cannot offload)")
 
 
 @dataclass

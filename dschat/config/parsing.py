@@ -68,17 +68,21 @@ def parse_groups(
     description: str,
     groups: tuple[GroupSpec, ...],
     argv: list[str] | None = None,
-    defaults: dict[type, dict[str, Any]] | None = None,
+    defaults: dict[type | tuple[type, str], dict[str, Any]] | None = None,
 ) -> tuple:
     """One parser from option groups; returns one validated dataclass instance per group.
 
     A group is a dataclass, or ``(dataclass, prefix, shared)`` to add it under a prefix (step 3 adds
     :class:`ModelArgs` as ``actor_`` and ``critic_``) with some fields left unprefixed and shared.
+    ``defaults`` are keyed by the dataclass (every prefix) or by ``(dataclass, prefix)`` (one of them,
+    e.g. the actor's learning rate), the latter winning.
     """
     specs = [(g, "", frozenset()) if isinstance(g, type) else (g[0], g[1], frozenset(g[2])) for g in groups]
     parser = ArgumentParser(prog=prog, description=description)
+    defaults = defaults or {}
     for cls, prefix, shared in specs:
-        add_group(parser, cls, prefix=prefix, defaults=(defaults or {}).get(cls), shared=shared)
+        own = {**defaults.get(cls, {}), **defaults.get((cls, prefix), {})}
+        add_group(parser, cls, prefix=prefix, defaults=own, shared=shared)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     ns = parser.parse_args(argv)
     return tuple(from_namespace(cls, ns, prefix, shared) for cls, prefix, shared in specs)

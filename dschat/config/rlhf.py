@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dschat.config.fields import (
-    SCHEDULERS,
-    check_zero_stage,
-    opt,
-)
+from dschat.config.fields import opt
 from dschat.generation.sampling import SamplingConfig
 from dschat.utils.errors import UserError
 
 
 @dataclass
 class RLHFEngineArgs:
-    """How step 3 places its four models (actor, reference, critic, reward)."""
+    """How step 3 places its models beyond each trained model's own ZeRO stage (``--actor_zero_stage``,
+    ``--critic_zero_stage`` and the shared ``--offload`` are :class:`DeepSpeedArgs` under a prefix; the
+    reference follows the actor's stage, the reward model and the judge the critic's)."""
 
     reward_model_name_or_path: str | None = opt(
         None, "frozen reward model (default: --critic_model_name_or_path)", type=str
@@ -27,9 +25,6 @@ class RLHFEngineArgs:
         "started to please its reward model rather than to get better",
         type=str,
     )
-    actor_zero_stage: int = opt(0, "ZeRO stage of the actor (the reference uses 3 if this is 3, else 0)")
-    critic_zero_stage: int = opt(0, "ZeRO stage of the critic (the reward model uses 3 if this is 3, else 0)")
-    offload: bool = opt(False, "offload actor and critic optimizer states (and ZeRO-3 parameters) to CPU")
     offload_reference_model: bool = opt(False, "keep the reference model's ZeRO-3 parameters in CPU memory")
     offload_reward_model: bool = opt(False, "keep the reward model's ZeRO-3 parameters in CPU memory")
     share_reference_with_actor: bool = opt(
@@ -75,19 +70,14 @@ class RLHFEngineArgs:
                     raise UserError(f"--{name} needs --enable_hybrid_engine")
         if self.unpin_actor_parameters and self.inference_tp_size > 1:
             raise UserError("--inference_tp_size > 1 needs the inference copy: drop --unpin_actor_parameters")
-        for name in ("actor_zero_stage", "critic_zero_stage"):
-            check_zero_stage(f"--{name}", getattr(self, name))
-        if self.offload and 0 in (self.actor_zero_stage, self.critic_zero_stage):
-            raise UserError(
-                "--offload needs --actor_zero_stage and --critic_zero_stage of 1, 2 or 3 (ZeRO-0 cannot offload)"
-            )
         if not 0.0 < self.ema_decay < 1.0:
             raise UserError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
 
 
 @dataclass
 class PPOArgs:
-    """PPO: batch geometry, learning rates, and every constant of the algorithm (DeepSpeed-Chat's defaults)."""
+    """PPO: batch geometry, length of the run and every constant of the algorithm (DeepSpeed-Chat's
+    defaults). The optimizers are :class:`OptimizerArgs` under ``actor_`` / ``critic_``."""
 
     per_device_generation_batch_size: int = opt(16, "prompts per device per generation round")
     per_device_training_batch_size: int = opt(
@@ -125,13 +115,6 @@ class PPOArgs:
     max_steps: int = opt(0, "stop after this many generation rounds (0 = all epochs)")
     max_prompt_seq_len: int = opt(256, "longest prompt in tokens; longer prompts are dropped and counted")
     max_answer_seq_len: int = opt(256, "most new tokens generated per prompt")
-    actor_learning_rate: float = opt(9.65e-6, "actor learning rate")
-    critic_learning_rate: float = opt(5e-6, "critic learning rate")
-    actor_weight_decay: float = opt(0.0, "actor AdamW weight decay")
-    critic_weight_decay: float = opt(0.0, "critic AdamW weight decay")
-    lr_scheduler_type: str = opt("cosine", "learning-rate schedule of actor and critic", choices=SCHEDULERS)
-    num_warmup_steps: int = opt(0, "linear warm-up steps (PPO updates)")
-    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
     kl_coef: float = opt(0.1, "KL penalty coefficient beta in r_t = -beta (log pi - log pi_ref)")
     kl_target: float | None = opt(None, "adaptive KL controller target (None: fixed --kl_coef)", type=float)
     kl_horizon: int = opt(10000, "adaptive KL controller horizon")

@@ -44,6 +44,10 @@ class RLHFOptions:
     critic: C.ModelArgs
     actor_lora: C.LoraArgs
     critic_lora: C.LoraArgs
+    actor_optim: C.OptimizerArgs
+    critic_optim: C.OptimizerArgs
+    actor_ds: C.DeepSpeedArgs
+    critic_ds: C.DeepSpeedArgs
     engine: C.RLHFEngineArgs
     ppo: C.PPOArgs
     data: C.DataArgs
@@ -124,17 +128,15 @@ def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
     return paths, tokenizer, prompt_format(tokenizer, o.data.chat_template)
 
 
-def optim_for(ppo: C.PPOArgs, lr: float, wd: float) -> C.OptimArgs:
+def optim_for(o: RLHFOptions, optimizer: C.OptimizerArgs) -> C.OptimArgs:
     """The engine-level optimizer options of actor or critic (micro-batch = the PPO minibatch)."""
-    return C.OptimArgs(per_device_train_batch_size=ppo.per_device_training_batch_size, learning_rate=lr,
-                       weight_decay=wd, lr_scheduler_type=ppo.lr_scheduler_type,
-                       num_warmup_steps=ppo.num_warmup_steps, max_grad_norm=ppo.max_grad_norm)  # fmt: skip
+    return C.OptimArgs.of(optimizer, per_device_train_batch_size=o.ppo.per_device_training_batch_size)
 
 
 def frozen_reward_model(path: str, flag: str, o: RLHFOptions, tokenizer, dtype: str) -> RewardModelSource:
     """A trained reward model (the reward, or the judge) as a frozen engine behind the reward-source
     call: at ZeRO-3 when the critic is, else unpartitioned."""
-    frozen = dict(zero_stage=dsc.frozen_stage(o.engine.critic_zero_stage), offload=o.engine.offload_reward_model,
+    frozen = dict(zero_stage=dsc.frozen_stage(o.critic_ds.zero_stage), offload=o.engine.offload_reward_model,
                   dtype=dtype, micro_batch=o.ppo.per_device_generation_batch_size)  # fmt: skip
     with engine_core.zero3_loading(T.frozen_ds_config(**frozen)):
         model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=o.critic.trust_remote_code,
@@ -147,8 +149,7 @@ def build_models(
 ) -> Models:
     """The engines; ``actor_updates`` and ``critic_updates`` (optimizer steps) size the learning-rate schedules."""
     eng, ppo = o.engine, o.ppo
-    actor_optim = optim_for(ppo, ppo.actor_learning_rate, ppo.actor_weight_decay)
-    actor_ds = C.DeepSpeedArgs(zero_stage=eng.actor_zero_stage, offload=eng.offload)
+    actor_optim, actor_ds = optim_for(o, o.actor_optim), o.actor_ds
     actor_cfg = T.train_ds_config(actor_optim, actor_ds, dtype)
     with engine_core.zero3_loading(actor_cfg):
         actor_model = load_causal_lm(paths.actor, tokenizer=tokenizer, dropout=o.actor.dropout,
@@ -161,7 +162,7 @@ def build_models(
 
     reference = None
     if o.held.reference:
-        frozen = dict(zero_stage=dsc.frozen_stage(eng.actor_zero_stage), offload=eng.offload_reference_model,
+        frozen = dict(zero_stage=dsc.frozen_stage(actor_ds.zero_stage), offload=eng.offload_reference_model,
                       dtype=dtype, micro_batch=ppo.per_device_generation_batch_size)  # fmt: skip
         with engine_core.zero3_loading(T.frozen_ds_config(**frozen)):
             ref_model = load_causal_lm(paths.actor, tokenizer=tokenizer, trust_remote_code=o.actor.trust_remote_code,
@@ -170,8 +171,7 @@ def build_models(
 
     critic = None
     if o.use_critic:
-        critic_optim = optim_for(ppo, ppo.critic_learning_rate, ppo.critic_weight_decay)
-        critic_ds = C.DeepSpeedArgs(zero_stage=eng.critic_zero_stage, offload=eng.offload)
+        critic_optim, critic_ds = optim_for(o, o.critic_optim), o.critic_ds
         critic_cfg = T.train_ds_config(critic_optim, critic_ds, dtype)
         with engine_core.zero3_loading(critic_cfg):
             critic_hf = load_reward_model(paths.critic, tokenizer=tokenizer, dropout=o.critic.dropout,
@@ -203,7 +203,7 @@ def make_generator(
     o: RLHFOptions, actor, tokenizer, sampling: SamplingConfig
 ) -> HybridGenerator | PlainGenerator:
     """The hybrid engine (fast generation from the training weights), or plain ``generate``."""
-    eng, zero3 = o.engine, o.engine.actor_zero_stage == 3
+    eng, zero3 = o.engine, o.actor_ds.zero_stage == 3
     if not eng.enable_hybrid_engine:
         return PlainGenerator(actor, tokenizer, sampling, zero3=zero3)
     return HybridGenerator(actor, tokenizer, sampling, zero3=zero3, gather=engine_core.gather_zero3,

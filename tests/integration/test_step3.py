@@ -157,7 +157,10 @@ def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_
     assert (cfg["actor_optimizer_steps"], cfg["critic_optimizer_steps"]) == (3, 6)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    a, c = cfg["actor_learning_rate"], cfg["critic_learning_rate"]
+    a, c = (
+        cfg["actor"]["learning_rate"],
+        cfg["critic"]["learning_rate"],
+    )  # each model's options under its name
     # the learning rate after each round: no update in rounds 1 and 3; the critic's 3 of 6 steps after
     # round 2 (cosine at half way: half the peak), the actor's none; both at 0 after the last update
     assert [r["actor_lr"] for r in rows] == pytest.approx([a, a, a, 0.0], abs=1e-15)
@@ -224,6 +227,16 @@ def test_zero3_two_ranks(models, tmp_path):
         assert any(not torch.equal(before[k], after[k]) for k in after), f"{saved} did not move"
     rows = train_rows(out)
     assert len(rows) == 3 and all(math.isfinite(r["policy_loss"]) for r in rows)
+    # train.py --resume reads back the stage this run chose (each model's options under its name)
+    import argparse
+
+    import train
+
+    run = tmp_path / "run"
+    (run / "step3").mkdir(parents=True)
+    (run / "step3" / "dschat_config.json").write_text((out / "dschat_config.json").read_text())
+    choice = train.resumed_choice(3, argparse.Namespace(output_dir=str(run)))
+    assert (choice.zero_stage, choice.offload, choice.gradient_checkpointing) == (3, False, False)
 
 
 def test_freezing_actor_steps_trains_the_critic_alone(models, tmp_path):

@@ -211,6 +211,9 @@ def test_parse_data_split_names_the_given_flag():
         (OptimArgs(max_steps=-1), "--max_steps must be >= 0, got -1"),
         (OptimArgs(num_warmup_steps=-1), "--num_warmup_steps must be >= 0, got -1"),
         (OptimArgs(learning_rate=0.0), "--learning_rate must be > 0, got 0.0"),
+        (OptimArgs(adam_beta2=1.0), "--adam_beta2 must be in [0, 1), got 1.0"),
+        (OptimArgs(weight_decay=-0.1), "--weight_decay must be >= 0, got -0.1"),
+        (OptimArgs(max_grad_norm=-1.0), "--max_grad_norm must be >= 0, got -1.0"),
         (PPOArgs(n_samples_per_prompt=0), "--n_samples_per_prompt must be >= 1, got 0"),
         (PolicyPairsArgs(policy_negatives_per_prompt=0), "--policy_negatives_per_prompt must be >= 1, got 0"),
         (
@@ -302,3 +305,34 @@ def test_validation_uses_the_prefix():
 )
 def test_valid_edge_values_are_accepted(obj):
     obj.validate()
+
+
+def test_step3_optimizers_one_definition_per_model_with_shared_schedule():
+    """Step 3 adds OptimizerArgs under actor_ and critic_ (no copies in PPOArgs): each model has its own
+    learning rate and weight decay with DeepSpeed-Chat's defaults, the schedule and Adam are shared, and the
+    engine-level options add the PPO minibatch as the micro-batch."""
+    from dschat.config import OptimizerArgs
+    from training.step3_rlhf_finetuning.main import GROUPS, STEP_DEFAULTS
+
+    groups = [g for g in GROUPS if not isinstance(g, type) and g[0] is OptimizerArgs]
+    defaults = {k: v for k, v in STEP_DEFAULTS.items() if isinstance(k, tuple)}
+    actor, critic = C.parse_groups("step3", "d", tuple(groups), argv=[], defaults=defaults)
+    assert (actor.learning_rate, critic.learning_rate) == (9.65e-6, 5e-6)
+    actor, critic = C.parse_groups(
+        "step3", "d", tuple(groups), defaults=defaults,
+        argv=["--critic_learning_rate", "1e-5", "--actor_weight_decay", "0.1", "--num_warmup_steps", "4",
+              "--adam_beta2", "0.999"],
+    )  # fmt: skip
+    assert (actor.learning_rate, actor.weight_decay, critic.learning_rate, critic.weight_decay) == (
+        9.65e-6, 0.1, 1e-5, 0.0)  # fmt: skip
+    assert (
+        actor.num_warmup_steps == critic.num_warmup_steps == 4
+        and actor.adam_beta2 == critic.adam_beta2 == 0.999
+    )
+    with pytest.raises(UserError, match=re.escape("--actor_learning_rate must be > 0")):
+        C.parse_groups("step3", "d", tuple(groups), argv=["--actor_learning_rate", "0"])
+    with pytest.raises(UserError, match=re.escape("--num_warmup_steps must be >= 0")):  # shared: unprefixed
+        C.parse_groups("step3", "d", tuple(groups), argv=["--num_warmup_steps", "-1"])
+    engine_level = OptimArgs.of(actor, per_device_train_batch_size=8)
+    assert engine_level.learning_rate == 9.65e-6 and engine_level.weight_decay == 0.1
+    assert engine_level.per_device_train_batch_size == 8 and engine_level.gradient_accumulation_steps == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dschat import tasks
-from dschat.config import ModelArgs, PPOArgs, RLHFEngineArgs, parse_groups
+from dschat.config import DeepSpeedArgs, ModelArgs, PPOArgs, RLHFEngineArgs, parse_groups
 from dschat.rlhf.rewards import FunctionSource, SumSource
 from dschat.utils.errors import UserError
 
@@ -176,11 +176,6 @@ def test_verifier_reward_on_generated_tasks(name):
         (PPOArgs(ppo_epochs=0), "--ppo_epochs"),
         (PPOArgs(kl_target=0.0), "--kl_target"),
         (PPOArgs(lam=1.5), "--lam"),
-        (RLHFEngineArgs(offload=True), "--offload"),
-        (RLHFEngineArgs(offload=True, actor_zero_stage=2, critic_zero_stage=0), "--offload"),
-        (RLHFEngineArgs(offload=True, actor_zero_stage=0, critic_zero_stage=3), "--offload"),
-        (RLHFEngineArgs(actor_zero_stage=4), "--actor_zero_stage"),
-        (RLHFEngineArgs(critic_zero_stage=-1), "--critic_zero_stage"),
         (RLHFEngineArgs(ema_decay=1.0), "--ema_decay"),
     ],
 )
@@ -188,6 +183,33 @@ def test_step3_validation_names_the_flag(obj, flag):
     with pytest.raises(UserError) as info:
         obj.validate()
     assert flag in str(info.value)
+
+
+# step 3's ZeRO stages: DeepSpeedArgs once per trained model, --offload shared (as the step adds them)
+STEP3_DS = ((DeepSpeedArgs, "actor_", ("offload",)), (DeepSpeedArgs, "critic_", ("offload",)))
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--offload"], "--offload needs --actor_zero_stage"),
+        (["--offload", "--actor_zero_stage", "2"], "--offload needs --critic_zero_stage"),
+        (["--offload", "--critic_zero_stage", "3"], "--offload needs --actor_zero_stage"),
+        (["--actor_zero_stage", "4"], "--actor_zero_stage"),
+        (["--critic_zero_stage", "-1"], "--critic_zero_stage"),
+    ],
+)
+def test_step3_stage_and_offload_name_the_flag(argv, flag):
+    with pytest.raises(UserError) as info:
+        parse_groups("step3", "d", STEP3_DS, argv=argv)
+    assert flag in str(info.value)
+
+
+def test_step3_stages_parse_per_model_with_one_offload():
+    actor, critic = parse_groups(
+        "step3", "d", STEP3_DS, argv=["--offload", "--actor_zero_stage", "1", "--critic_zero_stage", "3"]
+    )
+    assert (actor.zero_stage, actor.offload, critic.zero_stage, critic.offload) == (1, True, 3, True)
 
 
 @pytest.mark.parametrize(
@@ -198,7 +220,6 @@ def test_step3_validation_names_the_flag(obj, flag):
         PPOArgs(per_device_generation_batch_size=4, generation_batches=3, per_device_training_batch_size=12),
         PPOArgs(reward_fn="dschat.tasks:verifier_reward", kl_target=6.0, gamma=0.0, lam=1.0),
         RLHFEngineArgs(),
-        RLHFEngineArgs(offload=True, actor_zero_stage=1, critic_zero_stage=3),
     ],
 )
 def test_step3_valid_values_pass(obj):
@@ -206,14 +227,15 @@ def test_step3_valid_values_pass(obj):
 
 
 def test_step3_groups_validate_through_parse_groups():
+    groups = (*STEP3_DS, RLHFEngineArgs, PPOArgs)
     with pytest.raises(UserError, match="--offload"):
-        parse_groups("step3", "d", (RLHFEngineArgs, PPOArgs), argv=["--offload"])
+        parse_groups("step3", "d", groups, argv=["--offload"])
     with pytest.raises(UserError, match="--reward_fn"):
-        parse_groups("step3", "d", (RLHFEngineArgs, PPOArgs), argv=["--reward_fn", "nocolon"])
-    eng, ppo = parse_groups(
-        "step3", "d", (RLHFEngineArgs, PPOArgs), argv=["--actor_zero_stage", "3", "--kl_target", "6"]
+        parse_groups("step3", "d", groups, argv=["--reward_fn", "nocolon"])
+    actor_ds, critic_ds, _, ppo = parse_groups(
+        "step3", "d", groups, argv=["--actor_zero_stage", "3", "--kl_target", "6"]
     )
-    assert eng.actor_zero_stage == 3 and ppo.kl_target == 6.0
+    assert actor_ds.zero_stage == 3 and critic_ds.zero_stage == 0 and ppo.kl_target == 6.0
 
 
 ACTOR_CRITIC = ((ModelArgs, "actor_", ("dtype",)), (ModelArgs, "critic_", ("dtype",)))

@@ -62,11 +62,17 @@ from dschat.utils.metrics import setup_logging
 from dschat.utils.run import Stopwatch, check_output_dir, save_resolved_config, write_summary
 
 SHARED_MODEL = ("dtype", "trust_remote_code")
+# learning rate and weight decay per model; one schedule, one clipping norm and one Adam for both
+SHARED_OPTIMIZER = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "num_warmup_steps", "max_grad_norm")
 GROUPS = (
     (C.ModelArgs, "actor_", SHARED_MODEL),
     (C.ModelArgs, "critic_", SHARED_MODEL),
     (C.LoraArgs, "actor_", ("only_optimize_lora",)),
     (C.LoraArgs, "critic_", ("only_optimize_lora",)),
+    (C.OptimizerArgs, "actor_", SHARED_OPTIMIZER),
+    (C.OptimizerArgs, "critic_", SHARED_OPTIMIZER),
+    (C.DeepSpeedArgs, "actor_", ("offload",)),  # the reference follows the actor's stage
+    (C.DeepSpeedArgs, "critic_", ("offload",)),  # the reward model and the judge follow the critic's
     C.RLHFEngineArgs,
     C.PPOArgs,
     C.DataArgs,
@@ -78,6 +84,9 @@ STEP_DEFAULTS = {
     # eval mode and the update runs in train mode, so with dropout every update would start from a ratio
     # away from 1 and clip against noise. --actor_dropout / --critic_dropout turn it back on.
     C.ModelArgs: {"dropout": 0.0},
+    # DeepSpeed-Chat's PPO learning rates: the critic, fresh value head on a reward model, moves slower
+    (C.OptimizerArgs, "actor_"): {"learning_rate": 9.65e-6},
+    (C.OptimizerArgs, "critic_"): {"learning_rate": 5e-6},
 }
 
 
@@ -180,7 +189,7 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
         "generation_tokens_per_sec": trainer.generated_tokens / max(timing["generation"], 1e-9),
         **{f"{k}_seconds": v for k, v in timing.items()}, "wall_seconds": sw.wall(),
         "seconds_by_phase": {**sw.totals, **timing}, "dtype": dtype, "world_size": dist.world_size(),
-        "actor_zero_stage": o.engine.actor_zero_stage, "critic_zero_stage": o.engine.critic_zero_stage,
+        "actor_zero_stage": o.actor_ds.zero_stage, "critic_zero_stage": o.critic_ds.zero_stage,
         "kl_coef_end": trainer.kl_ctl.value, "resumed_from_step": start_step if o.run.resume else None,
         **trainer.generator.stats(),  # hybrid engine: switches, memory, generation/training log-prob check
     }  # fmt: skip
@@ -189,12 +198,12 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
 def describe(o: RLHFOptions, m: Models, paths: ModelPaths, dtype: str) -> str:
     """One log line naming the four models, their sizes and ZeRO stages."""
     ppo = o.ppo
-    critic = (f"{paths.critic} ({count_parameters(m.critic.module) / 1e6:.2f}M, ZeRO-{o.engine.critic_zero_stage})"
+    critic = (f"{paths.critic} ({count_parameters(m.critic.module) / 1e6:.2f}M, ZeRO-{o.critic_ds.zero_stage})"
               if m.critic is not None else f"none ({ppo.advantage_estimator}, {ppo.n_samples_per_prompt} samples per prompt)")  # fmt: skip
     reward = ("-" if ppo.reward_fn and ppo.reward_fn_mode == "replace" else paths.reward) + (
         f" + {ppo.reward_fn}" if ppo.reward_fn else "")  # fmt: skip
     reference = "actor without adapter" if m.reference is None else "frozen copy"
-    return (f"actor {paths.actor} ({count_parameters(m.actor.module) / 1e6:.2f}M, ZeRO-{o.engine.actor_zero_stage}), "
+    return (f"actor {paths.actor} ({count_parameters(m.actor.module) / 1e6:.2f}M, ZeRO-{o.actor_ds.zero_stage}), "
             f"critic {critic}, reward {reward}, reference {reference}, dtype {dtype}, {dist.world_size()} rank(s)")  # fmt: skip
 
 
@@ -234,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     T.begin_outputs(run)
     global_batch = ppo.per_device_generation_batch_size * world
     resolved = {
-        "step": 3, "actor": C.to_dict(o.actor, o.actor_lora), "critic": C.to_dict(o.critic, o.critic_lora),
-        **C.to_dict(o.engine, ppo, o.data, run), "resolved_actor_path": paths.actor, "resolved_critic_path": paths.critic,
+        "step": 3, "actor": C.to_dict(o.actor, o.actor_lora, o.actor_optim, o.actor_ds),
+        "critic": C.to_dict(o.critic, o.critic_lora, o.critic_optim, o.critic_ds), **C.to_dict(o.engine, ppo, o.data, run), "resolved_actor_path": paths.actor, "resolved_critic_path": paths.critic,
         "resolved_reward_path": paths.reward, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
         "total_steps": rounds.total, "actor_optimizer_steps": rounds.actor_updates,
         "critic_optimizer_steps": rounds.critic_updates, "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("--max_answer_seq_len %d cuts the right answers of %d of %d held-out prompts (the longest needs %d "
                     "tokens with EOS): they cannot be answered in full", ppo.max_answer_seq_len, cut, len(held_out), longest)  # fmt: skip
     evaluate = HeldOutEval(m.actor, generator, m.reward, m.judge, tokenizer, fmt, held_out, sampling,
-                           zero3=o.engine.actor_zero_stage == 3, seed=run.seed, metrics=metrics, timer=sw)  # fmt: skip
+                           zero3=o.actor_ds.zero_stage == 3, seed=run.seed, metrics=metrics, timer=sw)  # fmt: skip
     eval_start = evaluate(state.step)
 
     # 4. PPO rounds: experience, updates, log, KL coefficient, evaluation, checkpoint
