@@ -24,6 +24,7 @@ import importlib
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -141,6 +142,30 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_args(argv), extra
 
 
+@dataclass
+class StepLine:
+    """One step's command line, built once (the preset's and train.py's flags, then the user's after
+    ``--``) and parsed once by the step's own parser: a bad flag stops the run before any step starts."""
+
+    step: Step
+    base: list[str]  # the preset's and train.py's flags
+    user: list[str]  # the user's, after --: last, so that they win
+    groups: tuple  # the step's option groups, parsed from argv
+
+    @classmethod
+    def of(cls, n: int, args: argparse.Namespace, extra: list[str], preset: dict) -> StepLine:
+        step, base = step_of(n, args), step_args(n, args, [], preset)
+        return cls(step, base, list(extra), parse_step(step, [*base, *extra]))
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.base, *self.user]
+
+    def command(self, planned: list[str]) -> list[str]:
+        """The step's argv with the memory plan's flags (only flags no one set) before the user's."""
+        return [*self.base, *planned, *self.user]
+
+
 def parse_step(step: Step, argv: list[str]) -> tuple:
     """The step's option groups parsed from ``argv`` by the step's own parser (its ``GROUPS`` and
     ``STEP_DEFAULTS``), without running the step: a bad flag stops here, before any step starts."""
@@ -152,9 +177,11 @@ def parse_step(step: Step, argv: list[str]) -> tuple:
     )
 
 
-def planning_models(n: int, args: argparse.Namespace, extra: list[str], preset: dict) -> dict[str, str]:
+def planning_models(
+    n: int, args: argparse.Namespace, extra: list[str], preset: dict, argv: list[str]
+) -> dict[str, str]:
     """For models this run writes in an earlier step (not there yet), the model that step starts from:
-    it has the same shape."""
+    it has the same shape. ``argv``: step ``n``'s command line."""
     from dschat.config import DEFAULT_MODEL
     from dschat.planning import given
 
@@ -173,7 +200,6 @@ def planning_models(n: int, args: argparse.Namespace, extra: list[str], preset: 
     elif n == 2 and not written(reward_start_model(args, preset)):
         models["model"] = step2_start
     if n == 3:
-        argv = step_args(3, args, extra, preset)
         if not written(given(argv, "--actor_model_name_or_path") or ""):
             models["actor"] = step1_start
         if not written(given(argv, "--critic_model_name_or_path") or ""):
@@ -197,24 +223,21 @@ def resumed_choice(n: int, args: argparse.Namespace):
         return None
 
 
-def memory_plan(
-    n: int, args: argparse.Namespace, extra: list[str], preset: dict, argv: list[str]
-) -> list[str]:
+def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], preset: dict) -> list[str]:
     """Print the step's memory plan; return the flags that apply its choice (those not set explicitly).
 
     ``--estimate-memory``: the full table, and errors (a model config not available offline) are errors.
     A run: one line; a plan that cannot be made is reported and the step's own defaults apply."""
     from dschat import planning as P
 
-    full = args.estimate_memory
-    groups = parse_step(step_of(n, args), argv)
-    dpo = step_of(n, args) is DPO_STEP
+    full, n, argv = args.estimate_memory, line.step.number, line.argv
+    dpo = line.step is DPO_STEP
     try:
         gpn, nodes = processes(args)
         hw = P.detect_hardware(gpn, nodes, args.device_memory, args.cpu_memory)
         flags = {"model": "--actor-model" if n == 1 or dpo else "--reward-model", "actor": "--actor-model",
                  "critic": "--reward-model"}  # fmt: skip
-        plan = P.make_plan(n, groups, argv, hw, planning_models(n, args, extra, preset), flags)
+        plan = P.make_plan(n, line.groups, argv, hw, planning_models(n, args, extra, preset, argv), flags)
     except UserError as exc:
         if full:
             raise
@@ -275,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_preset(preset, args), flush=True)
     if args.estimate_memory:
         for n in steps:
-            memory_plan(n, args, extra, preset, step_args(n, args, extra, preset))
+            memory_plan(StepLine.of(n, args, extra, preset), args, extra, preset)
         return 0
     prefix = launcher(args)
+    lines: dict[int, StepLine] = {}
     for n in steps:
         for needed in (1, 2) if n == 3 else ():
             if (
@@ -292,15 +316,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
         check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite, resume=args.resume,
                          flag="--output-dir")  # fmt: skip
-        parse_step(step_of(n, args), step_args(n, args, extra, preset))  # every step's flags, before any runs
+        lines[n] = StepLine.of(n, args, extra, preset)  # every step's flags, before any runs
     env = {"DSCHAT_DIST_TIMEOUT": str(args.dist_timeout)} if args.dist_timeout else {}
     # With torchrun every node runs this script: node 0 writes training.log, the others their own file.
     node = f".node{args.node_rank}" if args.launcher == "torchrun" and args.node_rank else ""
-    for n in steps:
-        step = step_of(n, args)
-        argv_n = step_args(n, args, extra, preset)
-        planned = memory_plan(n, args, extra, preset, argv_n)
-        cmd = [*prefix, str(step.entry), *step_args(n, args, extra, preset, planned)]
+    for n, line in lines.items():
+        step = line.step
+        cmd = [*prefix, str(step.entry), *line.command(memory_plan(line, args, extra, preset))]
         out_dir = Path(args.output_dir) / step.dir_name
         print(f"==> step {n} ({step.name}): {shlex.join(cmd)}", flush=True)
         if args.dry_run:

@@ -58,12 +58,10 @@ def describe_preset(preset: dict, args: argparse.Namespace) -> str:
     return f"==> preset {preset['_name']} ({preset['_why']}): " + "; ".join(head + steps)
 
 
-def step_args(
-    step: int, args: argparse.Namespace, extra: list[str], preset: dict | None = None, planned: list[str] = ()
-) -> list[str]:
-    """The step's command line: the preset's flags, then train.py's own, the memory plan's (``planned``:
-    only flags no one else set), then the user's after ``--`` (argparse keeps the last value, so the
-    user's flags override the preset's)."""
+def step_args(step: int, args: argparse.Namespace, extra: list[str], preset: dict | None = None) -> list[str]:
+    """The step's command line: the preset's flags, then train.py's own, then the user's after ``--``
+    (argparse keeps the last value, so the user's flags override the preset's). train.py's ``StepLine``
+    puts the memory plan's flags (only flags no one else set) before the user's."""
     spec = step_of(step, args)
     out_dir = str(Path(args.output_dir) / spec.dir_name)
     a = ["--output_dir", out_dir]
@@ -97,7 +95,7 @@ def step_args(
         a.append("--resume")
     if args.node_local_storage:
         a.append("--node_local_storage")
-    return preset_flags(preset or {}, spec.dir_name, args.output_dir) + a + list(planned) + extra
+    return preset_flags(preset or {}, spec.dir_name, args.output_dir) + a + extra
 
 
 # train.py flag -> the step flag it sets, per step (a different value for the same step flag after -- is a conflict)

@@ -124,3 +124,19 @@ def test_dpo_refuses_what_it_does_not_have(train, argv, needle):
     args, _ = train.parse_args(argv)
     with pytest.raises(UserError, match=needle):
         train.check_dpo(args, train.steps_of(args))
+
+
+def test_step_line_is_parsed_once_and_puts_the_plan_before_the_users_flags(train, tmp_path):
+    """A step's command line is built and parsed once; the memory plan's flags go between the preset's /
+    train.py's and the user's (after --), so the user's still win: argparse keeps the last value."""
+    args, extra = train.parse_args(
+        ["--step", "1", "--output-dir", str(tmp_path), "--", "--zero_stage", "2", "--learning_rate", "3e-4"]
+    )
+    line = train.StepLine.of(1, args, extra, {"step1": {"--learning_rate": 1e-4}})
+    optim = next(g for g in line.groups if hasattr(g, "learning_rate"))
+    assert optim.learning_rate == 3e-4  # the user's flag over the preset's
+    cmd = line.command(["--zero_stage", "3", "--gradient_checkpointing"])
+    assert cmd[-4:] == ["--zero_stage", "2", "--learning_rate", "3e-4"]
+    assert cmd.index("--gradient_checkpointing") < cmd.index("--learning_rate", cmd.index("--output_dir"))
+    (ds,) = [g for g in train.parse_step(line.step, cmd) if hasattr(g, "zero_stage")]
+    assert ds.zero_stage == 2  # the plan's 3 is overridden by the user's 2
