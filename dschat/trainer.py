@@ -17,25 +17,26 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
-from dschat.config import DataArgs, DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, to_dict
-from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
-from dschat.engine.checkpoint import latest_tag, load_checkpoint, save_checkpoint
-from dschat.lm import eval_batches, train_loader
+from dschat.engine.checkpoint import export_hf_model, latest_tag, load_checkpoint, save_checkpoint
 from dschat.models.layers import freeze_below, top_block_names
-from dschat.models.loading import count_parameters, load_tokenizer, resolve
+from dschat.models.loading import count_parameters
 from dschat.models.lora import inject_lora
 from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import MetricsLogger, setup_logging
-from dschat.utils.run import check_output_dir, clear_previous_run, save_resolved_config
+from dschat.utils.run import clear_previous_run
+
+if TYPE_CHECKING:
+    from dschat.step_setup import StepSetup
 
 LOG = logging.getLogger("dschat")
 
@@ -179,21 +180,9 @@ def true_accuracy(
                              device=engine.device, synced_gpus=zero3, fmt=setup.fmt)  # fmt: skip
 
 
-def count_total_steps(batches_per_epoch: int, optim: OptimArgs, n_samples: int) -> int:
-    """Optimizer steps of the run; refuses a data set too small for one step."""
-    if batches_per_epoch < optim.gradient_accumulation_steps or batches_per_epoch == 0:
-        raise UserError(
-            f"{n_samples} training samples make {batches_per_epoch} micro-batches per rank, fewer than "
-            f"--gradient_accumulation_steps {optim.gradient_accumulation_steps}: lower "
-            "--per_device_train_batch_size or add data"
-        )
-    total = batches_per_epoch // optim.gradient_accumulation_steps * optim.num_train_epochs
-    return min(total, optim.max_steps) if optim.max_steps else total
-
-
 def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
-    """``engine`` may be a dict name -> engine (step 3 saves actor and critic together)."""
-    """Fresh state, or the one saved with the latest checkpoint when ``--resume`` is given."""
+    """Fresh state, or the one saved with the latest checkpoint when ``--resume`` is given. ``engine`` may
+    be a dict name -> engine (step 3 saves actor and critic together)."""
     state = TrainState(global_batch_size=global_batch_size)
     if not run.resume:
         return state
@@ -325,6 +314,12 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
     bar.close()
 
 
+def export_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, timer) -> None:
+    """The trained model in Hugging Face format (safetensors); the time goes to ``export``."""
+    with timer("export"):
+        export_hf_model(model, tokenizer, out_dir)
+
+
 def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_stage: int, lora_dim: int,
                 run: RunArgs, start_step: int) -> dict[str, Any]:  # fmt: skip
     """The summary.json entries every step of :func:`train_loop` writes: throughput in real tokens,
@@ -379,70 +374,9 @@ def open_metrics(run: RunArgs, resolved: dict[str, Any]) -> MetricsLogger:
     )  # fmt: skip
 
 
-@dataclass
-class StepSetup:
-    """What steps 1 and 2 know after their common start: the process group is up, the model found."""
-
-    log: logging.Logger
-    dtype: str  # resolved: fp32 | fp16 | bf16
-    world: int
-    model_path: str  # a directory (built-in models and GGUF files are materialised)
-    tokenizer: Any
-    fmt: PromptFormat  # how dialogues become model input (--chat_template), as in inference
-
-
-def setup_step(model: ModelArgs, run: RunArgs, data: DataArgs) -> StepSetup:
-    """Check the output directory, start torch.distributed, resolve dtype and model, load the tokenizer
-    and pick the prompt format."""
-    log = setup_logging(None)
-    check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
-    engine_core.init_distributed()
-    dtype = engine_core.resolve_dtype(model.dtype)
-    torch.manual_seed(run.seed)
-    model_path = resolve(model.model_name_or_path)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=model.trust_remote_code)
-    fmt = prompt_format(tokenizer, data.chat_template)
-    return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer, fmt)
-
-
-@dataclass
-class Batches:
-    loader: Any  # resumable, rank-sharded training DataLoader
-    evals: list  # this rank's (batch, weight) evaluation batches
-    total_steps: int  # optimizer steps of the run
-    global_batch: int  # samples per optimizer step over all ranks
-
-
-def save_step_config(
-    step: int, args: tuple, run: RunArgs, setup: StepSetup, batches: Batches, data
-) -> dict[str, Any]:
-    """Every option of step 1 or 2 plus what was resolved from them, saved next to the outputs; returned
-    for the metrics loggers."""
-    resolved = {
-        "step": step, **to_dict(*args), "resolved_model_path": setup.model_path, "resolved_dtype": setup.dtype,
-        "world_size": setup.world, "global_batch_size": batches.global_batch, "total_steps": batches.total_steps,
-        "data": data.stats, "data_cache_hit": data.cache_hit,
-    }  # fmt: skip
-    save_resolved_config(run.output_dir, resolved)
-    return resolved
-
-
-def example_length(example: dict) -> int:
-    """Padded width an example needs: its tokens (SFT) or its longer side (a preference pair)."""
-    if "input_ids" in example:
-        return len(example["input_ids"])
-    return max(len(example["chosen"]), len(example["rejected"]))
-
-
-def make_batches(data, optim: OptimArgs, collate, seed: int, group_by_length: bool = False) -> Batches:
-    """Training loader (with ``group_by_length``, batches of similar length), evaluation batches and step
-    counts of a prepared data set."""
-    lengths = [example_length(ex) for ex in data.train] if group_by_length else None
-    loader = train_loader(
-        data.train, batch_size=optim.per_device_train_batch_size, seed=seed, collate=collate,
-        accumulation=optim.gradient_accumulation_steps, lengths=lengths,
-    )  # fmt: skip
-    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
-    total_steps = count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
-    global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * dist.world_size()
-    return Batches(loader, evals, total_steps, global_batch)
+def open_run(
+    engine, run: RunArgs, global_batch_size: int, resolved: dict[str, Any]
+) -> tuple[TrainState, int, MetricsLogger]:
+    """The run's state (:func:`resume_state`), the step it starts from and its metrics loggers."""
+    state = resume_state(engine, run, global_batch_size)
+    return state, state.step, open_metrics(run, resolved)

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a pl
 import torch
 
 from dschat import config as C
+from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
-from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import evaluate_perplexity, target_logits
 from dschat.losses import mean_token_nll
 from dschat.models.loading import load_causal_lm
@@ -44,17 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, lora_args, optim, ds_args, run = args
 
     # ---------------------------------------------------------------- 1. setup
-    setup = T.setup_step(model_args, run, data_args)
+    setup = S.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data
     data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
     collate = SFTCollator(tokenizer.pad_token_id)
-    batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
-    loader, evals, total_steps, global_batch = batches.loader, batches.evals, batches.total_steps, batches.global_batch  # fmt: skip
+    batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
+    loader, evals, total_steps, global_batch = batches
 
-    T.begin_outputs(run)
-    resolved = T.save_step_config(1, args, run, setup, batches, data)
+    resolved = S.begin_step(1, args, run, setup, batches, data)
     log.info(
         "data: %d train / %d eval samples (dropped %d longer than --max_seq_len), %d steps",
         len(data.train), len(data.eval), data.stats["train"]["dropped_too_long"], total_steps,
@@ -70,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
              ds_args.zero_stage, world)  # fmt: skip
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
-    state = T.resume_state(engine, run, global_batch)
-    start_step = state.step
-    metrics = T.open_metrics(run, resolved)
+    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved)
     sw = Stopwatch()
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict[str, float], dict[str, float] | None]:
@@ -94,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end, acc_end = evaluate(state.step, with_accuracy=True)
-    with sw("export"):
-        export_hf_model(engine.module, tokenizer, run.output_dir)
+    T.export_model(engine.module, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
                              lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
     summary = {

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a pl
 import torch
 
 from dschat import config as C
+from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import PreferenceLMCollator
 from dschat.data.pipeline import prepare_pair_data
@@ -37,7 +38,6 @@ from dschat.dpo import (
     save_table,
     table_rows,
 )
-from dschat.engine.checkpoint import export_hf_model
 from dschat.models.loading import (
     check_same_tokenizer,
     inference_dtype,
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 1. setup (the reference is checked
     # before any slow work: it must read text as the policy does)
-    setup = T.setup_step(model_args, run, data_args)
+    setup = S.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
     ref_path = resolve(hp.ref_model_name_or_path, "--ref_model_name_or_path") if hp.ref_model_name_or_path else None  # fmt: skip
     if ref_path:
@@ -83,13 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data, mined = dpo_pairs(data_args, pairs_args, setup, run.seed, dtype, model_args.trust_remote_code)
     collate = PreferenceLMCollator(tokenizer.pad_token_id, setup.fmt.end_id)
-    batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
-    loader, evals, total_steps, global_batch = batches.loader, batches.evals, batches.total_steps, batches.global_batch  # fmt: skip
+    batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
+    loader, evals, total_steps, global_batch = batches
 
-    T.begin_outputs(run)
-    resolved = T.save_step_config(2, args, run, setup, batches, data)
-    if mined:
-        mined.write(run.output_dir)
+    resolved = S.begin_step(2, args, run, setup, batches, data, mined)
     st = data.stats["train"]
     log.info(
         "data: %d train / %d eval pairs; dropped %d with identical sides, %d empty, %d too long; %d steps",
@@ -115,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        dtype)  # fmt: skip
     log.info("reference log-probs of %d train + %d eval pairs %s (%s)", len(used), len(data.eval),
              "read from the run" if reused else "computed", ref_path or "the starting policy")  # fmt: skip
-    state = T.resume_state(engine, run, global_batch)
-    start_step = state.step
-    metrics = T.open_metrics(run, resolved)
+    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved)
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict, dict | None]:
         """Implicit-reward accuracy on held-out pairs; at start and end the verifier's true accuracy."""
@@ -139,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end, acc_end = evaluate(state.step, with_accuracy=True)
-    with sw("export"):
-        export_hf_model(engine.module, tokenizer, run.output_dir)
+    T.export_model(engine.module, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
                              lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
     summary = summarize(hp, state, eval_start, eval_end, ref_path, mined, run_info)
@@ -153,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: T.StepSetup, seed: int, dtype: str,
+def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: S.StepSetup, seed: int, dtype: str,
               trust_remote_code: bool):  # fmt: skip
     """This step's pairs (``data.train``, ``data.eval``), each with ``index``: its row in the reference
     tables; plus the mined on-policy pairs (or None)."""

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a pl
 
 
 from dschat import config as C
+from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import PairCollator, response_lengths
 from dschat.data.pipeline import prepare_pair_data
-from dschat.engine.checkpoint import export_hf_model
 from dschat.lm import eval_batches
 from dschat.losses import (
     divergence_pairwise_loss,
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
 
     # ---------------------------------------------------------------- 1. setup
-    setup = T.setup_step(model_args, run, data_args)
+    setup = S.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data: this step's share of the pairs
@@ -91,13 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         policy_samples = mined.eval_samples
     # 2c. the length-only expert (--length_expert), fitted on all training pairs (the same on every rank)
     length_w, length_w_accuracy = length_expert(data.train) if reward.length_expert else (None, None)
-    batches = T.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
-    loader, evals, total_steps, global_batch = batches.loader, batches.evals, batches.total_steps, batches.global_batch  # fmt: skip
+    batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
+    loader, evals, total_steps, global_batch = batches
 
-    T.begin_outputs(run)
-    resolved = T.save_step_config(2, args, run, setup, batches, data)
-    if mined:
-        mined.write(run.output_dir)
+    resolved = S.begin_step(2, args, run, setup, batches, data, mined)
     st = data.stats["train"]
     log.info(
         "data: %d train / %d eval pairs; dropped %d identical, %d empty, %d too long; %d prompts truncated; %d steps",
@@ -120,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
              ds_args.zero_stage, world)  # fmt: skip
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
-    state = T.resume_state(engine, run, global_batch)
-    start_step = state.step
-    metrics = T.open_metrics(run, resolved)
+    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved)
     sw = Stopwatch()
 
     evaluate = RankingEval(engine, tokenizer, setup.fmt, evals, policy_evals, policy_samples, optim, data_args,
@@ -138,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end = evaluate(state.step)
-    with sw("export"):
-        export_hf_model(engine.module.model, tokenizer, run.output_dir)
+    T.export_model(engine.module.model, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
                              lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
     train_pairs = (state.step - start_step) * global_batch

@@ -1,0 +1,111 @@
+"""What steps 1 and 2 (reward model, DPO) do before their shared loop: check the output directory, start
+the process group, find the model and its tokenizer and prompt format (:func:`setup_step`); batch the
+prepared data and count the optimizer steps (:func:`make_batches`); begin the outputs with the resolved
+configuration (:func:`begin_step`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dschat.config import DataArgs, ModelArgs, OptimArgs, RunArgs, to_dict
+from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.engine import core as engine_core
+from dschat.lm import eval_batches, train_loader
+from dschat.models.loading import load_tokenizer, resolve
+from dschat.trainer import begin_outputs
+from dschat.utils import dist
+from dschat.utils.errors import UserError
+from dschat.utils.metrics import setup_logging
+from dschat.utils.run import check_output_dir, save_resolved_config
+
+
+@dataclass
+class StepSetup:
+    """What steps 1 and 2 know after their common start: the process group is up, the model found."""
+
+    log: logging.Logger
+    dtype: str  # resolved: fp32 | fp16 | bf16
+    world: int
+    model_path: str  # a directory (built-in models and GGUF files are materialised)
+    tokenizer: Any
+    fmt: PromptFormat  # how dialogues become model input (--chat_template), as in inference
+
+
+def setup_step(model: ModelArgs, run: RunArgs, data: DataArgs) -> StepSetup:
+    """Check the output directory, start torch.distributed, resolve dtype and model, load the tokenizer
+    and pick the prompt format."""
+    log = setup_logging(None)
+    check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
+    engine_core.init_distributed()
+    dtype = engine_core.resolve_dtype(model.dtype)
+    torch.manual_seed(run.seed)
+    model_path = resolve(model.model_name_or_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=model.trust_remote_code)
+    fmt = prompt_format(tokenizer, data.chat_template)
+    return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer, fmt)
+
+
+@dataclass
+class Batches:
+    loader: Any  # resumable, rank-sharded training DataLoader
+    evals: list  # this rank's (batch, weight) evaluation batches
+    total_steps: int  # optimizer steps of the run
+    global_batch: int  # samples per optimizer step over all ranks
+
+    def __iter__(self):  # loader, evals, total_steps, global_batch = batches
+        return iter((self.loader, self.evals, self.total_steps, self.global_batch))
+
+
+def begin_step(
+    step: int, args: tuple, run: RunArgs, setup: StepSetup, batches: Batches, data, mined=None
+) -> dict[str, Any]:
+    """Once the inputs are known good, the outputs begin (:func:`~dschat.trainer.begin_outputs`) with every
+    option of step 1 or 2 plus what was resolved from them (returned for the metrics loggers) and the
+    on-policy pairs ``mined`` from a policy, if any."""
+    begin_outputs(run)
+    if mined:
+        mined.write(run.output_dir)
+    resolved = {
+        "step": step, **to_dict(*args), "resolved_model_path": setup.model_path, "resolved_dtype": setup.dtype,
+        "world_size": setup.world, "global_batch_size": batches.global_batch, "total_steps": batches.total_steps,
+        "data": data.stats, "data_cache_hit": data.cache_hit,
+    }  # fmt: skip
+    save_resolved_config(run.output_dir, resolved)
+    return resolved
+
+
+def example_length(example: dict) -> int:
+    """Padded width an example needs: its tokens (SFT) or its longer side (a preference pair)."""
+    if "input_ids" in example:
+        return len(example["input_ids"])
+    return max(len(example["chosen"]), len(example["rejected"]))
+
+
+def make_batches(data, optim: OptimArgs, collate, seed: int, group_by_length: bool = False) -> Batches:
+    """Training loader (with ``group_by_length``, batches of similar length), evaluation batches and step
+    counts of a prepared data set."""
+    lengths = [example_length(ex) for ex in data.train] if group_by_length else None
+    loader = train_loader(
+        data.train, batch_size=optim.per_device_train_batch_size, seed=seed, collate=collate,
+        accumulation=optim.gradient_accumulation_steps, lengths=lengths,
+    )  # fmt: skip
+    evals = eval_batches(data.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
+    total_steps = count_total_steps(loader.sampler.batches_per_epoch(), optim, len(data.train))
+    global_batch = optim.per_device_train_batch_size * optim.gradient_accumulation_steps * dist.world_size()
+    return Batches(loader, evals, total_steps, global_batch)
+
+
+def count_total_steps(batches_per_epoch: int, optim: OptimArgs, n_samples: int) -> int:
+    """Optimizer steps of the run; refuses a data set too small for one step."""
+    if batches_per_epoch < optim.gradient_accumulation_steps or batches_per_epoch == 0:
+        raise UserError(
+            f"{n_samples} training samples make {batches_per_epoch} micro-batches per rank, fewer than "
+            f"--gradient_accumulation_steps {optim.gradient_accumulation_steps}: lower "
+            "--per_device_train_batch_size or add data"
+        )
+    total = batches_per_epoch // optim.gradient_accumulation_steps * optim.num_train_epochs
+    return min(total, optim.max_steps) if optim.max_steps else total
