@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from dschat.chat import Conversation
-from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
+from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
 from dschat.data.prompt_format import prompt_format
 from dschat.generation.decoding import DecodeOptions, add_decoding_args, context_length, decode_options
 from dschat.generation.streaming import ReplyStream
@@ -49,16 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--greedy", dest="decoding", action="store_const", const="greedy", help="--decoding greedy"
     )
     add_group(p, FormatArgs, title="prompt format (as in training)")
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
-    )
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-                   help="auto: bf16 (or fp16) on a GPU, fp32 on CPU")  # fmt: skip
-    p.add_argument("--seed", type=int, help="seed of the sampling (default: a different reply each run)")
-    p.add_argument("--trust_remote_code", action="store_true")
+    add_group(p, InferenceArgs, title="device and precision")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.inference = from_namespace(InferenceArgs, args)
     if args.prompt is not None and not args.prompt.strip():
         p.error("--prompt: the message is empty")
     decode_options(args, DECODING)  # bad decoding flags fail before the model loads
@@ -150,15 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    dtype = inference_dtype(args.dtype, args.device)
+    where = args.inference
+    dtype = inference_dtype(where.dtype, where.device)
     start = time.perf_counter()
-    model, tokenizer = load_for_generation(args.path, base_model=args.base_model, device=args.device, dtype=dtype,
-                                           trust_remote_code=args.trust_remote_code)  # fmt: skip
+    model, tokenizer = load_for_generation(args.path, base_model=args.base_model, device=where.device, dtype=dtype,
+                                           trust_remote_code=where.trust_remote_code)  # fmt: skip
     chat = Chat(model, tokenizer, args)
     tty = sys.stdin.isatty() and args.prompt is None
     if tty:
         print(f"{args.path}: {type(model).__name__}, {count_parameters(model) / 1e6:.1f}M parameters, "
-              f"{args.device} {str(dtype).removeprefix('torch.')}, {chat.fmt.name} format "
+              f"{where.device} {str(dtype).removeprefix('torch.')}, {chat.fmt.name} format "
               f"(loaded in {time.perf_counter() - start:.1f} s)")  # fmt: skip
         interactive(chat)
     elif args.prompt is not None:

@@ -29,7 +29,7 @@ import torch
 
 from dschat import compare
 from dschat.chat import keep_last_tokens
-from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
+from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
 from dschat.data.prompt_format import as_dialogue, prompt_format
 from dschat.generation.decoding import (
     DecodeOptions,
@@ -58,20 +58,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--num_prompts", type=int, default=12, help="built-in held-out prompts to use without --prompts_file"
     )
     p.add_argument("--tasks", help="built-in tasks to draw them from, comma-separated (default: every task)")
-    add_decoding_args(p, DecodeOptions())  # greedy by default: comparable, repeatable answers
+    add_decoding_args(p, DecodeOptions(seed=0))  # greedy by default: comparable, repeatable answers
     p.add_argument("--reward_model", help="reward model (step-2 output) to score every answer")
     p.add_argument("--output", help="write PATH.md (report) and PATH.jsonl (one row per prompt)")
     add_group(p, FormatArgs, title="prompt format (as in training)")
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
-    )
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    p.add_argument("--trust_remote_code", action="store_true")
-    args = p.parse_args(argv)  # fmt: skip
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    add_group(p, InferenceArgs, title="device and precision")
+    args = p.parse_args(argv)
+    args.inference = from_namespace(InferenceArgs, args)
     if args.num_prompts < 1:
         p.error(f"--num_prompts {args.num_prompts}: must be at least 1")
     from dschat import tasks
@@ -97,8 +91,9 @@ def free(*objs) -> None:
 
 def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args) -> tuple[list[str], int]:
     """One model's replies to every question (loaded, used, freed); and how many prompts were cut to fit."""
-    model, tokenizer = load_for_generation(path, device=args.device, dtype=inference_dtype(args.dtype, args.device),
-                                           trust_remote_code=args.trust_remote_code, flag=flag)  # fmt: skip
+    where = args.inference
+    model, tokenizer = load_for_generation(path, device=where.device, dtype=inference_dtype(where.dtype, where.device),
+                                           trust_remote_code=where.trust_remote_code, flag=flag)  # fmt: skip
     fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
     budget = context_length(model, tokenizer) - opts.max_new_tokens
     if budget < 1:
@@ -116,13 +111,14 @@ def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args
 
 def rewards(questions: list[str], replies: dict[str, list[str]], args) -> dict[str, list[float]]:
     path = resolve(args.reward_model, "--reward_model")
-    tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code, flag="--reward_model")
-    model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
-                              require_trained_head=True, flag="--reward_model").to(args.device)  # fmt: skip
+    where = args.inference
+    tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code, flag="--reward_model")
+    model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
+                              require_trained_head=True, flag="--reward_model").to(where.device)  # fmt: skip
     fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
     prompts = [as_dialogue(q) for q in questions]
     out = {side: score_texts(model, tokenizer, prompts, replies[side], batch_size=args.batch_size,
-                             device=args.device, fmt=fmt).tolist() for side in SIDES}  # fmt: skip
+                             device=where.device, fmt=fmt).tolist() for side in SIDES}  # fmt: skip
     free(model, tokenizer)
     return out
 

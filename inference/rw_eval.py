@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from dschat.config import ArgumentParser, FormatArgs, add_group, from_namespace
+from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
 from dschat.data.prompt_format import prompt_format
 from dschat.data.sources import read_json_file
-from dschat.models.loading import load_tokenizer, resolve
+from dschat.models.loading import inference_dtype, load_tokenizer, resolve
 from dschat.models.reward import load_reward_model
 from dschat.ranking import ranking_metrics, ranking_sums
 from dschat.scoring import score_texts
@@ -42,19 +42,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--file", help="JSONL/JSON with prompt+response rows, or prompt+chosen+rejected pairs")
     p.add_argument("--max_samples", type=int, default=0, help="score only the first N rows (0 = all)")
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
-    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_group(p, FormatArgs, title="prompt format (as in training)")
-    p.add_argument("--trust_remote_code", action="store_true")
+    add_group(p, InferenceArgs, title="device and precision")
     args = p.parse_args(argv)
+    args.inference = from_namespace(InferenceArgs, args)
     if bool(args.prompt) == bool(args.file):
         p.error("give either --prompt with --response, or --file")
     if args.prompt and not args.response:
         p.error("--prompt needs at least one --response")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
     return args
 
 
@@ -72,14 +68,16 @@ def describe(x: torch.Tensor) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = resolve(args.model, "--model")
-    tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    where = args.inference
+    tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code)
     fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
-    model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
-                              require_trained_head=True, flag="--model").to(args.device)  # fmt: skip
+    model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
+                              require_trained_head=True, flag="--model")  # fmt: skip
+    model = model.to(where.device, inference_dtype(where.dtype, where.device))
 
     def score(prompts: list[str], responses: list[str]) -> torch.Tensor:
         return score_texts(
-            model, tokenizer, prompts, responses, batch_size=args.batch_size, device=args.device, fmt=fmt
+            model, tokenizer, prompts, responses, batch_size=args.batch_size, device=where.device, fmt=fmt
         )
 
     if args.prompt:

@@ -45,6 +45,27 @@ class ModelArgs:
 
 
 @dataclass
+class InferenceArgs:
+    """Where and in what precision the inference tools (chat, prompt_eval, rw_eval) run a model."""
+
+    device: str = opt(
+        "auto", "auto = cuda where a GPU is available, else cpu", choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = opt("auto", "auto = bf16 (fp16 without bf16) on a GPU, fp32 on CPU", choices=DTYPES)
+    trust_remote_code: bool = opt(
+        False, "allow model code from the model repository to run (off: safe default)"
+    )
+
+    def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        import torch  # here, not at import: the option groups load without torch
+
+        if self.device == "auto":  # resolved once, so every later use names a real device
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"--{prefix}device cuda: no CUDA device is available")
+
+
+@dataclass
 class FormatArgs:
     chat_template: str = opt(
         "auto",

@@ -37,6 +37,7 @@ class DecodeOptions:
     num_beams: int = 4
     penalty_alpha: float = 0.6
     repetition_penalty: float = 1.0
+    seed: int | None = None  # of the sampling; None = a different draw each run
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -96,6 +97,8 @@ def add_decoding_args(
         "0 = all)" + ("; contrastive search: candidates (default 4)" if "contrastive" in strategies else ""),
     )
     g.add_argument("--repetition_penalty", type=float, default=defaults.repetition_penalty)
+    g.add_argument("--seed", type=int, default=defaults.seed,
+                   help=f"seed of the sampling (default: {'a different draw each run' if defaults.seed is None else defaults.seed})")  # fmt: skip
     if "beam" in strategies:
         g.add_argument("--num_beams", type=int, default=defaults.num_beams, help="beam search width")
     if "contrastive" in strategies:
@@ -111,7 +114,7 @@ def decode_options(args: argparse.Namespace, defaults: DecodeOptions) -> DecodeO
     return DecodeOptions(strategy=args.decoding, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, top_k=top_k, num_beams=getattr(args, "num_beams", defaults.num_beams),
                          penalty_alpha=getattr(args, "penalty_alpha", defaults.penalty_alpha),
-                         repetition_penalty=args.repetition_penalty).validate()  # fmt: skip
+                         repetition_penalty=args.repetition_penalty, seed=args.seed).validate()  # fmt: skip
 
 
 def context_length(model: torch.nn.Module, tokenizer) -> int:

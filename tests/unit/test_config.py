@@ -336,3 +336,19 @@ def test_step3_optimizers_one_definition_per_model_with_shared_schedule():
     engine_level = OptimArgs.of(actor, per_device_train_batch_size=8)
     assert engine_level.learning_rate == 9.65e-6 and engine_level.weight_decay == 0.1
     assert engine_level.per_device_train_batch_size == 8 and engine_level.gradient_accumulation_steps == 1
+
+
+def test_inference_tools_share_one_device_group():
+    """chat.py, prompt_eval.py and rw_eval.py place their model through one InferenceArgs group: auto
+    resolves to a real device once, and a missing GPU is one line naming the flag."""
+    import torch
+
+    from dschat.config import InferenceArgs
+
+    ns = make_parser(InferenceArgs).parse_args([])
+    where = C.from_namespace(InferenceArgs, ns)
+    assert where.device == ("cuda" if torch.cuda.is_available() else "cpu") and where.dtype == "auto"
+    assert where.trust_remote_code is False  # safe by default
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match=re.escape("--device cuda: no CUDA device is available")):
+            C.from_namespace(InferenceArgs, make_parser(InferenceArgs).parse_args(["--device", "cuda"]))
