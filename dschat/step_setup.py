@@ -1,7 +1,7 @@
 """What steps 1 and 2 (reward model, DPO) do before their shared loop: check the output directory, start
 the process group, find the model and its tokenizer and prompt format (:func:`setup_step`); batch the
 prepared data and count the optimizer steps (:func:`make_batches`); begin the outputs with the resolved
-configuration (:func:`begin_step`)."""
+configuration (:func:`begin_step`). Every step, step 3 too, begins its outputs with :func:`begin_outputs`."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.engine import core as engine_core
 from dschat.lm import eval_batches, train_loader
 from dschat.models.loading import load_tokenizer, resolve
-from dschat.trainer import begin_outputs
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import setup_logging
-from dschat.utils.run import check_output_dir, save_resolved_config
+from dschat.utils.run import check_output_dir, clear_previous_run, save_resolved_config
 
 
 @dataclass
@@ -49,6 +48,19 @@ def setup_step(model: ModelArgs, run: RunArgs, data: DataArgs) -> StepSetup:
     return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer, fmt)
 
 
+def begin_outputs(run: RunArgs) -> logging.Logger:
+    """Once the inputs are known good: clear a run being overwritten, then log to OUTPUT_DIR/training.log.
+
+    Called after data and flags are validated, so bad input never leaves an output directory behind.
+    Also records ``--node_local_storage`` for the process (which ranks write files, the DeepSpeed config).
+    """
+    dist.set_node_local_storage(run.node_local_storage)
+    if run.overwrite:
+        clear_previous_run(run.output_dir)
+    dist.barrier()
+    return setup_logging(run.output_dir)
+
+
 @dataclass
 class Batches:
     loader: Any  # resumable, rank-sharded training DataLoader
@@ -63,7 +75,7 @@ class Batches:
 def begin_step(
     step: int, args: tuple, run: RunArgs, setup: StepSetup, batches: Batches, data, mined=None
 ) -> dict[str, Any]:
-    """Once the inputs are known good, the outputs begin (:func:`~dschat.trainer.begin_outputs`) with every
+    """Once the inputs are known good, the outputs begin (:func:`begin_outputs`) with every
     option of step 1 or 2 plus what was resolved from them (returned for the metrics loggers) and the
     on-policy pairs ``mined`` from a policy, if any."""
     begin_outputs(run)

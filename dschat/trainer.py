@@ -32,8 +32,7 @@ from dschat.models.lora import inject_lora
 from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError
-from dschat.utils.metrics import MetricsLogger, setup_logging
-from dschat.utils.run import clear_previous_run
+from dschat.utils.metrics import MetricsLogger
 
 if TYPE_CHECKING:
     from dschat.step_setup import StepSetup
@@ -350,19 +349,6 @@ def accuracy_summary(start: dict[str, float] | None, end: dict[str, float] | Non
 
 def should_log(step: int, interval: int, total: int) -> bool:
     return step == total or (interval > 0 and step % interval == 0)
-
-
-def begin_outputs(run: RunArgs) -> logging.Logger:
-    """Once the inputs are known good: clear a run being overwritten, then log to OUTPUT_DIR/training.log.
-
-    Called after data and flags are validated, so bad input never leaves an output directory behind.
-    Also records ``--node_local_storage`` for the process (which ranks write files, the DeepSpeed config).
-    """
-    dist.set_node_local_storage(run.node_local_storage)
-    if run.overwrite:
-        clear_previous_run(run.output_dir)
-    dist.barrier()
-    return setup_logging(run.output_dir)
 
 
 def open_metrics(run: RunArgs, resolved: dict[str, Any]) -> MetricsLogger:

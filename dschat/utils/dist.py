@@ -33,7 +33,7 @@ _NODE_LOCAL_STORAGE = False
 
 
 def set_node_local_storage(enabled: bool) -> None:
-    """Set once per process from ``--node_local_storage`` (by ``trainer.begin_outputs``)."""
+    """Set once per process from ``--node_local_storage`` (by ``step_setup.begin_outputs``)."""
     global _NODE_LOCAL_STORAGE
     _NODE_LOCAL_STORAGE = enabled
 

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from dschat import config as C
+from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import PromptCollator, SFTCollator
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     paths, tokenizer, fmt = resolve_models(o)
     prompts = prepare_prompt_data(o.data, tokenizer, seed=run.seed, max_prompt_len=ppo.max_prompt_seq_len, phase=3)  # fmt: skip
     rounds = plan_rounds(o, prompts, tokenizer)
-    T.begin_outputs(run)
+    S.begin_outputs(run)
     global_batch = ppo.per_device_generation_batch_size * world
     resolved = {
         "step": 3, "actor": C.to_dict(o.actor, o.actor_lora, o.actor_optim, o.actor_ds),
