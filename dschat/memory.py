@@ -154,13 +154,14 @@ def logits_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> i
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int, checkpointing: bool,
-                     head: str = "lm") -> int:  # fmt: skip
-    """Peak activation memory of one training micro-batch (forward kept for backward, plus the head)."""
-    layer = layer_activation_bytes(shape, batch, seq, dtype_bytes)
+                     head: str = "lm", trainable_layers: int = 0) -> int:  # fmt: skip
+    """Peak activation memory of one training micro-batch (forward kept for backward, plus the head).
+    Below ``trainable_layers`` nothing requires a gradient, so those layers keep nothing for backward."""
+    layer, kept = layer_activation_bytes(shape, batch, seq, dtype_bytes), trainable_layers or shape.num_layers
     if checkpointing:  # each layer's input kept; one layer's activations live while it is recomputed
-        body = shape.num_layers * dtype_bytes * batch * seq * shape.hidden_size + layer
+        body = kept * dtype_bytes * batch * seq * shape.hidden_size + layer
     else:
-        body = shape.num_layers * layer
+        body = kept * layer
     final_norm = 2 * dtype_bytes * batch * seq * shape.hidden_size
     head_bytes = logits_bytes(shape, batch, seq, dtype_bytes) if head == "lm" else 4 * batch * seq
     return body + final_norm + head_bytes
@@ -229,25 +230,35 @@ class TrainWorkload:
     head: str = "lm"
     lora_dim: int = 0
     only_lora: bool = False
+    trainable_layers: int = 0  # --trainable_layers: only the top K decoder layers train (0 = all)
     pairs: bool = False  # chosen and rejected in one batch of 2b sequences (step 2)
     # DPO's --ref_model_name_or_path: before training, a plain frozen copy on every rank scores the pairs
     # (forward only) beside the policy's states, and is freed when training starts.
     reference: ModelShape | None = None
 
 
-def _split_params(shape: ModelShape, head: str, lora_dim: int, only_lora: bool) -> tuple[int, int]:
-    """(trainable, frozen) parameter counts."""
-    base, lora = shape.parameters(head), shape.lora_params(lora_dim)
+def _split_params(
+    shape: ModelShape, head: str, lora_dim: int, only_lora: bool, trainable_layers: int = 0
+) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts. With ``--trainable_layers`` K only the top K decoder layers,
+    the final norm and a scalar head train (:func:`dschat.models.layers.freeze_below`), and LoRA goes
+    into those K layers alone."""
+    base, k = shape.parameters(head), trainable_layers or shape.num_layers
+    lora = shape.lora_params(lora_dim) * k // shape.num_layers
+    head_params = shape.score_params if head == "score" else 0
     if only_lora and lora_dim:  # the base is frozen; a new scalar head still trains
-        head_params = shape.score_params if head == "score" else 0
         return lora + head_params, base - head_params
+    if trainable_layers:
+        norm = shape.hidden_size * (2 if shape.norm_bias else 1) if shape.final_norm else 0
+        top = k * shape.layer_params() + norm + head_params
+        return top + lora, base - top
     return base + lora, 0
 
 
 def _model(shape: ModelShape, head: str, lora_dim: int, only_lora: bool, choice: Choice, dtype_bytes: int,
-           hw: Hardware) -> tuple[int, int]:  # fmt: skip
-    """(cpu per node, device) states of a trained model, a frozen LoRA base included."""
-    trainable, frozen = _split_params(shape, head, lora_dim, only_lora)
+           hw: Hardware, trainable_layers: int = 0) -> tuple[int, int]:  # fmt: skip
+    """(cpu per node, device) states of a trained model, a frozen LoRA base or frozen lower layers included."""
+    trainable, frozen = _split_params(shape, head, lora_dim, only_lora, trainable_layers)
     largest = shape.largest_layer_params(head)
     # With a frozen base the ZeRO-3 gather buffer of the largest layer is counted with the frozen part.
     cpu, dev = trained_states(
@@ -272,10 +283,11 @@ def _finish(choice: Choice, parts: dict[str, int], cpu_node: int, hw: Hardware) 
 def estimate_train(work: TrainWorkload, choice: Choice, hw: Hardware) -> Estimate:
     """Peak memory of step 1 or step 2 under ``choice``: the policy's states plus the larger of its
     training activations and, for DPO with a separate reference, the reference pass before training."""
-    cpu, states = _model(work.shape, work.head, work.lora_dim, work.only_lora, choice, work.dtype_bytes, hw)
+    cpu, states = _model(work.shape, work.head, work.lora_dim, work.only_lora, choice, work.dtype_bytes, hw,
+                         work.trainable_layers)  # fmt: skip
     batch = work.batch * (2 if work.pairs else 1)
     acts = activation_bytes(work.shape, batch, work.seq, work.dtype_bytes, choice.gradient_checkpointing,
-                            work.head)  # fmt: skip
+                            work.head, work.trainable_layers)  # fmt: skip
     parts = {"model states": states, "activations": acts}
     if work.reference is not None:
         ref = work.reference.parameters("lm") * work.dtype_bytes + forward_only_bytes(
@@ -301,6 +313,8 @@ class RLHFWorkload:
     actor_lora_dim: int = 0
     critic_lora_dim: int = 0
     only_lora: bool = False
+    actor_trainable_layers: int = 0  # --actor_trainable_layers (0 = every layer)
+    critic_trainable_layers: int = 0  # --critic_trainable_layers
     reference: bool = True  # False with --share_reference_with_actor
     reward_model: bool = True  # False with --reward_fn ... --reward_fn_mode replace
     offload_reference: bool = False  # --offload_reference_model (with ZeRO-3)
@@ -319,12 +333,12 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
     stage_of_frozen = frozen_stage(choice.zero_stage)
     parts: dict[str, int] = {}
     cpu = 0
-    c, parts["actor states"] = _model(work.actor, "lm", work.actor_lora_dim, work.only_lora, choice, w, hw)
+    c, parts["actor states"] = _model(work.actor, "lm", work.actor_lora_dim, work.only_lora, choice, w, hw,
+                                      work.actor_trainable_layers)  # fmt: skip
     cpu += c
     if work.critic_trained:
-        c, parts["critic states"] = _model(
-            work.critic, "score", work.critic_lora_dim, work.only_lora, choice, w, hw
-        )
+        c, parts["critic states"] = _model(work.critic, "score", work.critic_lora_dim, work.only_lora, choice, w,
+                                           hw, work.critic_trainable_layers)  # fmt: skip
         cpu += c
     for present, name, shape, head, off in (
         (work.reference, "reference", work.actor, "lm", work.offload_reference),
@@ -341,10 +355,13 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
     phases = {
         "generation (KV cache)": kv_cache_bytes(work.actor, rows, s, w),
         "experience (forward passes)": forward_only_bytes(work.actor, rows, s, w),
-        "actor training": activation_bytes(work.actor, work.training_batch, s, w, gc, "lm"),
+        "actor training": activation_bytes(
+            work.actor, work.training_batch, s, w, gc, "lm", work.actor_trainable_layers
+        ),
     }
     if work.critic_trained:
-        phases["critic training"] = activation_bytes(work.critic, work.training_batch, s, w, gc, "score")
+        phases["critic training"] = activation_bytes(work.critic, work.training_batch, s, w, gc, "score",
+                                                     work.critic_trainable_layers)  # fmt: skip
     peak = max(phases, key=lambda k: phases[k])
     parts[f"activations: {peak}"] = phases[peak]
     return _finish(choice, parts, cpu, hw)

@@ -187,7 +187,8 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             ref = models[-1][2]
         work: Any = M.TrainWorkload(role[2], optim.per_device_train_batch_size, data.max_seq_len, w,
                                     head="lm" if step == 1 or dpo else "score", lora_dim=loras[0].lora_dim,
-                                    only_lora=loras[0].only_optimize_lora, pairs=step == 2, reference=ref)  # fmt: skip
+                                    only_lora=loras[0].only_optimize_lora, pairs=step == 2, reference=ref,
+                                    trainable_layers=model_args[0].trainable_layers)  # fmt: skip
     else:
         eng, ppo = _of(groups, RLHFEngineArgs)[0], _of(groups, PPOArgs)[0]
         actor = shape("actor", model_args[0].model_name_or_path, "--actor_model_name_or_path")
@@ -198,6 +199,7 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             actor[2], critic[2], ppo.per_device_generation_batch_size, ppo.per_device_training_batch_size,
             ppo.max_prompt_seq_len, ppo.max_answer_seq_len, w, actor_lora_dim=loras[0].lora_dim,
             critic_lora_dim=loras[1].lora_dim, only_lora=loras[0].only_optimize_lora, reference=held.reference,
+            actor_trainable_layers=model_args[0].trainable_layers, critic_trainable_layers=model_args[1].trainable_layers,
             reward_model=held.reward_model, offload_reference=eng.offload_reference_model,
             offload_reward=eng.offload_reward_model, critic_trained=held.critic, judge=judge[2] if judge else None,
             samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy,

@@ -149,6 +149,29 @@ def test_lora_only_trains_the_adapter(small):
     assert e.parts["model states"] == 20 * 512 + 2 * 2792  # adapter fully trained, base frozen in bf16
 
 
+def test_trainable_layers_count_states_and_activations_of_the_top_layers_only(small):
+    """--trainable_layers 1 of 2 (freeze_below): the top layer and the final norm train, the embeddings,
+    the LM head and the bottom layer are frozen (16-bit weights only), and only the top layer keeps
+    activations for the backward pass."""
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    e = M.estimate_train(M.TrainWorkload(small, 2, 3, 2, trainable_layers=1), M.Choice(0, False, False), hw)
+    trained = 592 + 8  # one layer + the final RMSNorm
+    assert e.parts["model states"] == 20 * trained + 2 * (2792 - trained)
+    layer = M.layer_activation_bytes(small, 2, 3, 2)
+    assert e.parts["activations"] == 9072 - layer  # one of the two layers' activations
+    # a reward model: its score head (8) trains too
+    rm = M.estimate_train(
+        M.TrainWorkload(small, 2, 3, 2, head="score", trainable_layers=1), M.Choice(0, False, False), hw
+    )
+    assert rm.parts["model states"] == 20 * (trained + 8) + 2 * (2000 - trained - 8)
+    # step 3: the actor's and the critic's own K
+    work = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, actor_trainable_layers=1, critic_trainable_layers=2)
+    r = M.estimate_rlhf(work, M.Choice(0, False, False), hw)
+    # K = every layer still freezes the embeddings (freeze_below): 800 frozen, the rest trains
+    assert r.parts["actor states"] == e.parts["model states"]
+    assert r.parts["critic states"] == 20 * (2 * 592 + 8 + 8) + 2 * 800
+
+
 def test_rlhf_estimate_counts_four_models_and_the_largest_phase(small):
     hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
     work = M.RLHFWorkload(small, small, generation_batch=4, training_batch=2, prompt_len=2, answer_len=1,
