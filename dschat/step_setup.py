@@ -121,3 +121,11 @@ def count_total_steps(batches_per_epoch: int, optim: OptimArgs, n_samples: int) 
         )
     total = batches_per_epoch // optim.gradient_accumulation_steps * optim.num_train_epochs
     return min(total, optim.max_steps) if optim.max_steps else total
+
+
+def describe_pairs(data, total_steps: int) -> str:
+    """One log line about a step's preference pairs (reward model or DPO): counts and what was dropped."""
+    st = data.stats["train"]
+    return (f"data: {len(data.train)} train / {len(data.eval)} eval pairs; dropped {st['dropped_identical']} "
+            f"identical, {st['dropped_empty_response']} empty, {st['dropped_too_long']} too long; "
+            f"{st.get('prompt_truncated', 0)} prompts truncated; {total_steps} steps")  # fmt: skip

@@ -87,12 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     loader, evals, total_steps, global_batch = batches
 
     resolved = S.begin_step(2, args, run, setup, batches, data, mined)
-    st = data.stats["train"]
-    log.info(
-        "data: %d train / %d eval pairs; dropped %d with identical sides, %d empty, %d too long; %d steps",
-        len(data.train), len(data.eval), st["dropped_identical"], st["dropped_empty_response"], st["dropped_too_long"],
-        total_steps,
-    )  # fmt: skip
+    log.info(S.describe_pairs(data, total_steps))
 
     # ---------------------------------------------------------------- 3. policy and engine
     load = partial(

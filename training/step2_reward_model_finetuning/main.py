@@ -95,12 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     loader, evals, total_steps, global_batch = batches
 
     resolved = S.begin_step(2, args, run, setup, batches, data, mined)
-    st = data.stats["train"]
-    log.info(
-        "data: %d train / %d eval pairs; dropped %d identical, %d empty, %d too long; %d prompts truncated; %d steps",
-        len(data.train), len(data.eval), st["dropped_identical"], st["dropped_empty_response"], st["dropped_too_long"],
-        st["prompt_truncated"], total_steps,
-    )  # fmt: skip
+    log.info(S.describe_pairs(data, total_steps))
     if length_w is not None:
         log.info("length expert: P(chosen wins) = sigmoid(%.3f * log(len_chosen / len_rejected)); alone it ranks %.3f "
                  "of the training pairs right; the reward model learns the rest", length_w, length_w_accuracy)  # fmt: skip
