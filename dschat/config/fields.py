@@ -44,3 +44,9 @@ def parse_data_split(text: str, flag: str = "--data_split") -> list[float]:
         )
     total = sum(parts)
     return [p / total for p in parts]
+
+
+def flag_name(name: str, prefix: str = "", shared: frozenset[str] | tuple[str, ...] = ()) -> str:
+    """The flag of field ``name`` in a group added under ``prefix``: unprefixed where it is ``shared``
+    (step 3's one ``--offload`` for actor and critic)."""
+    return f"--{name}" if name in shared else f"--{prefix}{name}"

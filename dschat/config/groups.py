@@ -10,6 +10,7 @@ from dschat.config.fields import (
     DTYPES,
     SCHEDULERS,
     check_zero_stage,
+    flag_name,
     opt,
     parse_data_split,
 )
@@ -145,7 +146,7 @@ class OptimizerArgs:
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         def flag(name: str) -> str:
-            return f"--{name}" if name in shared else f"--{prefix}{name}"
+            return flag_name(name, prefix, shared)
 
         if self.learning_rate <= 0:
             raise UserError(f"{flag('learning_rate')} must be > 0, got {self.learning_rate}")
@@ -191,7 +192,7 @@ class DeepSpeedArgs:
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         check_zero_stage(f"--{prefix}zero_stage", self.zero_stage)
-        offload = "--offload" if "offload" in shared else f"--{prefix}offload"
+        offload = flag_name("offload", prefix, shared)
         if self.offload and self.zero_stage == 0:
             raise UserError(f"{offload} needs --{prefix}zero_stage 1, 2 or 3 (ZeRO-0 cannot offload)")
 

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from dschat.config.fields import T
+from dschat.config.fields import T, flag_name
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -44,7 +44,7 @@ def add_group(
         meta = f.metadata
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         default = defaults.get(f.name, default)
-        flag = f"--{f.name}" if f.name in shared else f"--{prefix}{f.name}"
+        flag = flag_name(f.name, prefix, shared)
         if flag in parser._option_string_actions:
             continue
         if isinstance(default, bool):
@@ -92,7 +92,7 @@ def from_namespace(
     cls: type[T], ns: argparse.Namespace, prefix: str = "", shared: frozenset[str] = frozenset()
 ) -> T:
     values = {
-        f.name: getattr(ns, f.name if f.name in shared else f"{prefix}{f.name}")
+        f.name: getattr(ns, flag_name(f.name, prefix, shared).removeprefix("--"))
         for f in dataclasses.fields(cls)
     }
     obj = cls(**values)
