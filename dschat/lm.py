@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from dschat.data.collate import IGNORE_INDEX
 from dschat.data.sampler import ResumableDistributedSampler
-from dschat.losses import token_nll
+from dschat.losses import linear_cross_entropy, mean_token_nll, token_nll
 from dschat.utils import dist
 
 
@@ -45,6 +45,55 @@ def target_logits(
     extra = {"logits_to_keep": k} if k < t and accepts(model, "logits_to_keep") else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
     return logits[:, -k:], labels[:, -k:]
+
+
+# Architectures whose logits are exactly ``get_output_embeddings()(body(...).last_hidden_state)``: no
+# soft-capping, logit scaling or bias (Gemma 2, Cohere, Granite and others scale their logits), so the
+# fused loss below may apply the head's weight itself.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "gpt_neox", "phi3"})
+
+
+def plain_body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """``(body, lm_head)`` of the causal LM inside ``model`` (a DeepSpeed engine, a peft wrapper or the
+    model itself) when its logits are a plain linear head over the body's last hidden state and that
+    head's weight is whole on this rank; ``None`` otherwise: another architecture, a LoRA-wrapped head,
+    or ZeRO-3 (which partitions the weight and gathers it only inside the head's own forward)."""
+    inner = getattr(model, "module", model)
+    hf = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    if getattr(getattr(hf, "config", None), "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = hf.get_output_embeddings()
+    body = getattr(hf, hf.base_model_prefix, None)
+    if (
+        type(head) is not torch.nn.Linear
+        or head.bias is not None
+        or body is None
+        or hasattr(head.weight, "ds_id")
+    ):
+        return None
+    return body, head
+
+
+def sft_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean next-token NLL over the target tokens (), their number ())`` of a right-padded batch
+    (input_ids, attention_mask, labels: (B, T); position t predicts label t+1).
+
+    Where :func:`plain_body_and_head` finds the head, it runs only on the target positions and through
+    :func:`dschat.losses.linear_cross_entropy`, so neither the padding nor the prompt tokens pass
+    the head and no (B, T, V) logits are made; elsewhere :func:`target_logits` (same value)."""
+    parts = plain_body_and_head(model)
+    if parts is None:
+        logits, kept = target_logits(model, input_ids, attention_mask, labels)
+        return mean_token_nll(logits, kept)
+    body, head = parts
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX  # (B, T-1)
+    n = keep.sum().float()
+    nll = linear_cross_entropy(hidden[:, :-1][keep], head.weight, targets[keep])
+    return nll / n.clamp_min(1.0), n
 
 
 def train_loader(

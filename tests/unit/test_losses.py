@@ -107,3 +107,79 @@ def test_target_logits_give_the_full_sequence_loss(train_on_prompt):
     assert logits.shape[1] == (9 if train_on_prompt else 9 - 3 + 1)  # from the earliest target's predictor
     assert float(n_part) == float(n_full)
     torch.testing.assert_close(part, full, rtol=1e-6, atol=1e-6)
+
+
+def test_linear_cross_entropy_hand_value():
+    """One hidden state [1, 0] and a head whose rows give logits [ln 3, 0]: -log 3/4 for label 0 and
+    -log 1/4 for label 1, summed; the gradient of the head is (softmax - one-hot) x hidden."""
+    from dschat.losses import linear_cross_entropy
+
+    hidden = torch.tensor([[1.0, 0.0], [1.0, 0.0]], requires_grad=True)
+    weight = torch.tensor([[LN3, 5.0], [0.0, 7.0]], requires_grad=True)  # the second input column is unused
+    loss = linear_cross_entropy(hidden, weight, torch.tensor([0, 1]))
+    assert math.isclose(float(loss.detach()), -math.log(0.75) - math.log(0.25), rel_tol=1e-6)
+    loss.backward()
+    # rows: softmax [3/4, 1/4] minus one-hot(0) = [-1/4, 1/4]; minus one-hot(1) = [3/4, -3/4]; summed x [1, 0]
+    assert close(weight.grad, [[0.5, 0.0], [-0.5, 0.0]])
+    # d/dh = (softmax - one-hot) @ W: [-1/4, 1/4] @ W and [3/4, -3/4] @ W
+    assert close(hidden.grad, [[-LN3 / 4, 0.5], [3 * LN3 / 4, -1.5]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_matches_full_logits_in_chunks(dtype):
+    """Chunked (3 rows at a time, a remainder of 1) == cross-entropy on the whole fp32-upcast logits,
+    value and both gradients, under a non-unit outer gradient (a mean over tokens)."""
+    from dschat.losses import linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(10, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(20, 8, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, 20, (10,))
+    (linear_cross_entropy(h, w, y, chunk_elements=60) / 10).backward()
+    got = (h.grad.float(), w.grad.float())
+    h.grad = w.grad = None
+    (torch.nn.functional.cross_entropy((h @ w.t()).float(), y, reduction="sum") / 10).backward()
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got[0], h.grad.float(), **tol)
+    torch.testing.assert_close(got[1], w.grad.float(), **tol)
+    with torch.no_grad():  # evaluation: the same value, no gradients formed
+        assert math.isclose(
+            float(linear_cross_entropy(h, w, y)),
+            float(torch.nn.functional.cross_entropy((h @ w.t()).float(), y, reduction="sum")),
+            rel_tol=1e-5,
+        )
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_sft_loss_fused_head_equals_the_models_own_logits(tie):
+    """sft_loss through the fused head == mean NLL of the model's own logits, and the same gradients on
+    every parameter (the head, tied or not, and the body), for right padding and prompts of different
+    lengths; an architecture outside the list falls back to the model's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat import lm
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie))  # fmt: skip
+    ids = torch.randint(3, 50, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[2, 7:] = 0
+    labels = ids.clone()
+    for row, start in enumerate((5, 3, 6)):
+        labels[row, :start] = IGNORE_INDEX
+    labels[mask == 0] = IGNORE_INDEX
+    assert lm.plain_body_and_head(model) is not None
+    fused, n = lm.sft_loss(model, ids, mask, labels)
+    fused.backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    full, n_full = mean_token_nll(model(input_ids=ids, attention_mask=mask).logits, labels)
+    full.backward()
+    assert float(n) == float(n_full) == 9 - 5 + 9 - 3 + 7 - 6
+    torch.testing.assert_close(fused, full, rtol=1e-6, atol=1e-6)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, rtol=1e-5, atol=1e-6, msg=k)
+    model.config.model_type = "gemma2"  # soft-capped logits: the fused head would be wrong there
+    assert lm.plain_body_and_head(model) is None
+    assert torch.allclose(lm.sft_loss(model, ids, mask, labels)[0], full)

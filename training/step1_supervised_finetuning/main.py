@@ -27,8 +27,7 @@ from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
-from dschat.lm import evaluate_perplexity, target_logits
-from dschat.losses import mean_token_nll
+from dschat.lm import evaluate_perplexity, sft_loss
 from dschat.models.loading import load_causal_lm
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
@@ -117,8 +116,7 @@ def sft_micro_step(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Te
     the mean NLL over its target (response) tokens; the LM head runs only on the positions that predict
     one. DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    logits, labels = target_logits(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    loss, _ = mean_token_nll(logits, labels)
+    loss, _ = sft_loss(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
     engine.backward(loss)
     engine.step()
     return {
