@@ -10,7 +10,8 @@ Every lever is one run of ``training/step1_supervised_finetuning/main.py`` or
 chat template) for ``--steps`` optimizer steps on HH-RLHF dialogues (``../shared/data``; the built-in
 tasks where it is absent), read back from its ``summary.json`` and ``metrics.jsonl``:
 
-* ``full_fp32``, ``full_bf16``, ``full_bf16_ckpt``: every weight trains (fp32; bf16; bf16 with gradient
+* ``full_fp32``, ``full_bf16``, ``full_bf16_ckpt``: every weight trains, batches in random order
+  (``--no_group_by_length``, as every lever below but the ``_grouped`` ones) (fp32; bf16; bf16 with gradient
   checkpointing, what full fine-tuning needs for memory at longer lengths);
 * ``top8_bf16``: ``--trainable_layers 8``, the body below frozen, so backward stops there;
 * ``top8_bf16_grouped``: the same with ``--group_by_length`` (padding nearly gone);
@@ -48,17 +49,20 @@ SHARED = ROOT.parent / "shared" / "data"
 STEP1 = ROOT / "training" / "step1_supervised_finetuning" / "main.py"
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
 
+# Batches padded to their own longest sample, as before --group_by_length became the default: the
+# baseline that the grouped levers are measured against.
+UNGROUPED = ["--no_group_by_length"]
 # name -> (step, extra flags, what trains: "all" | int K top layers | ("lora", K or 0 = every layer))
 LEVERS: dict[str, tuple[int, list[str], object]] = {
-    "full_fp32": (1, ["--dtype", "fp32"], "all"),
-    "full_bf16": (1, ["--dtype", "bf16"], "all"),
-    "full_bf16_ckpt": (1, ["--dtype", "bf16", "--gradient_checkpointing"], "all"),
-    "top8_bf16": (1, ["--dtype", "bf16", "--trainable_layers", "8"], 8),
+    "full_fp32": (1, [*UNGROUPED, "--dtype", "fp32"], "all"),
+    "full_bf16": (1, [*UNGROUPED, "--dtype", "bf16"], "all"),
+    "full_bf16_ckpt": (1, [*UNGROUPED, "--dtype", "bf16", "--gradient_checkpointing"], "all"),
+    "top8_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--trainable_layers", "8"], 8),
     "top8_bf16_grouped": (1, ["--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
-    "lora_all_bf16": (1, ["--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora"], ("lora", 0)),
-    "lora_top8_bf16": (1, ["--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora", "--trainable_layers", "8"],
+    "lora_all_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora"], ("lora", 0)),
+    "lora_top8_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora", "--trainable_layers", "8"],
                        ("lora", 8)),
-    "rm_top8_bf16": (2, ["--dtype", "bf16", "--trainable_layers", "8"], 8),
+    "rm_top8_bf16": (2, [*UNGROUPED, "--dtype", "bf16", "--trainable_layers", "8"], 8),
     "rm_top8_bf16_grouped": (2, ["--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
 }  # fmt: skip
 

@@ -93,9 +93,9 @@ class DataArgs(FormatArgs):
     )
     train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
     group_by_length: bool = opt(
-        False,
+        True,
         "batch samples of similar length (sorted within groups of 50 batches, batch order shuffled): far less "
-        "padding on data of mixed lengths such as HH-RLHF",
+        "padding on data of mixed lengths such as HH-RLHF, so more real tokens per second",
     )
     max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
 

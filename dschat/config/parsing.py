@@ -48,7 +48,13 @@ def add_group(
         if flag in parser._option_string_actions:
             continue
         if isinstance(default, bool):
-            group.add_argument(flag, action="store_true", default=default, help=meta["help"])
+            # every switch can be set either way (a preset's ``false`` becomes --no_X); --no_X is listed
+            # in the help only where it is the one that changes something
+            dest = flag[2:]
+            group.add_argument(flag, action="store_true", dest=dest, default=default,
+                               help=meta["help"] + (" (default: on)" if default else ""))  # fmt: skip
+            group.add_argument(f"--no_{dest}", action="store_false", dest=dest,
+                               help=f"turn off {flag}" if default else argparse.SUPPRESS)  # fmt: skip
             continue
         kind = meta.get("type") or (type(default) if default is not None else str)
         kwargs: dict[str, Any] = {"default": default, "help": meta["help"] + f" (default: {default})"}

@@ -91,7 +91,9 @@ def preset_flags(preset: dict, step: int | str, output_dir: str | None = None) -
     for flag, value in (preset.get(step if isinstance(step, str) else f"step{step}") or {}).items():
         if value is True:
             out.append(flag)
-        elif value is not False and value is not None:
+        elif value is False:  # a switch set off, whatever the step's default
+            out.append(f"--no_{flag.removeprefix('--')}")
+        elif value is not None:
             out += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
     if output_dir is not None:
         out = [v.replace("{output_dir}", output_dir) for v in out]

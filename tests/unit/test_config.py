@@ -352,3 +352,12 @@ def test_inference_tools_share_one_device_group():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match=re.escape("--device cuda: no CUDA device is available")):
             C.from_namespace(InferenceArgs, make_parser(InferenceArgs).parse_args(["--device", "cuda"]))
+
+
+def test_a_switch_can_be_set_either_way():
+    """--group_by_length is on by default; --no_group_by_length turns it off, and a switch that defaults
+    off takes --no_ too (so a preset's false always has a flag to become)."""
+    assert C.parse_groups("p", "d", (C.DataArgs,), [])[0].group_by_length is True
+    assert C.parse_groups("p", "d", (C.DataArgs,), ["--no_group_by_length"])[0].group_by_length is False
+    assert C.parse_groups("p", "d", (C.DataArgs,), ["--no_train_on_prompt"])[0].train_on_prompt is False
+    assert C.parse_groups("p", "d", (C.DataArgs,), ["--train_on_prompt"])[0].train_on_prompt is True

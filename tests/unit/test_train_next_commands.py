@@ -64,10 +64,15 @@ def test_nothing_to_talk_to_after_step_two_alone(train, tmp_path):
 
 def test_preset_values_can_name_the_output_dir(train):
     preset = {
-        "step2": {"--policy_negatives_from": "{output_dir}/step1", "--num_train_epochs": 2, "--flag": True}
+        "step2": {
+            "--policy_negatives_from": "{output_dir}/step1",
+            "--num_train_epochs": 2,
+            "--flag": True,
+            "--group_by_length": False,
+        }
     }
     assert preset_flags(preset, 2, "runs/a") == [
-        "--policy_negatives_from", "runs/a/step1", "--num_train_epochs", "2", "--flag",
+        "--policy_negatives_from", "runs/a/step1", "--num_train_epochs", "2", "--flag", "--no_group_by_length",
     ]  # fmt: skip
     args, extra = train.parse_args(["--step", "2", "--output-dir", "runs/b"])
     assert "runs/b/step1" in train.step_args(2, args, extra, preset)
