@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dschat.generation.plain import position_ids_from_mask
-from dschat.lm import accepts
-from dschat.losses import mean_token_nll
+from dschat.lm import accepts, sft_loss
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 
@@ -143,7 +142,9 @@ class PPOTrainer:
         keep = t - prompt_len + 1  # logits at positions prompt_len - 1 .. T-1
         extra = {"logits_to_keep": keep} if keep < t and accepts(engine, "logits_to_keep") else {}
         logits = engine(input_ids=sequences, attention_mask=attention_mask,
-                        position_ids=position_ids_from_mask(attention_mask), **extra).logits[:, -keep:]  # fmt: skip
+                        position_ids=position_ids_from_mask(attention_mask), **extra).logits  # fmt: skip
+        if logits.shape[1] != keep:  # a model without logits_to_keep (a slice's backward zero-fills all)
+            logits = logits[:, -keep:]
         temperature, pad = self.hyper.temperature, (t - keep, 0)
         logprobs = F.pad(M.logprobs_of(logits, sequences[:, -keep:], temperature), pad)
         ent = F.pad(M.entropy_of(logits, temperature), pad) if entropy else None
@@ -288,10 +289,9 @@ class PPOTrainer:
             actor_loss = actor_loss + self.kl_ctl.value * kl_loss
             out["kl_loss"] = float(kl_loss.detach())
         if unsup_batch is not None and h.unsup_coef > 0:
-            lm_logits = self.actor(
-                input_ids=unsup_batch["input_ids"], attention_mask=unsup_batch["attention_mask"]
-            ).logits
-            ptx, _ = mean_token_nll(lm_logits, unsup_batch["labels"])
+            ptx, _ = sft_loss(
+                self.actor, unsup_batch["input_ids"], unsup_batch["attention_mask"], unsup_batch["labels"]
+            )
             actor_loss = actor_loss + h.unsup_coef * ptx
             out["ptx_loss"] = float(ptx.detach())
         self.actor.backward(actor_loss)
