@@ -13,93 +13,11 @@ reach ``exp`` or a sum, because ``0 * inf`` is nan and would poison the whole ba
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 20  # fp32 logits per chunk (4 MB): each chunk's passes stay in cache
-
-
-def _chunks(n: int, vocab: int) -> Iterator[slice]:
-    """Slices of rows covering 0..n-1, each about ``_CHUNK_ELEMENTS`` logits."""
-    step = max(1, _CHUNK_ELEMENTS // vocab)
-    return (slice(s, min(s + step, n)) for s in range(0, n, step))
-
-
-def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A chunk of logits (c, V) in fp32, divided by ``temperature`` (a fresh tensor, changed in place after)."""
-    x = x.float() if x.dtype != torch.float32 else x.clone()
-    return x.div_(temperature) if temperature != 1.0 else x
-
-
-def _rows(logits: torch.Tensor) -> Iterator[tuple[int, slice]]:
-    """(b, positions) chunks over the predicting positions 0..T-2 of logits (B, T, V): each
-    ``logits[b, positions]`` is a contiguous block of about ``_CHUNK_ELEMENTS`` values."""
-    for b in range(logits.shape[0]):
-        for r in _chunks(logits.shape[1] - 1, logits.shape[2]):
-            yield b, r
-
-
-class _TemperedLogprobs(torch.autograd.Function):
-    """log softmax(logits[:, t] / temperature)[tokens[:, t]] for t = 0..T-2 of logits (B, T, V), chunk
-    by chunk in fp32: the forward keeps only each position's log-normaliser and the backward rebuilds
-    the softmax from the logits one chunk at a time, so no (B, T, V) fp32 tensor is made and the
-    logits' gradient is written once, in their own dtype."""
-
-    @staticmethod
-    def forward(ctx, logits, tokens, temperature: float):
-        b, t, _ = logits.shape
-        out = torch.empty(b, t - 1, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        for i, r in _rows(logits):
-            z = _tempered(logits[i, r], temperature)
-            lse[i, r] = torch.logsumexp(z, dim=-1)
-            out[i, r] = z.gather(1, tokens[i, r, None]).squeeze(1)
-        out -= lse
-        ctx.save_for_backward(logits, tokens, lse)
-        ctx.temperature = temperature
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, tokens, lse = ctx.saved_tensors
-        temperature = ctx.temperature
-        grad = torch.empty_like(logits)
-        grad[:, -1] = 0  # the last position predicts nothing
-        for i, r in _rows(logits):
-            z = _tempered(logits[i, r], temperature)
-            g = grad_out[i, r].float() / temperature  # (c,)
-            # d logp / d logits = (one-hot - softmax) / temperature, times the incoming gradient
-            p = z.sub_(lse[i, r, None]).exp_().mul_(-g[:, None])
-            p[torch.arange(z.shape[0], device=z.device), tokens[i, r]] += g
-            grad[i, r] = p
-        return grad, None, None
-
-
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (B, T, V), tokens (B, T) -> log-prob of tokens[:, 1:] under softmax(logits[:, :-1] / temperature):
-    (B, T-1), in float32, differentiable.
-
-    ``temperature`` is the sampling temperature: the rollouts were drawn from the tempered distribution,
-    so the policy PPO evaluates (old, new and reference log-probs, the KL) must be that one too.
-    Computed in chunks of positions (:class:`_TemperedLogprobs`): the same values as an fp32
-    ``log_softmax`` of the whole (B, T-1, V) tensor, without making that tensor or its gradient.
-    """
-    return _TemperedLogprobs.apply(logits, tokens[:, 1:], float(temperature))
-
-
-@torch.no_grad()
-def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the (tempered) next-token distribution at positions 0..T-2: logits (B, T, V) -> (B, T-1),
-    chunk by chunk in fp32 (a statistic: no gradient). ``H = lse - sum p z`` with ``z`` the tempered logits."""
-    out = torch.empty(logits.shape[0], logits.shape[1] - 1, dtype=torch.float32, device=logits.device)
-    for i, r in _rows(logits):
-        z = _tempered(logits[i, r], temperature)
-        z.sub_(z.amax(dim=-1, keepdim=True))  # z - max: exp cannot overflow
-        e = z.exp()
-        total = e.sum(dim=-1)
-        out[i, r] = total.log() - (e * z).sum(dim=-1) / total  # log sum e - sum(e (z - max)) / sum e
-    return out
+from dschat.losses import token_entropy as entropy_of  # noqa: F401 (PPO's names for them)
+from dschat.losses import token_logprobs as logprobs_of  # noqa: F401
 
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_id: int) -> torch.Tensor:

@@ -682,9 +682,10 @@ def test_policy_loss_sequence_aggregation_hand_values():
 def test_chunked_logprobs_and_entropy_equal_a_full_log_softmax(monkeypatch, dtype, temperature):
     """Chunks of 2 positions (a remainder of 1): log-probs, their gradient under a per-token incoming
     gradient and the entropy equal those of one fp32 log_softmax of the whole tempered (B, T-1, V)."""
+    from dschat import losses
     from dschat.rlhf import ppo_math
 
-    monkeypatch.setattr(ppo_math, "_CHUNK_ELEMENTS", 2 * 11)  # 2 rows of a vocabulary of 11
+    monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 2 * 11)  # 2 rows of a vocabulary of 11
     torch.manual_seed(0)
     logits = (torch.randn(3, 4, 11) * 3).to(dtype).requires_grad_()
     tokens = torch.randint(0, 11, (3, 4))
