@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -49,29 +51,52 @@ def target_logits(
 
 # Architectures whose logits are exactly ``get_output_embeddings()(body(...).last_hidden_state)``: no
 # soft-capping, logit scaling or bias (Gemma 2, Cohere, Granite and others scale their logits), so the
-# fused loss below may apply the head's weight itself.
+# fused loss below may stand in for the head.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "gpt_neox", "phi3"})
 
 
-def plain_body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """``(body, lm_head)`` of the causal LM inside ``model`` (a DeepSpeed engine, a peft wrapper or the
-    model itself) when its logits are a plain linear head over the body's last hidden state and that
-    head's weight is whole on this rank; ``None`` otherwise: another architecture, a LoRA-wrapped head,
-    or ZeRO-3 (which partitions the weight and gathers it only inside the head's own forward)."""
+def plain_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """``(hf_model, lm_head)`` of the causal LM inside ``model`` (a DeepSpeed engine, a peft wrapper or
+    the model itself) when its logits are a plain linear head over the body's last hidden state and that
+    head's weight is whole on this rank, in fp32 or bf16; ``None`` otherwise: another architecture, a
+    LoRA-wrapped head, ZeRO-3 (which partitions the weight and gathers it only inside the head's own
+    forward), or fp16 (whose loss scaling the head's gradients, formed in the forward, would escape)."""
     inner = getattr(model, "module", model)
     hf = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     if getattr(getattr(hf, "config", None), "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
     head = hf.get_output_embeddings()
-    body = getattr(hf, hf.base_model_prefix, None)
-    if (
-        type(head) is not torch.nn.Linear
-        or head.bias is not None
-        or body is None
-        or hasattr(head.weight, "ds_id")
-    ):
+    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "ds_id"):
         return None
-    return body, head
+    if head.weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return hf, head
+
+
+class _FusedLossHead(torch.nn.Module):
+    """Stands in for the LM head inside the model's own forward: from the hidden states (B, T, H) it
+    returns the summed next-token NLL of the target positions of ``labels`` (B, T) (a () tensor in
+    place of the logits), through :func:`dschat.losses.linear_cross_entropy`."""
+
+    def __init__(self, head: torch.nn.Linear, labels: torch.Tensor) -> None:
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a child: the module tree keeps its one head
+        self.labels = labels
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets = self.labels[:, 1:]
+        keep = targets != IGNORE_INDEX  # (B, T-1)
+        return linear_cross_entropy(hidden[:, :-1][keep], self.head.weight, targets[keep])
+
+
+@contextlib.contextmanager
+def fused_loss_head(hf: torch.nn.Module, head: torch.nn.Linear, labels: torch.Tensor) -> Iterator[None]:
+    """Inside the block, ``hf``'s forward returns the summed NLL of ``labels`` as its ``logits``."""
+    hf.set_output_embeddings(_FusedLossHead(head, labels))
+    try:
+        yield
+    finally:
+        hf.set_output_embeddings(head)
 
 
 def sft_loss(
@@ -80,19 +105,17 @@ def sft_loss(
     """``(mean next-token NLL over the target tokens (), their number ())`` of a right-padded batch
     (input_ids, attention_mask, labels: (B, T); position t predicts label t+1).
 
-    Where :func:`plain_body_and_head` finds the head, it runs only on the target positions and through
-    :func:`dschat.losses.linear_cross_entropy`, so neither the padding nor the prompt tokens pass
-    the head and no (B, T, V) logits are made; elsewhere :func:`target_logits` (same value)."""
-    parts = plain_body_and_head(model)
-    if parts is None:
+    Where :func:`plain_head` finds the head, the model's forward (the DeepSpeed engine's, with its
+    backward bookkeeping) runs with :class:`_FusedLossHead` in the head's place: the head sees only the
+    target positions, through :func:`dschat.losses.linear_cross_entropy`, so neither padding nor prompt
+    tokens pass it and no (B, T, V) logits are made. Elsewhere :func:`target_logits` (the same value)."""
+    found = plain_head(model)
+    n = (labels[:, 1:] != IGNORE_INDEX).sum().float()
+    if found is None:
         logits, kept = target_logits(model, input_ids, attention_mask, labels)
         return mean_token_nll(logits, kept)
-    body, head = parts
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    targets = labels[:, 1:]
-    keep = targets != IGNORE_INDEX  # (B, T-1)
-    n = keep.sum().float()
-    nll = linear_cross_entropy(hidden[:, :-1][keep], head.weight, targets[keep])
+    with fused_loss_head(*found, labels):
+        nll = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     return nll / n.clamp_min(1.0), n
 
 

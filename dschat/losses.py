@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from dschat.data.collate import IGNORE_INDEX
 
@@ -54,6 +55,7 @@ class _TemperedLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         logits, tokens, lse = ctx.saved_tensors
         temperature = ctx.temperature
@@ -91,7 +93,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
         z.sub_(z.amax(dim=-1, keepdim=True))  # z - max: exp cannot overflow
         e = z.exp()
         total = e.sum(dim=-1)
-        out[i, r] = total.log() - (e * z).sum(dim=-1) / total  # log sum e - sum(e (z - max)) / sum e
+        # log sum e - sum(e (z - max)) / sum e; a -inf logit (e = 0) adds nothing, not 0 * -inf = nan
+        out[i, r] = total.log() - torch.where(e > 0, e * z, 0.0).sum(dim=-1) / total
     return out
 
 
@@ -116,6 +119,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen head needs no grad_w
+        ctx.weight_dtype = weight.dtype
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -133,17 +137,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 grad_h[s : s + chunk] = g @ weight
             if need_w:
-                grad_w += (g.t() @ h).float()
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+                grad_w += g.t() @ h  # (V, H) accumulated in fp32 across chunks
+        ctx.grads = (grad_h, grad_w)
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.grads
         ctx.grads = None
-        scale = grad_out.float()  # () the loss's gradient: the sum's gradients scale by it
-        return (None if grad_h is None else grad_h * scale.to(grad_h.dtype),
-                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None)  # fmt: skip
+        # () the loss's gradient (1 / tokens / accumulation): scaled in fp32, then rounded once
+        scale = grad_out.float()
+        return (None if grad_h is None else (grad_h.float() * scale).to(grad_h.dtype),
+                None if grad_w is None else (grad_w * scale).to(ctx.weight_dtype), None, None)  # fmt: skip
 
 
 def linear_cross_entropy(

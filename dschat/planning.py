@@ -52,16 +52,27 @@ def given(argv: list[str], flag: str) -> str | None:
     return value
 
 
+def switch(argv: list[str], flag: str) -> bool | None:
+    """A switch as ``argv`` sets it: True for ``--X``, False for ``--no_X`` (the last one wins, as
+    argparse keeps), None if neither is there."""
+    off = "--no_" + flag.removeprefix("--")
+    value = None
+    for tok in argv:
+        if tok in (flag, off):
+            value = tok == flag
+    return value
+
+
 def fixed_choice(step: int, argv: list[str]) -> dict[str, Any]:
     """The choice fields the step's command line already decides (explicit flags always win)."""
     fixed: dict[str, Any] = {}
     stages = [given(argv, f) for f in STAGE_FLAGS[step]]
     if any(s is not None for s in stages):
         fixed["zero_stage"] = int(next(s for s in stages if s is not None))
-    if any(given(argv, f) is not None for f in OFFLOAD_FLAGS[step]):
-        fixed["offload"] = True
-    if any(given(argv, f) is not None for f in CKPT_FLAGS[step]):
-        fixed["gradient_checkpointing"] = True
+    for name, flags in (("offload", OFFLOAD_FLAGS[step]), ("gradient_checkpointing", CKPT_FLAGS[step])):
+        values = [v for v in (switch(argv, f) for f in flags) if v is not None]
+        if values:
+            fixed[name] = any(values)
     return fixed
 
 
@@ -76,7 +87,7 @@ def choice_flags(step: int, choice: M.Choice, argv: list[str]) -> list[str]:
         switches += ZERO3_OFFLOAD_EXTRA.get(step, ())
     if choice.gradient_checkpointing:
         switches += CKPT_FLAGS[step]
-    return out + [f for f in switches if given(argv, f) is None]
+    return out + [f for f in switches if switch(argv, f) is None]
 
 
 def ordered_choices(fixed: dict[str, Any], on_gpu: bool, devices: int = 2) -> list[M.Choice]:

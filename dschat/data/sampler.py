@@ -76,7 +76,9 @@ class ResumableDistributedSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
         order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
         if self.lengths is not None:
-            order = group_by_length(order, self.lengths, self.world * self.batch_size, g)
+            # one group per optimizer step (all ranks, all accumulated micro-batches): one rank with
+            # accumulation K and K ranks then take the same samples at every step
+            order = group_by_length(order, self.lengths, self.world * self.batch_size * self.accumulation, g)
         return order[: self.batches_per_epoch() * self.world * self.batch_size]
 
     def __iter__(self) -> Iterator[int]:

@@ -169,8 +169,12 @@ def test_sft_loss_fused_head_equals_the_models_own_logits(tie):
     for row, start in enumerate((5, 3, 6)):
         labels[row, :start] = IGNORE_INDEX
     labels[mask == 0] = IGNORE_INDEX
-    assert lm.plain_body_and_head(model) is not None
+    assert lm.plain_head(model) is not None
+    calls = []  # the model's own forward runs (a DeepSpeed engine's bookkeeping lives there)
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
     fused, n = lm.sft_loss(model, ids, mask, labels)
+    hook.remove()
+    assert calls == [1] and type(model.lm_head) is torch.nn.Linear  # the head is back
     fused.backward()
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
@@ -181,5 +185,5 @@ def test_sft_loss_fused_head_equals_the_models_own_logits(tie):
     for k, p in model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, rtol=1e-5, atol=1e-6, msg=k)
     model.config.model_type = "gemma2"  # soft-capped logits: the fused head would be wrong there
-    assert lm.plain_body_and_head(model) is None
+    assert lm.plain_head(model) is None
     assert torch.allclose(lm.sft_loss(model, ids, mask, labels)[0], full)

@@ -272,6 +272,11 @@ def test_choice_flags_leave_explicit_flags_alone():
     ]  # fmt: skip
     assert P.fixed_choice(3, ["--actor_zero_stage=2", "--offload"]) == {"zero_stage": 2, "offload": True}
     assert P.given(["--zero_stage", "1", "--zero_stage", "2"], "--zero_stage") == "2"  # argparse: last wins
+    # a switch turned off (a preset's false, a user's --no_X) fixes the choice too, and the plan keeps it
+    off = ["--no_gradient_checkpointing"]
+    assert P.fixed_choice(1, off) == {"gradient_checkpointing": False}
+    assert P.choice_flags(1, c, off) == ["--zero_stage", "3", "--offload"]
+    assert P.fixed_choice(1, ["--no_offload", "--offload"]) == {"offload": True}  # the last one wins
 
 
 OPT = {"model_type": "opt", "vocab_size": 100, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2,

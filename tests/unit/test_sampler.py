@@ -113,6 +113,19 @@ def test_group_by_length_batches_similar_lengths_and_keeps_every_sample():
     assert list(again) == per_rank[0][5 * bs :]
 
 
+def test_group_by_length_gives_one_rank_with_accumulation_the_samples_of_two_ranks():
+    """The equivalence '2 ranks == 1 rank with accumulation 2' holds with length grouping: every optimizer
+    step takes the same 8 samples in both layouts (grouping per micro-batch broke it)."""
+    lengths = torch.randint(10, 200, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    one = list(ResumableDistributedSampler(200, batch_size=4, rank=0, world=1, seed=3, accumulation=2,
+                                           lengths=lengths))  # fmt: skip
+    two = [list(ResumableDistributedSampler(200, batch_size=4, rank=r, world=2, seed=3, lengths=lengths))
+           for r in range(2)]  # fmt: skip
+    for step in range(len(one) // 8):
+        assert sorted(one[step * 8 : (step + 1) * 8]) == sorted(two[0][step * 4 : (step + 1) * 4]
+                                                                + two[1][step * 4 : (step + 1) * 4])  # fmt: skip
+
+
 def test_group_by_length_needs_one_length_per_sample():
     with pytest.raises(ValueError, match="3 lengths for 4 samples"):
         ResumableDistributedSampler(4, batch_size=2, rank=0, world=1, seed=0, lengths=[1, 2, 3])
