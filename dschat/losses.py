@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -11,91 +10,36 @@ from torch.autograd.function import once_differentiable
 
 from dschat.data.collate import IGNORE_INDEX
 
-_CHUNK_ELEMENTS = 1 << 20  # fp32 logits per chunk (4 MB): each chunk's passes stay in cache
+
+def _tempered_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax of logits (B, T, V) at positions 0..T-2, divided by ``temperature`` first:
+    (B, T-1, V). One fused log-softmax kernel over the whole tensor: faster on CPU than the same
+    maths in chunks of separate passes (measured on the PPO benchmark)."""
+    x = logits[:, :-1].float()
+    if temperature != 1.0:
+        x = x / temperature
+    return F.log_softmax(x, dim=-1)
 
 
-def _chunks(n: int, vocab: int) -> Iterator[slice]:
-    """Slices of rows covering 0..n-1, each about ``_CHUNK_ELEMENTS`` logits."""
-    step = max(1, _CHUNK_ELEMENTS // vocab)
-    return (slice(s, min(s + step, n)) for s in range(0, n, step))
-
-
-def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A chunk of logits (c, V) in fp32, divided by ``temperature`` (a fresh tensor, changed in place after)."""
-    x = x.float() if x.dtype != torch.float32 else x.clone()
-    return x.div_(temperature) if temperature != 1.0 else x
-
-
-def _rows(logits: torch.Tensor) -> Iterator[tuple[int, slice]]:
-    """(b, positions) chunks over the predicting positions 0..T-2 of logits (B, T, V): each
-    ``logits[b, positions]`` is a contiguous block of about ``_CHUNK_ELEMENTS`` values."""
-    for b in range(logits.shape[0]):
-        for r in _chunks(logits.shape[1] - 1, logits.shape[2]):
-            yield b, r
-
-
-class _TemperedLogprobs(torch.autograd.Function):
-    """log softmax(logits[:, t] / temperature)[tokens[:, t]] for t = 0..T-2 of logits (B, T, V), chunk
-    by chunk in fp32: the forward keeps only each position's log-normaliser and the backward rebuilds
-    the softmax from the logits one chunk at a time, so no (B, T, V) fp32 tensor is made and the
-    logits' gradient is written once, in their own dtype."""
-
-    @staticmethod
-    def forward(ctx, logits, tokens, temperature: float):
-        b, t, _ = logits.shape
-        out = torch.empty(b, t - 1, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        for i, r in _rows(logits):
-            z = _tempered(logits[i, r], temperature)
-            lse[i, r] = torch.logsumexp(z, dim=-1)
-            out[i, r] = z.gather(1, tokens[i, r, None]).squeeze(1)
-        out -= lse
-        ctx.save_for_backward(logits, tokens, lse)
-        ctx.temperature = temperature
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        logits, tokens, lse = ctx.saved_tensors
-        temperature = ctx.temperature
-        grad = torch.empty_like(logits)
-        grad[:, -1] = 0  # the last position predicts nothing
-        for i, r in _rows(logits):
-            z = _tempered(logits[i, r], temperature)
-            g = grad_out[i, r].float() / temperature  # (c,)
-            # d logp / d logits = (one-hot - softmax) / temperature, times the incoming gradient
-            p = z.sub_(lse[i, r, None]).exp_().mul_(-g[:, None])
-            p[torch.arange(z.shape[0], device=z.device), tokens[i, r]] += g
-            grad[i, r] = p
-        return grad, None, None
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (B, T, V), tokens (B, T) -> log-prob of tokens[:, 1:] under softmax(logits[:, :-1] / temperature):
-    (B, T-1), in float32, differentiable.
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits (B, T, V), tokens (B, T) -> ``(logp, entropy)``: the log-prob (B, T-1) of tokens[:, 1:]
+    under softmax(logits[:, :-1] / temperature), in float32 and differentiable, and with ``entropy``
+    that distribution's entropy (B, T-1) (a statistic: no gradient) from the same log-softmax.
 
     ``temperature`` is the sampling temperature: the rollouts were drawn from the tempered distribution,
     so the policy PPO evaluates (old, new and reference log-probs, the KL) must be that one too.
-    Computed in chunks of positions (:class:`_TemperedLogprobs`): the same values as an fp32
-    ``log_softmax`` of the whole (B, T-1, V) tensor, without making that tensor or its gradient.
     """
-    return _TemperedLogprobs.apply(logits, tokens[:, 1:], float(temperature))
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the (tempered) next-token distribution at positions 0..T-2: logits (B, T, V) -> (B, T-1),
-    chunk by chunk in fp32 (a statistic: no gradient). ``H = lse - sum p z`` with ``z`` the tempered logits."""
-    out = torch.empty(logits.shape[0], logits.shape[1] - 1, dtype=torch.float32, device=logits.device)
-    for i, r in _rows(logits):
-        z = _tempered(logits[i, r], temperature)
-        z.sub_(z.amax(dim=-1, keepdim=True))  # z - max: exp cannot overflow
-        e = z.exp()
-        total = e.sum(dim=-1)
-        # log sum e - sum(e (z - max)) / sum e; a -inf logit (e = 0) adds nothing, not 0 * -inf = nan
-        out[i, r] = total.log() - torch.where(e > 0, e * z, 0.0).sum(dim=-1) / total
-    return out
+    logp = _tempered_log_softmax(logits, temperature)
+    picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return picked, None
+    with torch.no_grad():
+        lp = logp.detach()
+        # a -inf log-prob (a token the tempered policy cannot draw) adds nothing, not 0 * -inf = nan
+        ent = -torch.where(lp > float("-inf"), lp.exp() * lp, 0.0).sum(-1)
+    return picked, ent
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,12 +47,17 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 
     logits: (B, T, V), labels: (B, T) with ``IGNORE_INDEX`` where no loss is taken. Position t
     predicts label t+1. Returns ``(nll_sum (B,), n_tokens (B,))`` in float32, so callers can average
-    per token over any set of samples (a micro-batch, all ranks, a whole eval set). Computed chunk by
-    chunk (:func:`token_logprobs`): no fp32 copy of the (B, T, V) logits is made.
+    per token over any set of samples (a micro-batch, all ranks, a whole eval set).
     """
-    mask = labels[:, 1:] != IGNORE_INDEX
-    logp = token_logprobs(logits, labels.clamp_min(0))  # (B, T-1)
-    nll = torch.where(mask, -logp, 0.0)
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE_INDEX
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.clamp_min(0).reshape(-1),
+        reduction="none",
+    ).view_as(shift_labels)
+    nll = nll * mask
     return nll.sum(dim=1), mask.sum(dim=1).float()
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from dschat.generation.plain import position_ids_from_mask
 from dschat.lm import accepts, sft_loss
+from dschat.losses import token_logprobs
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 
@@ -145,10 +146,9 @@ class PPOTrainer:
                         position_ids=position_ids_from_mask(attention_mask), **extra).logits  # fmt: skip
         if logits.shape[1] != keep:  # a model without logits_to_keep (a slice's backward zero-fills all)
             logits = logits[:, -keep:]
-        temperature, pad = self.hyper.temperature, (t - keep, 0)
-        logprobs = F.pad(M.logprobs_of(logits, sequences[:, -keep:], temperature), pad)
-        ent = F.pad(M.entropy_of(logits, temperature), pad) if entropy else None
-        return logprobs, ent
+        pad = (t - keep, 0)
+        logprobs, ent = token_logprobs(logits, sequences[:, -keep:], self.hyper.temperature, entropy=entropy)
+        return F.pad(logprobs, pad), (F.pad(ent, pad) if entropy else None)
 
     # ------------------------------------------------------------------ 1. experience
     @torch.no_grad()

@@ -16,8 +16,18 @@ import math
 
 import torch
 
-from dschat.losses import token_entropy as entropy_of  # noqa: F401 (PPO's names for them)
-from dschat.losses import token_logprobs as logprobs_of  # noqa: F401
+from dschat.losses import token_logprobs
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T, V), (B, T) -> log-probs (B, T-1) of tokens[:, 1:] at ``temperature`` (:func:`token_logprobs`)."""
+    return token_logprobs(logits, tokens, temperature)[0]
+
+
+def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (B, T-1) of the tempered next-token distribution at positions 0..T-2 of logits (B, T, V)."""
+    return token_logprobs(logits, torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device),
+                          temperature, entropy=True)[1]  # fmt: skip
 
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_id: int) -> torch.Tensor:
