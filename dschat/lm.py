@@ -110,10 +110,10 @@ def sft_loss(
     target positions, through :func:`dschat.losses.linear_cross_entropy`, so neither padding nor prompt
     tokens pass it and no (B, T, V) logits are made. Elsewhere :func:`target_logits` (the same value)."""
     found = plain_head(model)
-    n = (labels[:, 1:] != IGNORE_INDEX).sum().float()
     if found is None:
         logits, kept = target_logits(model, input_ids, attention_mask, labels)
         return mean_token_nll(logits, kept)
+    n = (labels[:, 1:] != IGNORE_INDEX).sum().float()
     with fused_loss_head(*found, labels):
         nll = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     return nll / n.clamp_min(1.0), n

@@ -35,11 +35,20 @@ def token_logprobs(
     picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     if not entropy:
         return picked, None
-    with torch.no_grad():
-        lp = logp.detach()
-        # a -inf log-prob (a token the tempered policy cannot draw) adds nothing, not 0 * -inf = nan
-        ent = -torch.where(lp > float("-inf"), lp.exp() * lp, 0.0).sum(-1)
-    return picked, ent
+    return picked, _entropy(logp)
+
+
+@torch.no_grad()
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """(..., V) log-probs -> (...) entropy; a -inf log-prob (a token the tempered policy cannot draw)
+    adds nothing, not 0 * -inf = nan."""
+    lp = logp.detach()
+    return -torch.where(lp > float("-inf"), lp.exp() * lp, 0.0).sum(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (B, T-1) of the tempered next-token distribution at positions 0..T-2 of logits (B, T, V)."""
+    return _entropy(_tempered_log_softmax(logits, temperature))
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from dschat.losses import token_logprobs
+from dschat.losses import token_entropy, token_logprobs
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -26,8 +26,7 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
 
 def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy (B, T-1) of the tempered next-token distribution at positions 0..T-2 of logits (B, T, V)."""
-    return token_logprobs(logits, torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device),
-                          temperature, entropy=True)[1]  # fmt: skip
+    return token_entropy(logits, temperature)
 
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_id: int) -> torch.Tensor:
