@@ -61,11 +61,24 @@ class Addition:
 WORDS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum", "cat", "dog", "fox", "owl"]
 
 
+def word_slips(right: list[str], rng: random.Random) -> list[str]:
+    """The slips a small model makes when it copies words: one word written twice in a row, and one word
+    from the middle left out (the other wrong answers drop only the last). A reward model that had not
+    seen these scored "owl mango mango dog" above the right "owl mango dog" and PPO learnt to repeat
+    words (measured on the step-1 SmolLM2's samples, 2026-11-25)."""
+    i = rng.randrange(len(right))
+    doubled = [*right[: i + 1], right[i], *right[i + 1 :]]
+    j = rng.randrange(1, len(right) - 1) if len(right) > 2 else 0
+    dropped = right[:j] + right[j + 1 :]
+    return [" ".join(doubled), " ".join(dropped)]
+
+
 class SortWords:
     """Sort 3-4 words alphabetically; wrong answers swap a neighbouring pair, keep the input order, drop a
-    word, add one (shorter and longer wrong answers, so length alone never tells them apart) or replace one
-    with a word that is not in the question (sorted, so order alone does not tell them apart either: a
-    reward model trained without these was exploited by PPO answers made of late-alphabet words)."""
+    word, add one, double one or leave one out of the middle (shorter and longer wrong answers, so length
+    alone never tells them apart) or replace one with a word that is not in the question (sorted, so
+    order alone does not tell them apart either: a reward model trained without these was exploited by
+    PPO answers made of late-alphabet words)."""
 
     name = "sort"
     pattern = re.compile(r"^Sort: ([a-z ]+)$")
@@ -90,6 +103,7 @@ class SortWords:
         replaced = list(words)
         replaced[rng.randrange(len(words))] = rng.choice(extra)
         out.append(" ".join(sorted(replaced)))
+        out.extend(word_slips(words, rng))
         right = " ".join(words)
         out = [o for o in dict.fromkeys(out) if o != right]
         rng.shuffle(out)
@@ -128,8 +142,8 @@ class ReverseLetters:
 
 class ReverseWords:
     """Reverse the order of 3-5 words (a task for BPE models, where a word is a token or two and letters
-    are not); wrong answers keep the input order, swap a neighbouring pair, drop a word, add one, or
-    replace one with a word that is not in the question."""
+    are not); wrong answers keep the input order, swap a neighbouring pair, drop a word, add one, double
+    one, leave one out of the middle, or replace one with a word that is not in the question."""
 
     name = "reverse_words"
     pattern = re.compile(r"^Reverse the order of the words: ([a-z ]+)$")
@@ -154,12 +168,13 @@ class ReverseWords:
         replaced = list(right)
         replaced[rng.randrange(len(right))] = rng.choice(extra)
         out.append(" ".join(replaced))
+        out.extend(word_slips(right, rng))
         out = [o for o in dict.fromkeys(out) if o != " ".join(right)]
         rng.shuffle(out)
         return out
 
 
-TASKS_VERSION = 8  # part of the data-cache key: bump when generation changes
+TASKS_VERSION = 9  # part of the data-cache key: bump when generation changes
 
 TASKS: dict[str, Task] = {t.name: t for t in (Addition(), SortWords(), ReverseLetters(), ReverseWords())}
 # ``builtin`` without a task list. Addition stays available (``builtin:add``) but is not a default: the tiny

@@ -161,8 +161,37 @@ def _split_foreign_words(wrong: set[str], words: list[str]) -> set[str]:
     return wrong - set(foreign)
 
 
+class _FixedRng:
+    """randrange returns the queued values in order (what word_slips picks, by hand)."""
+
+    def __init__(self, *values: int) -> None:
+        self.values = list(values)
+
+    def randrange(self, *args: int) -> int:
+        return self.values.pop(0)
+
+
+def test_word_slips_double_a_word_and_leave_one_out_of_the_middle():
+    assert tasks.word_slips(["a", "b", "c", "d"], _FixedRng(1, 2)) == ["a b b c d", "a b d"]
+    assert tasks.word_slips(["a", "b", "c"], _FixedRng(2, 1)) == ["a b c c", "a c"]
+    # two words have no middle: the first goes
+    assert tasks.word_slips(["a", "b"], _FixedRng(0)) == ["a a b", "b"]
+
+
+def _split_slips(wrong: set[str], right: list[str]) -> set[str]:
+    """Remove and check word_slips' two answers: the right words with one doubled in place, and with one
+    word from the middle left out."""
+    doubled = {w for w in wrong if len(w.split()) == len(right) + 1 and
+               any(w.split() == [*right[: i + 1], right[i], *right[i + 1 :]] for i in range(len(right)))}  # fmt: skip
+    dropped = {
+        w for w in wrong if any(w.split() == right[:j] + right[j + 1 :] for j in range(1, len(right) - 1))
+    }
+    assert len(doubled) == 1 and len(dropped) == 1, (doubled, dropped)
+    return wrong - doubled - dropped
+
+
 def test_sort_wrong_answers():
-    wrong = _wrong("sort", "Sort: pear apple fox")
+    wrong = _split_slips(_wrong("sort", "Sort: pear apple fox"), ["apple", "fox", "pear"])
     assert _split_foreign_words(wrong, ["pear", "apple", "fox"]) == {
         "fox apple pear",  # neighbours swapped
         "apple pear fox",
@@ -170,8 +199,25 @@ def test_sort_wrong_answers():
         "apple fox",  # a word short
     }
     # already sorted input: the input itself is the right answer and is left out
-    wrong = _wrong("sort", "Sort: ant bee cat")
+    wrong = _split_slips(_wrong("sort", "Sort: ant bee cat"), ["ant", "bee", "cat"])
     assert _split_foreign_words(wrong, ["ant", "bee", "cat"]) == {"bee ant cat", "ant cat bee", "ant bee"}
+
+
+def test_reverse_words_wrong_answers():
+    right = ["owl", "mango", "dog"]
+    wrong = _split_slips(_wrong("reverse_words", "Reverse the order of the words: dog mango owl"), right)
+    foreign = {w for w in wrong if set(w.split()) - set(right)}
+    # one word of WORDS appended, and one word replaced by such a word (in place)
+    assert sorted(len(w.split()) for w in foreign) == [3, 4]
+    for w in foreign:
+        kept = [a == b for a, b in zip(w.split(), right)]
+        assert (kept == [True, True, True]) == (len(w.split()) == 4) and (sum(kept) >= 2)
+    assert wrong - foreign == {
+        "dog mango owl",  # the input order
+        "mango owl dog",  # neighbours swapped
+        "owl dog mango",
+        "owl mango",  # the last word dropped
+    }
 
 
 def test_wrong_answers_are_shorter_and_longer_so_length_does_not_decide():
