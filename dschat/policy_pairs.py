@@ -34,6 +34,7 @@ from dschat.data.schema import Sample
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.texts import generate_texts
 from dschat.losses import gather_last
+from dschat.rlhf.ppo_math import group_relative_scores
 from dschat.scoring import score_with
 from dschat.tasks.accuracy import rank_slice
 from dschat.utils import dist
@@ -75,12 +76,38 @@ def selection_metrics(scores: torch.Tensor, right: torch.Tensor, weight: torch.T
     right = right.float()
     picked = right.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
     w = weight.float()
-    return {
+    out = {
         "best": float((picked * w).sum()),
         "sampled": float((right.mean(dim=1) * w).sum()),
         "any": float((right.amax(dim=1) * w).sum()),
         "n": float(w.sum()),
     }
+    k = scores.shape[1]
+    if k > 1:  # the sums of advantage_correlation, per answer, weighted by its prompt's weight
+        x = group_relative_scores(scores.flatten(), k, "rloo")
+        y = group_relative_scores(right.flatten(), k, "rloo")
+        wr = w.repeat_interleave(k)
+        out.update({"adv_n": float(wr.sum()), "adv_x": float((wr * x).sum()), "adv_y": float((wr * y).sum()),
+                    "adv_xx": float((wr * x * x).sum()), "adv_yy": float((wr * y * y).sum()),
+                    "adv_xy": float((wr * x * y).sum())})  # fmt: skip
+    return out
+
+
+def advantage_correlation(sums: dict[str, float]) -> float:
+    """Pearson correlation between the RLOO advantages (each answer's score minus the mean of its prompt's
+    other answers) that a scorer gives and those the verifier gives, from :func:`selection_metrics`' sums
+    (summed over ranks). RL with a group baseline moves the policy along the scorer's advantages: where
+    they agree with the verifier's only weakly, it learns the scorer's mistakes as fast as the task. On
+    192 sampled answers of the default job's step-1 model (scores clipped to +-5 as step 3 clips them;
+    2026-11-25): 0.60 for a reward model that PPO hacked, 0.73 for one that step 3 improves on.
+    0.0 when either side does not vary (no signal)."""
+    n = sums["adv_n"]
+    cov = n * sums["adv_xy"] - sums["adv_x"] * sums["adv_y"]
+    var_x = n * sums["adv_xx"] - sums["adv_x"] ** 2
+    var_y = n * sums["adv_yy"] - sums["adv_y"] ** 2
+    if var_x <= 1e-12 * max(n * sums["adv_xx"], 1.0) or var_y <= 1e-12 * max(n * sums["adv_yy"], 1.0):
+        return 0.0
+    return cov / (var_x * var_y) ** 0.5
 
 
 def wrong_answer_pairs(prompts: list[str], answers: list[str]) -> list[Sample]:
@@ -155,7 +182,8 @@ def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Te
                        samples: PolicySamples, *, batch_size: int, max_len: int,
                        device: str | torch.device, fmt: PromptFormat | None = None) -> dict[str, float]:  # fmt: skip
     """How often a scorer's favourite among each prompt's K answers is right, over all ranks, beside a
-    random pick's (``sampled_accuracy``) and an oracle's (``pass_at_k``).
+    random pick's (``sampled_accuracy``) and an oracle's (``pass_at_k``); with K > 1 also how well its
+    RLOO advantages agree with the verifier's (``advantage_correlation``).
 
     ``score_fn(input_ids, attention_mask) -> (B,)`` scores at the last real token (every rank calls it
     equally often); rows are tokenized as in :func:`dschat.scoring.score_with`.
@@ -169,11 +197,14 @@ def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Te
     keys = sorted(sums)
     total = dict(zip(keys, dist.all_reduce_sum([sums[key] for key in keys])))
     n = max(total["n"], 1.0)
-    return {
+    out = {
         "best_of_k_accuracy": total["best"] / n,
         "sampled_accuracy": total["sampled"] / n,
         "pass_at_k": total["any"] / n,
     }
+    if "adv_n" in total:
+        out["advantage_correlation"] = advantage_correlation(total)
+    return out
 
 
 @torch.no_grad()

@@ -225,6 +225,9 @@ def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
     # The reward model's pick among each held-out prompt's answers can be right only where one is.
     assert 0.0 <= s["eval_policy_best_of_k_accuracy_end"] <= held_out["pass_at_k"] <= 1.0
     assert held_out["sampled_accuracy"] <= held_out["pass_at_k"]
+    # reported at start and end (the value itself: tests/unit/test_policy_pairs.py, by hand)
+    for end in ("start", "end"):
+        assert -1.0 <= s[f"eval_policy_advantage_correlation_{end}"] <= 1.0
     assert (
         "on the policy's own mistakes" in proc.stderr + proc.stdout
         and "its pick of the policy's 2" in proc.stderr + proc.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dschat.policy_pairs import selection_metrics, wrong_answer_pairs
+from dschat.policy_pairs import advantage_correlation, selection_metrics, wrong_answer_pairs
 from dschat.tasks import make_prompt
 
 
@@ -44,7 +44,24 @@ def test_selection_metrics_by_hand():
     right = torch.tensor([[0, 1, 0], [0, 1, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
     weight = torch.tensor([1.0, 1.0, 1.0, 0.0])
     m = selection_metrics(scores, right, weight)
-    assert m == {"best": 1.0, "sampled": pytest.approx(1 / 3 + 2 / 3), "any": 2.0, "n": 3.0}
+    assert {k: m[k] for k in ("best", "sampled", "any", "n")} == {
+        "best": 1.0, "sampled": pytest.approx(1 / 3 + 2 / 3), "any": 2.0, "n": 3.0,
+    }  # fmt: skip
+
+
+def test_advantage_correlation_by_hand():
+    # 2 prompts x 2 answers: the RLOO advantage with K = 2 is s_i - s_j.
+    # Prompt 0: scores (1, 3), right (0, 1) -> score advantages (-2, 2), verifier's (-1, 1).
+    # Prompt 1: scores (2, 0), both right -> (2, -2) and (0, 0): the scorer's preference here is noise.
+    # Pearson over the 4 rows (both means 0): sum xy = 4, sum x^2 = 16, sum y^2 = 2 -> 4 / sqrt(32).
+    # A third prompt with weight 0 (a rank's repeat) must not count.
+    scores = torch.tensor([[1.0, 3.0], [2.0, 0.0], [5.0, -5.0]])
+    right = torch.tensor([[0, 1], [1, 1], [0, 1]], dtype=torch.bool)
+    m = selection_metrics(scores, right, torch.tensor([1.0, 1.0, 0.0]))
+    assert advantage_correlation(m) == pytest.approx(1 / 2**0.5)
+    # a scorer that agrees with the verifier everywhere it can: 1; one that cannot vary: 0 (no signal)
+    assert advantage_correlation(selection_metrics(right.float(), right, torch.ones(3))) == pytest.approx(1.0)
+    assert advantage_correlation(selection_metrics(torch.zeros(3, 2), right, torch.ones(3))) == 0.0
 
 
 def test_selection_metrics_ties_go_to_the_first_answer():
@@ -74,10 +91,16 @@ def test_selection_accuracy_lets_a_real_reward_model_pick(tmp_path):
         k=3,
     )
     m = selection_accuracy(rm.score, tokenizer, samples, batch_size=2, max_len=64, device="cpu")
-    assert m == {"best_of_k_accuracy": 0.5, "sampled_accuracy": pytest.approx(1 / 6), "pass_at_k": 0.5}
+    # RLOO advantages (K = 3, scores +-8): prompt a (-8, 16, -8) against the verifier's (-1/2, 1, -1/2),
+    # prompt b (-8, -8, 16) against (0, 0, 0): sum xy = 24, sum x^2 = 768, sum y^2 = 3/2 -> 1 / sqrt(2)
+    assert m == {"best_of_k_accuracy": 0.5, "sampled_accuracy": pytest.approx(1 / 6), "pass_at_k": 0.5,
+                 "advantage_correlation": pytest.approx(1 / 2**0.5, abs=1e-3)}  # fmt: skip
     moved = PolicySamples([a, b], [" 579", " 578", " 578", " 578", " 578", " 579"],
                           [True, False, False, False, False, False], [1.0, 1.0], 3)  # fmt: skip
-    assert selection_accuracy(rm.score, tokenizer, moved, batch_size=4, max_len=64, device="cpu") == m
+    # the same answers elsewhere in their groups, scored in other batches: sums differ in the last digits
+    assert selection_accuracy(
+        rm.score, tokenizer, moved, batch_size=4, max_len=64, device="cpu"
+    ) == pytest.approx(m, rel=1e-4)
     with pytest.raises(ValueError, match="2 prompts x k=3 need 6 answers"):
         PolicySamples([a, b], [" 579"] * 5, [True] * 5, [1.0, 1.0], 3)
 

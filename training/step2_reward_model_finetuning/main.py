@@ -178,15 +178,20 @@ class RankingEval:
             if (
                 self.policy_samples is not None
             ):  # the reward model picks one of the policy's K answers per prompt
-                ev["policy_best_of_k_accuracy"] = evaluate_selection(
+                sel = evaluate_selection(
                     self.engine, self.tokenizer, self.policy_samples, batch_size=self.optim.per_device_eval_batch_size,
-                    max_len=self.data_args.max_seq_len, fmt=self.fmt)["best_of_k_accuracy"]  # fmt: skip
+                    max_len=self.data_args.max_seq_len, fmt=self.fmt)  # fmt: skip
+                ev["policy_best_of_k_accuracy"] = sel["best_of_k_accuracy"]
+                if "advantage_correlation" in sel:
+                    ev["policy_advantage_correlation"] = sel["advantage_correlation"]
         self.metrics.log(ev, step=step, split="eval")
-        LOG.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s", step, ev["accuracy"],
+        LOG.info("eval at step %d: accuracy %.4f, chosen %.3f, rejected %.3f, margin %.3f%s%s%s", step, ev["accuracy"],
                  ev["chosen_mean"], ev["rejected_mean"], ev["margin"],
                  f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if self.policy_evals else "",
                  f", its pick of the policy's {self.pairs_args.policy_negatives_per_prompt} answers right "
-                 f"{ev['policy_best_of_k_accuracy']:.4f}" if self.policy_samples is not None else "")  # fmt: skip
+                 f"{ev['policy_best_of_k_accuracy']:.4f}" if self.policy_samples is not None else "",
+                 f", its advantages' correlation with the verifier's {ev['policy_advantage_correlation']:.3f}"
+                 if "policy_advantage_correlation" in ev else "")  # fmt: skip
         return ev
 
 
@@ -211,6 +216,10 @@ def summarize(eval_start: dict, eval_end: dict, state: T.TrainState, mined, leng
         # raise its score but not the truth.
         "eval_policy_best_of_k_accuracy_start": eval_start.get("policy_best_of_k_accuracy"),
         "eval_policy_best_of_k_accuracy_end": eval_end.get("policy_best_of_k_accuracy"),
+        # How well the reward model's RLOO advantages among those K answers follow the verifier's: what
+        # group-baseline RL against it will follow (policy_pairs.advantage_correlation).
+        "eval_policy_advantage_correlation_start": eval_start.get("policy_advantage_correlation"),
+        "eval_policy_advantage_correlation_end": eval_end.get("policy_advantage_correlation"),
         "policy_negatives": mined.stats if mined else None,
         # --length_expert: the length-only expert's coefficient and its own training-pair accuracy (the
         # evaluation above scores the reward model alone, as PPO uses it)
