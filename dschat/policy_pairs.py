@@ -98,8 +98,9 @@ def advantage_correlation(sums: dict[str, float]) -> float:
     other answers) that a scorer gives and those the verifier gives, from :func:`selection_metrics`' sums
     (summed over ranks). RL with a group baseline moves the policy along the scorer's advantages: where
     they agree with the verifier's only weakly, it learns the scorer's mistakes as fast as the task. On
-    192 sampled answers of the default job's step-1 model (scores clipped to +-5 as step 3 clips them;
-    2026-11-25): 0.60 for a reward model that PPO hacked, 0.73 for one that step 3 improves on.
+    384 sampled answers (4 for each of 96 prompts) of the default job's step-1 model, scores clipped to
+    +-5 as step 3 clips them (2026-11-25): 0.60 for a reward model that PPO hacked, 0.73 for one that
+    step 3 improves on.
     0.0 when either side does not vary (no signal)."""
     n = sums["adv_n"]
     cov = n * sums["adv_xy"] - sums["adv_x"] * sums["adv_y"]
