@@ -16,18 +16,6 @@ import math
 
 import torch
 
-from dschat.losses import token_entropy, token_logprobs
-
-
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T, V), (B, T) -> log-probs (B, T-1) of tokens[:, 1:] at ``temperature`` (:func:`token_logprobs`)."""
-    return token_logprobs(logits, tokens, temperature)[0]
-
-
-def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy (B, T-1) of the tempered next-token distribution at positions 0..T-2 of logits (B, T, V)."""
-    return token_entropy(logits, temperature)
-
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_id: int) -> torch.Tensor:
     """(B, T) prompt (left-padded to ``prompt_len``) + generated tokens -> action mask (B, T-1).

@@ -6,6 +6,7 @@ from dataclasses import fields
 
 import torch
 
+from dschat.losses import token_logprobs
 from dschat.rlhf.experience import Experience
 
 PER_ACTION = ("action_mask", "logprobs", "ref_logprobs", "values", "rewards", "advantages", "returns")
@@ -140,7 +141,7 @@ def rollout(model, prompts: list[list[int]], responses: list[list[int]], seed: i
         logits = model(input_ids=seq, attention_mask=attention_mask,
                        position_ids=position_ids_from_mask(attention_mask)).logits  # fmt: skip
     g = torch.Generator().manual_seed(seed)
-    lp = M.logprobs_of(logits, seq)
+    lp = token_logprobs(logits, seq)[0]
     per_action = {k: torch.randn(lp.shape, generator=g) * action_mask for k in PER_ACTION[2:]}
     return Experience(
         sequences=seq, attention_mask=attention_mask, action_mask=action_mask,
@@ -169,7 +170,7 @@ def test_cat_of_different_prompt_widths_keeps_every_log_prob_and_loss():
         with torch.no_grad():
             logits = model(input_ids=e.sequences, attention_mask=e.attention_mask,
                            position_ids=position_ids_from_mask(e.attention_mask)).logits  # fmt: skip
-        return M.logprobs_of(logits, e.sequences)
+        return token_logprobs(logits, e.sequences)[0]
 
     def losses(e: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy and value loss summed over the actions (masked mean x number of actions)."""

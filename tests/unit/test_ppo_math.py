@@ -8,19 +8,18 @@ import math
 import pytest
 import torch
 
+from dschat.losses import token_entropy, token_logprobs
 from dschat.rlhf.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     action_mask_from,
     aggregate,
     discounted_returns,
-    entropy_of,
     gae,
     group_relative_scores,
     kl_estimate,
     kl_shaped_rewards,
     last_action_index,
-    logprobs_of,
     masked_mean,
     masked_whiten,
     policy_loss,
@@ -52,37 +51,37 @@ def tiny_logits():
     return t([[[0.0, LN2, LN3], [0.0, 0.0, 0.0], [100.0, 0.0, -100.0]]])
 
 
-def test_logprobs_of_hand_values():
+def test_token_logprobs_hand_values():
     # tokens[1] = 2 under position 0: ln(3/6) = -ln2; tokens[2] = 0 under position 1: -ln3
-    lp = logprobs_of(tiny_logits(), torch.tensor([[1, 2, 0]]))
+    lp = token_logprobs(tiny_logits(), torch.tensor([[1, 2, 0]]))[0]
     assert lp.shape == (1, 2)
     assert lp.dtype == torch.float32
     assert close(lp, [[-LN2, -LN3]])
 
 
-def test_logprobs_of_other_tokens_and_first_token_is_ignored():
+def test_token_logprobs_other_tokens_and_first_token_is_ignored():
     # tokens[1] = 0 under position 0: -ln6; tokens[2] = 1 under position 1: -ln3; tokens[0] is no target
     for first in (0, 1, 2):
-        lp = logprobs_of(tiny_logits(), torch.tensor([[first, 0, 1]]))
+        lp = token_logprobs(tiny_logits(), torch.tensor([[first, 0, 1]]))[0]
         assert close(lp, [[-math.log(6.0), -LN3]])
 
 
-def test_logprobs_of_ignores_the_last_position():
+def test_token_logprobs_ignores_the_last_position():
     logits = tiny_logits()
     logits[0, 2] = t([-5.0, 7.0, 1.0])
-    assert close(logprobs_of(logits, torch.tensor([[1, 2, 0]])), [[-LN2, -LN3]])
+    assert close(token_logprobs(logits, torch.tensor([[1, 2, 0]]))[0], [[-LN2, -LN3]])
 
 
-def test_logprobs_of_bf16_logits_are_upcast():
-    lp = logprobs_of(tiny_logits().bfloat16(), torch.tensor([[1, 2, 0]]))
+def test_token_logprobs_bf16_logits_are_upcast():
+    lp = token_logprobs(tiny_logits().bfloat16(), torch.tensor([[1, 2, 0]]))[0]
     assert lp.dtype == torch.float32
     assert close(lp, [[-LN2, -LN3]], atol=2e-2)
 
 
-def test_entropy_of_hand_values():
+def test_token_entropy_hand_values():
     # position 0: H = -(1/6 ln 1/6 + 2/6 ln 2/6 + 3/6 ln 3/6) = ln6/6 + ln3/3 + ln2/2
     # position 1: uniform over 3 -> ln3
-    h = entropy_of(tiny_logits())
+    h = token_entropy(tiny_logits())
     assert h.shape == (1, 2)
     assert close(h, [[math.log(6.0) / 6 + LN3 / 3 + LN2 / 2, LN3]])
 
@@ -90,14 +89,14 @@ def test_entropy_of_hand_values():
 def test_logprobs_and_entropy_at_temperature_one_half():
     # logits / 0.5 at position 0: [0, 2 ln2, 2 ln3] -> probs [1, 4, 9] / 14; position 1 stays uniform
     tokens = torch.tensor([[1, 2, 0]])
-    lp = logprobs_of(tiny_logits(), tokens, temperature=0.5)
+    lp = token_logprobs(tiny_logits(), tokens, temperature=0.5)[0]
     assert close(lp, [[math.log(9 / 14), -LN3]])
     p = t([1.0, 4.0, 9.0]) / 14
-    h = entropy_of(tiny_logits(), temperature=0.5)
+    h = token_entropy(tiny_logits(), temperature=0.5)
     assert close(h, [[float(-(p * p.log()).sum()), LN3]])
     # the default temperature is 1 (the raw logits)
     assert torch.equal(
-        logprobs_of(tiny_logits(), tokens, temperature=1.0), logprobs_of(tiny_logits(), tokens)
+        token_logprobs(tiny_logits(), tokens, temperature=1.0)[0], token_logprobs(tiny_logits(), tokens)[0]
     )
 
 
@@ -677,7 +676,7 @@ def test_policy_loss_sequence_aggregation_hand_values():
         assert math.isclose(float(loss), want, abs_tol=1e-6), agg
 
 
-def test_entropy_of_a_distribution_with_impossible_tokens_is_finite():
+def test_token_entropy_a_distribution_with_impossible_tokens_is_finite():
     """A -inf logit (a token masked out) contributes 0 to the entropy, not nan: [0, 0, -inf] -> ln 2."""
     logits = torch.tensor([[[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]]])
-    assert close(entropy_of(logits), [[LN2]])
+    assert close(token_entropy(logits), [[LN2]])
