@@ -106,6 +106,8 @@ def advantage_correlation(sums: dict[str, float]) -> float:
     cov = n * sums["adv_xy"] - sums["adv_x"] * sums["adv_y"]
     var_x = n * sums["adv_xx"] - sums["adv_x"] ** 2
     var_y = n * sums["adv_yy"] - sums["adv_y"] ** 2
+    # Relative to the raw second moment: cancellation can leave a tiny positive variance where every
+    # advantage is equal, and dividing by it would turn rounding error into a correlation.
     if var_x <= 1e-12 * max(n * sums["adv_xx"], 1.0) or var_y <= 1e-12 * max(n * sums["adv_yy"], 1.0):
         return 0.0
     return cov / (var_x * var_y) ** 0.5
