@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dschat.losses import gather_last
+from dschat.models.reward import pair_values
 from dschat.utils import dist
 
 
@@ -56,9 +57,8 @@ def evaluate_ranking(engine, batches: list[tuple[dict, torch.Tensor]]) -> dict[s
     keys = None
     totals: dict[str, float] = {}
     for batch, weight in batches:
-        ids = batch["input_ids"].to(engine.device)
         mask = batch["attention_mask"].to(engine.device)
-        scores = gather_last(engine(ids, mask), mask).cpu()
+        scores = gather_last(pair_values(engine, batch, engine.device), mask).cpu()
         lengths = mask.sum(dim=1).cpu()
         b = weight.shape[0]
         sums = ranking_sums(scores[:b], scores[b:], lengths[:b], lengths[b:], weight)

@@ -40,7 +40,7 @@ from dschat.losses import (
     length_log_ratio,
     pairwise_loss,
 )
-from dschat.models.reward import ScalarHeadModel, load_reward_model
+from dschat.models.reward import ScalarHeadModel, load_reward_model, packing_tolerance, pair_values
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
 from dschat.utils.errors import run_cli
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 2. data: this step's share of the pairs
     data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
-    collate = PairCollator(tokenizer.pad_token_id)
+    collate = PairCollator(tokenizer.pad_token_id, share_prompt=reward.share_prompt)
     # 2b. on-policy pairs (--policy_negatives_from): the policy's own wrong answers to this step's built-in
     # prompts join the training pairs; those to held-out prompts are a second evaluation set, the one
     # that says whether PPO's actor will be able to fool this reward model.
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                                            wrap=ScalarHeadModel)  # fmt: skip
     log.info("reward model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
              ds_args.zero_stage, world)  # fmt: skip
+    if collate.share_prompt:
+        settle_share_prompt(engine, collate, data.train, [evals, policy_evals])
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
     state, start_step, metrics = T.open_run(engine, run, global_batch, resolved)
@@ -140,6 +142,32 @@ def main(argv: list[str] | None = None) -> int:
     log.info("done: eval accuracy %.4f -> %.4f, reward model saved to %s", eval_start["accuracy"], eval_end["accuracy"],
              run.output_dir)  # fmt: skip
     return 0
+
+
+def settle_share_prompt(engine, collate: PairCollator, train: list, eval_sets: list[list]) -> None:
+    """Keep ``--share_prompt`` only where packed pairs give the unpacked values on this model: the body's
+    hidden states of two training pairs, compared both ways (:meth:`ScalarHeadModel.packing_error`).
+    Otherwise train and evaluate unpacked rows, with a warning."""
+    model = engine.module
+    why = None
+    if not model.takes_custom_masks:
+        why = f"attention implementation {model.hf_model.config._attn_implementation!r} takes no custom mask"
+    else:
+        was_training = model.training
+        model.eval()  # no dropout: the two forwards must be comparable
+        error = model.packing_error(collate(train[:2]), engine.device)
+        model.train(was_training)
+        LOG.info("--share_prompt: packed pairs match unpacked rows (relative difference %.1e)", error)
+        if error > packing_tolerance(next(model.parameters()).dtype):
+            why = f"packed pairs differ from unpacked rows by {error:.2f} (relative) on this model"
+    if why is None:
+        return
+    LOG.warning("--share_prompt: %s; scoring unpacked rows instead", why)
+    collate.share_prompt = False
+    for batches in eval_sets:  # evaluation batches were collated already
+        for batch, _ in batches:
+            for key in [k for k in batch if k.startswith("packed_") or k == "unpack_index"]:
+                del batch[key]
 
 
 def length_expert(train: list) -> tuple[float, float]:
@@ -237,7 +265,7 @@ def ranking_micro_step(engine, reward: C.RewardArgs, length_w: float | None, bat
     (the value at each sequence's last real token); ``length_w`` adds the length expert's log-odds."""
     ids, mask = batch["input_ids"].to(engine.device), batch["attention_mask"].to(engine.device)
     b = ids.shape[0] // 2
-    values = engine(ids, mask)  # (2B, T)
+    values = pair_values(engine, batch, engine.device)  # (2B, T)
     scores = gather_last(values, mask)  # (2B,)
     chosen, rejected = scores[:b], scores[b:]
     if reward.ranking_loss == "divergence":
