@@ -18,10 +18,12 @@ tasks where it is absent), read back from its ``summary.json`` and ``metrics.jso
 * ``lora_all_bf16``: LoRA r=16 in every layer with the base frozen (backward still runs through every
   layer); ``lora_top8_bf16``: LoRA only in the top 8 layers (backward stops there too);
 * ``rm_top8_bf16`` (step 2): a reward model that never computes the 49152-way LM head, top 8 layers;
-  ``rm_top8_bf16_grouped``.
+  ``rm_top8_bf16_grouped``; ``rm_top8_bf16_grouped_shared``: each pair packed into one row, so its shared
+  prompt is computed once (``--share_prompt``).
 
-Throughput counts real (non-padding) tokens; ``padding_fraction`` is the share of padded positions. MFU
-is the model FLOPs per real token (forward through every layer and the head it uses, backward through
+Throughput counts real (non-padding) tokens of the samples, a shared prompt twice as in two unpacked
+rows (``computed_tokens_per_sec``: those the model ran); ``padding_fraction`` is the share of padded
+positions. MFU is the model FLOPs per computed real token (forward through every layer and the head it uses, backward through
 what it must: weight and input gradients of trainable layers, input gradients of frozen layers above a
 trainable one, the LM head's input gradient) times tokens/s, over the bf16 (or fp32) matmul peak
 measured at the start of this run. Attention-score FLOPs (under 7% at 256 tokens) are not counted.
@@ -62,8 +64,9 @@ LEVERS: dict[str, tuple[int, list[str], object]] = {
     "lora_all_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora"], ("lora", 0)),
     "lora_top8_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora", "--trainable_layers", "8"],
                        ("lora", 8)),
-    "rm_top8_bf16": (2, [*UNGROUPED, "--dtype", "bf16", "--trainable_layers", "8"], 8),
-    "rm_top8_bf16_grouped": (2, ["--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
+    "rm_top8_bf16": (2, [*UNGROUPED, "--no_share_prompt", "--dtype", "bf16", "--trainable_layers", "8"], 8),
+    "rm_top8_bf16_grouped": (2, ["--no_share_prompt", "--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
+    "rm_top8_bf16_grouped_shared": (2, ["--share_prompt", "--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
 }  # fmt: skip
 
 
@@ -118,9 +121,10 @@ def run(model: str, lever: str, steps: int, batch: int, max_seq_len: int) -> dic
     train = [r for r in rows if r["split"] == "train"]
     steady = train[1:] if len(train) > 1 else train  # the first step warms allocators and kernels
     tps = sum(r["tokens_per_sec"] for r in steady) / len(steady)
+    computed = sum(r.get("computed_tokens_per_sec", r["tokens_per_sec"]) for r in steady) / len(steady)
     return {"lever": lever, "step": step, "dtype": summary["dtype"], "steps": summary["steps"],
-            "real_tokens_per_sec": tps, "wall_seconds": time.perf_counter() - t0,
-            "padding_fraction": summary.get("padding_fraction")}  # fmt: skip
+            "real_tokens_per_sec": tps, "computed_tokens_per_sec": computed,
+            "wall_seconds": time.perf_counter() - t0, "padding_fraction": summary.get("padding_fraction")}  # fmt: skip
 
 
 def main() -> None:
@@ -139,7 +143,7 @@ def main() -> None:
         if "real_tokens_per_sec" in r:
             f = flops_per_token(shape, r["step"], LEVERS[lever][2])
             r["model_gflops_per_token"] = f / 1e9
-            r["mfu"] = f * r["real_tokens_per_sec"] / peaks[r["dtype"]]
+            r["mfu"] = f * r["computed_tokens_per_sec"] / peaks[r["dtype"]]
         results.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
     base = next((r["real_tokens_per_sec"] for r in results if r["lever"] == "full_bf16" and "mfu" in r), None)

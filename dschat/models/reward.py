@@ -9,6 +9,8 @@ and gives the same scores.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -16,6 +18,8 @@ from dschat.data.collate import REJECTED, shared_prompt_mask, unpack_pair_values
 from dschat.losses import gather_last
 from dschat.models.loading import apply_dropout, has_value_head, load_config
 from dschat.utils.errors import UserError
+
+LOG = logging.getLogger("dschat")
 
 
 class ScalarHeadModel(nn.Module):
@@ -110,6 +114,33 @@ def pair_values(model, batch: dict[str, torch.Tensor], device: torch.device | st
     mask = shared_prompt_mask(batch["packed_segments"].to(device))
     packed = model(batch["packed_input_ids"].to(device), mask, batch["packed_position_ids"].to(device))
     return unpack_pair_values(packed, batch["unpack_index"].to(device))
+
+
+def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets: list[list], device) -> None:
+    """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PairCollator` that packs) only where packed
+    pairs give the unpacked values on this model: the body's hidden states of two of the ``train`` pairs,
+    compared both ways (:meth:`ScalarHeadModel.packing_error`). Otherwise the collator stops packing and
+    the already collated ``eval_sets`` (lists of (batch, weight)) lose their packed rows, with a warning.
+    ``model``: the engine's module (ZeRO-3 gathers its parameters in the forward as usual)."""
+    why = None
+    if not model.takes_custom_masks:
+        why = f"attention implementation {model.hf_model.config._attn_implementation!r} takes no custom mask"
+    else:
+        was_training = model.training
+        model.eval()  # no dropout: the two forwards must be comparable
+        error = model.packing_error(collate(train[:2]), device)
+        model.train(was_training)
+        if error > packing_tolerance(next(model.parameters()).dtype):
+            why = f"packed pairs differ from unpacked rows by {error:.2f} (relative) on this model"
+    if why is None:
+        LOG.info("--share_prompt: packed pairs match unpacked rows (relative difference %.1e)", error)
+        return
+    LOG.warning("--share_prompt: %s; scoring unpacked rows instead", why)
+    collate.share_prompt = False
+    for batches in eval_sets:  # evaluation batches were collated already
+        for batch, _ in batches:
+            for key in [k for k in batch if k.startswith("packed_") or k == "unpack_index"]:
+                del batch[key]
 
 
 def load_reward_model(

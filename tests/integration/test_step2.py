@@ -144,6 +144,34 @@ def test_two_ranks_zero3_match_one_rank(tmp_path):
         assert a == pytest.approx(b, rel=2e-3, abs=2e-3)
 
 
+def test_shared_prompt_trains_like_unpacked_rows(tmp_path):
+    """--share_prompt (packed pairs, the default) and --no_share_prompt run the same maths: in fp32 the
+    losses, the accuracy and the saved scores agree to rounding, and the packed run computes fewer tokens."""
+    data = preference_file(tmp_path / "pairs.jsonl", n=240)
+    common = [*FAST, "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1", "--max_eval_samples", "64",
+              "--data_path", str(data), "--data_split", "0,1,0"]  # fmt: skip
+    runs = {}
+    for name, flag in (("packed", "--share_prompt"), ("plain", "--no_share_prompt")):
+        out = tmp_path / name
+        assert_ok(proc := step2(out, *common, flag))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = {"train": [r for r in rows if r["split"] == "train"],
+                      "summary": json.loads((out / "summary.json").read_text()), "log": proc.stdout + proc.stderr}  # fmt: skip
+    packed, plain = runs["packed"], runs["plain"]
+    assert packed["summary"]["share_prompt"] is True and plain["summary"]["share_prompt"] is False
+    assert "packed pairs match unpacked rows" in packed["log"]
+    assert [r["loss"] for r in packed["train"]] == pytest.approx(
+        [r["loss"] for r in plain["train"]], rel=1e-4
+    )
+    for key in ("eval_accuracy_end", "eval_chosen_mean", "eval_rejected_mean"):
+        assert packed["summary"][key] == pytest.approx(plain["summary"][key], rel=1e-4, abs=1e-5), key
+    # the same pairs' tokens are counted; the packed run computed fewer (each prompt once)
+    assert [r["tokens"] for r in packed["train"]] == [r["tokens"] for r in plain["train"]]
+    for p, u in zip(packed["train"], plain["train"]):
+        assert p["computed_tokens_per_sec"] / p["tokens_per_sec"] < 0.8
+        assert u["computed_tokens_per_sec"] == pytest.approx(u["tokens_per_sec"])
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -17,7 +17,7 @@ from dschat.data.collate import (
     unpack_pair_values,
 )
 from dschat.losses import gather_last
-from dschat.models.reward import ScalarHeadModel, packing_tolerance, pair_values
+from dschat.models.reward import ScalarHeadModel, packing_tolerance, pair_values, settle_share_prompt
 
 
 def test_pack_pairs_layout_by_hand():
@@ -154,3 +154,35 @@ def test_absolute_position_models_are_exact_or_caught(arch):
     except Exception:  # a model that rejects the custom mask outright: step 2 must not use packing on it
         pytest.skip(f"{arch} rejects packed pairs")
     assert (error < packing_tolerance(torch.float32)) == exact
+
+
+def _collated(share: bool):
+    feats = [pair_example([1, 2, 3], [4, 5], [6]), pair_example([7, 8], [9], [10, 11, 12])]
+    collate = PairCollator(pad_id=0, share_prompt=share)
+    return collate, feats, [[(collate(feats), torch.ones(2))]]
+
+
+def test_settle_share_prompt_keeps_packing_where_it_holds():
+    model = _tiny("llama")
+    collate, feats, evals = _collated(True)
+    settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert collate.share_prompt and "packed_input_ids" in evals[0][0][0]
+
+
+def test_settle_share_prompt_falls_back_where_it_does_not(monkeypatch, caplog):
+    import dschat.models.reward as reward
+
+    model = _tiny("llama")
+    collate, feats, evals = _collated(True)
+    causal = lambda segments: torch.ones(segments.shape[1], segments.shape[1], dtype=torch.bool).tril()  # noqa: E731
+    monkeypatch.setattr(reward, "shared_prompt_mask", lambda seg: causal(seg).expand(seg.shape[0], 1, -1, -1))
+    with caplog.at_level("WARNING", logger="dschat"):
+        settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert not collate.share_prompt
+    assert "packed pairs differ from unpacked rows" in caplog.text
+    assert set(evals[0][0][0]) == {"input_ids", "attention_mask", "response_len"}  # unpacked from here on
+    # an attention implementation that takes no custom mask falls back without trying
+    collate, feats, evals = _collated(True)
+    model.hf_model.config._attn_implementation = "flash_attention_2"
+    settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert not collate.share_prompt and "takes no custom mask" in caplog.text

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a pl
 from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
-from dschat.data.collate import PairCollator, response_lengths
+from dschat.data.collate import PAD, PairCollator, response_lengths
 from dschat.data.pipeline import prepare_pair_data
 from dschat.lm import eval_batches
 from dschat.losses import (
@@ -40,7 +40,7 @@ from dschat.losses import (
     length_log_ratio,
     pairwise_loss,
 )
-from dschat.models.reward import ScalarHeadModel, load_reward_model, packing_tolerance, pair_values
+from dschat.models.reward import ScalarHeadModel, load_reward_model, pair_values, settle_share_prompt
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
 from dschat.utils.errors import run_cli
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("reward model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
              ds_args.zero_stage, world)  # fmt: skip
     if collate.share_prompt:
-        settle_share_prompt(engine, collate, data.train, [evals, policy_evals])
+        settle_share_prompt(engine.module, collate, data.train, [evals, policy_evals], engine.device)
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
     state, start_step, metrics = T.open_run(engine, run, global_batch, resolved)
@@ -137,37 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(
         eval_start, eval_end, state, mined, length_w, length_w_accuracy, train_pairs, run_info
     )
+    summary["share_prompt"] = collate.share_prompt  # what ran: off where the start-up check fell back
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: eval accuracy %.4f -> %.4f, reward model saved to %s", eval_start["accuracy"], eval_end["accuracy"],
              run.output_dir)  # fmt: skip
     return 0
-
-
-def settle_share_prompt(engine, collate: PairCollator, train: list, eval_sets: list[list]) -> None:
-    """Keep ``--share_prompt`` only where packed pairs give the unpacked values on this model: the body's
-    hidden states of two training pairs, compared both ways (:meth:`ScalarHeadModel.packing_error`).
-    Otherwise train and evaluate unpacked rows, with a warning."""
-    model = engine.module
-    why = None
-    if not model.takes_custom_masks:
-        why = f"attention implementation {model.hf_model.config._attn_implementation!r} takes no custom mask"
-    else:
-        was_training = model.training
-        model.eval()  # no dropout: the two forwards must be comparable
-        error = model.packing_error(collate(train[:2]), engine.device)
-        model.train(was_training)
-        LOG.info("--share_prompt: packed pairs match unpacked rows (relative difference %.1e)", error)
-        if error > packing_tolerance(next(model.parameters()).dtype):
-            why = f"packed pairs differ from unpacked rows by {error:.2f} (relative) on this model"
-    if why is None:
-        return
-    LOG.warning("--share_prompt: %s; scoring unpacked rows instead", why)
-    collate.share_prompt = False
-    for batches in eval_sets:  # evaluation batches were collated already
-        for batch, _ in batches:
-            for key in [k for k in batch if k.startswith("packed_") or k == "unpack_index"]:
-                del batch[key]
 
 
 def length_expert(train: list) -> tuple[float, float]:
@@ -279,14 +254,21 @@ def ranking_micro_step(engine, reward: C.RewardArgs, length_w: float | None, bat
         loss = pairwise_loss(chosen, rejected, reward.margin, offset)
     engine.backward(loss)
     engine.step()
+    # Throughput counts the pairs' real tokens, packed or not (the same work); ``computed`` the tokens the
+    # model ran (a shared prompt once), and the padding is what the model ran of it.
+    tokens, computed, padding = mask.sum(), mask.sum(), mask.numel() - mask.sum()
+    if "packed_segments" in batch:
+        real = batch["packed_segments"] != PAD
+        computed, padding = real.sum(), real.numel() - real.sum()
     return {"loss": loss, "pairs": b, "right": (chosen > rejected).sum(), "margin": (chosen - rejected).sum(),
-            "tokens": mask.sum(), "positions": mask.numel()}  # fmt: skip
+            "tokens": tokens, "positions": tokens + padding, "computed": computed}  # fmt: skip
 
 
 def pair_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
-    """Training accuracy and mean margin over the window's pairs; scored sequences per second."""
+    """Training accuracy and mean margin over the window's pairs; scored sequences per second; tokens the
+    model computed per second (fewer than the pairs' tokens with ``--share_prompt``)."""
     return {"accuracy": w["right"] / w["pairs"], "margin": w["margin"] / w["pairs"],
-            "samples_per_sec": 2 * w["pairs"] / seconds}  # fmt: skip
+            "samples_per_sec": 2 * w["pairs"] / seconds, "computed_tokens_per_sec": w["computed"] / seconds}  # fmt: skip
 
 
 if __name__ == "__main__":
