@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dschat.data.packing import pack_pairs
+
 IGNORE_INDEX = -100
 
 
@@ -74,8 +76,8 @@ class PairCollator:
 
     Returns ``input_ids (2B, T)`` (rows 0..B-1 chosen, B..2B-1 rejected), ``attention_mask (2B, T)`` and
     ``response_len (2B,)``, each row's response length in tokens (the prompt is shared within a pair).
-    With ``share_prompt`` also each pair packed into one row (:func:`pack_pairs`), so that a model can
-    compute the shared prompt once.
+    With ``share_prompt`` also each pair packed into one row (:func:`dschat.data.packing.pack_pairs`), so
+    that a model can compute the shared prompt once.
     """
 
     pad_id: int
@@ -87,63 +89,6 @@ class PairCollator:
         if self.share_prompt:
             out.update(pack_pairs(features, self.pad_id, out["input_ids"].shape[1]))
         return out
-
-
-# Segment ids of a packed pair's tokens (pack_pairs): what each token may attend to depends on them.
-PAD, PROMPT, CHOSEN, REJECTED = 0, 1, 2, 3
-
-
-def pack_pairs(features: list[dict], pad_id: int, width: int) -> dict[str, torch.Tensor]:
-    """Each pair as one row ``prompt + chosen + rejected``: the prompt's tokens are computed once, not twice
-    (on HH-RLHF the prompt is about 40% of a pair's tokens).
-
-    The rejected answer continues the prompt's positions (it starts at position ``prompt_len``, as the
-    chosen one does) and must not see the chosen answer (:func:`shared_prompt_mask`); then every token's
-    causal context equals the one it has in its own unpacked row, so the values are the same.
-
-    Returns ``packed_input_ids (B, L)`` right-padded with ``pad_id``, ``packed_position_ids (B, L)``,
-    ``packed_segments (B, L)`` (PAD, PROMPT, CHOSEN, REJECTED) and ``unpack_index (2B, width)``: for each
-    position of the unpacked rows (:class:`PairCollator`, chosen rows first), where its token sits in the
-    packed row (0 on padding), so that ``packed.repeat(2, 1).gather(1, unpack_index)`` unpacks.
-    """
-    b = len(features)
-    rows, positions, segments = [], [], []
-    index = torch.zeros((2 * b, width), dtype=torch.long)
-    for i, f in enumerate(features):
-        p, chosen, rejected = f["prompt_len"], f["chosen"], f["rejected"]
-        rows.append(list(chosen) + list(rejected[p:]))
-        positions.append(list(range(len(chosen))) + list(range(p, len(rejected))))
-        segments.append([PROMPT] * p + [CHOSEN] * (len(chosen) - p) + [REJECTED] * (len(rejected) - p))
-        index[i, : len(chosen)] = torch.arange(len(chosen))
-        index[b + i, :p] = torch.arange(p)
-        index[b + i, p : len(rejected)] = torch.arange(len(chosen), len(chosen) + len(rejected) - p)
-    packed = pad_right(rows, pad_id)
-    length = packed["input_ids"].shape[1]
-    out = {"packed_input_ids": packed["input_ids"], "unpack_index": index}
-    for key, vals in (("packed_position_ids", positions), ("packed_segments", segments)):
-        out[key] = torch.zeros((b, length), dtype=torch.long)
-        for i, v in enumerate(vals):
-            out[key][i, : len(v)] = torch.tensor(v, dtype=torch.long)
-    return out
-
-
-def shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
-    """``segments (B, L)`` of packed pairs -> ``(B, 1, L, L)`` boolean attention mask, True = may attend.
-
-    Causal, padding keys hidden, and the rejected answer's tokens do not see the chosen answer's. A
-    padding query still sees the real tokens before it: a row with nothing to attend to would give NaN.
-    """
-    length = segments.shape[1]
-    causal = torch.ones((length, length), dtype=torch.bool, device=segments.device).tril()
-    q, k = segments.unsqueeze(2), segments.unsqueeze(1)  # (B, L, 1), (B, 1, L)
-    allowed = causal & (k != PAD) & ~((q == REJECTED) & (k == CHOSEN))
-    return allowed.unsqueeze(1)
-
-
-def unpack_pair_values(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
-    """Per-token values of packed pairs ``(B, L)`` -> those of the unpacked rows ``(2B, T)`` (chosen rows
-    first, as :class:`PairCollator` lays them out; values on padding are meaningless, as unpacked)."""
-    return packed.repeat(2, 1).gather(1, unpack_index)
 
 
 def response_lengths(features: list[dict]) -> torch.Tensor:

@@ -14,7 +14,13 @@ import logging
 import torch
 from torch import nn
 
-from dschat.data.collate import REJECTED, shared_prompt_mask, unpack_pair_values
+from dschat.data.packing import (
+    CUSTOM_MASK_ATTENTION,
+    REJECTED,
+    custom_mask,
+    shared_prompt_mask,
+    unpack_pair_values,
+)
 from dschat.losses import gather_last
 from dschat.models.loading import apply_dropout, has_value_head, load_config
 from dschat.utils.errors import UserError
@@ -80,9 +86,8 @@ class ScalarHeadModel(nn.Module):
 
     @property
     def takes_custom_masks(self) -> bool:
-        """Whether the attention implementation takes a (B, 1, T, T) mask as given: SDPA a boolean one,
-        eager an additive one (flash attention takes none)."""
-        return getattr(self.hf_model.config, "_attn_implementation", None) in ("sdpa", "eager")
+        """Whether the attention implementation takes a (B, 1, T, T) mask as given."""
+        return getattr(self.hf_model.config, "_attn_implementation", None) in CUSTOM_MASK_ATTENTION
 
     def _custom_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         if not self.takes_custom_masks:
@@ -90,12 +95,8 @@ class ScalarHeadModel(nn.Module):
                 f"attention implementation {self.hf_model.config._attn_implementation!r} takes no custom mask: "
                 "use --no_share_prompt"
             )
-        if self.hf_model.config._attn_implementation == "sdpa":
-            return allowed
         dtype = next(self.hf_model.parameters()).dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
+        return custom_mask(allowed, self.hf_model.config._attn_implementation, dtype)
 
 
 def packing_tolerance(dtype: torch.dtype) -> float:

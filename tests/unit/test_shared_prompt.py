@@ -6,16 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dschat.data.collate import (
-    CHOSEN,
-    PAD,
-    PROMPT,
-    REJECTED,
-    PairCollator,
-    pair_example,
-    shared_prompt_mask,
-    unpack_pair_values,
-)
+from dschat.data.collate import PairCollator, pair_example
+from dschat.data.packing import CHOSEN, PAD, PROMPT, REJECTED, shared_prompt_mask, unpack_pair_values
 from dschat.losses import gather_last
 from dschat.models.reward import ScalarHeadModel, packing_tolerance, pair_values, settle_share_prompt
 

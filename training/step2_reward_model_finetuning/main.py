@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a pl
 from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
-from dschat.data.collate import PAD, PairCollator, response_lengths
+from dschat.data.collate import PairCollator, response_lengths
+from dschat.data.packing import PAD
 from dschat.data.pipeline import prepare_pair_data
 from dschat.lm import eval_batches
 from dschat.losses import (

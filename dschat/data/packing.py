@@ -1,0 +1,123 @@
+"""Shared-prompt packing: a prompt and K continuations of it in one row, the prompt computed once.
+
+A preference pair is a prompt with two continuations (chosen, rejected); a group of PPO rollouts is a
+prompt with K sampled answers. Packed as ``prompt + c_1 + ... + c_K``, each continuation continues the
+prompt's positions and sees only the prompt and itself (:func:`shared_prompt_mask`), so every token's
+causal context, and therefore its hidden state, is the one it has in its own unpacked row. Pure tensor
+code, no model: the model side (which mask format an attention implementation takes, and the check that a
+model honours it) lives with the models that use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Segment ids of packed tokens: padding, the shared prompt, then continuation k has id CONTINUATION + k.
+PAD, PROMPT, CONTINUATION = 0, 1, 2
+CHOSEN, REJECTED = CONTINUATION, CONTINUATION + 1  # a preference pair's two continuations
+
+
+@dataclass
+class Packed:
+    """G packed rows, right-padded to L.
+
+    ``input_ids (G, L)`` (padding ``pad_id``), ``position_ids (G, L)``, ``segments (G, L)`` (PAD, PROMPT,
+    CONTINUATION + k); ``prompt_len[g]`` and ``starts[g][k]``: where continuation k of group g begins.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: torch.Tensor
+    prompt_len: list[int]
+    starts: list[list[int]]
+
+
+def pack_continuations(groups: list[tuple[list[int], list[list[int]]]], pad_id: int) -> Packed:
+    """``[(prompt tokens, [continuation tokens, ...]), ...]`` -> :class:`Packed`, one row per group."""
+    rows, positions, segments, starts = [], [], [], []
+    for prompt, conts in groups:
+        p = len(prompt)
+        row, pos, seg, st = list(prompt), list(range(p)), [PROMPT] * p, []
+        for k, c in enumerate(conts):
+            st.append(len(row))
+            row += list(c)
+            pos += range(p, p + len(c))
+            seg += [CONTINUATION + k] * len(c)
+        rows.append(row)
+        positions.append(pos)
+        segments.append(seg)
+        starts.append(st)
+    width = max(len(r) for r in rows)
+    out = [torch.full((len(rows), width), fill, dtype=torch.long) for fill in (pad_id, 0, PAD)]
+    for g, vals in enumerate(zip(rows, positions, segments)):
+        for t, v in zip(out, vals):
+            t[g, : len(v)] = torch.tensor(v, dtype=torch.long)
+    return Packed(*out, prompt_len=[len(p) for p, _ in groups], starts=starts)
+
+
+def shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
+    """``segments (G, L)`` of packed rows -> ``(G, 1, L, L)`` boolean attention mask, True = may attend.
+
+    Causal; padding keys hidden; a continuation sees the prompt and itself, never another continuation.
+    A padding query sees the real tokens before it: a row with nothing to attend to would give NaN.
+    """
+    length = segments.shape[1]
+    causal = torch.ones((length, length), dtype=torch.bool, device=segments.device).tril()
+    q, k = segments.unsqueeze(2), segments.unsqueeze(1)  # (G, L, 1), (G, 1, L)
+    allowed = causal & (k != PAD) & ((k == PROMPT) | (k == q) | (q == PAD))
+    return allowed.unsqueeze(1)
+
+
+# ---------------------------------------------------------------- preference pairs (step 2)
+
+
+def pack_pairs(features: list[dict], pad_id: int, width: int) -> dict[str, torch.Tensor]:
+    """Pairs (:func:`dschat.data.collate.pair_example`) as rows ``prompt + chosen + rejected`` (on HH-RLHF
+    the prompt is about 40% of a pair's tokens).
+
+    Returns ``packed_input_ids``, ``packed_position_ids``, ``packed_segments`` (B, L) and
+    ``unpack_index (2B, width)``: for each position of the unpacked rows (chosen rows first, as
+    :class:`~dschat.data.collate.PairCollator` lays them out) where its token sits in the packed row (0
+    on padding), so that :func:`unpack_pair_values` rebuilds per-token values of the unpacked rows.
+    """
+    b = len(features)
+    groups = [(f["chosen"][: f["prompt_len"]], [f["chosen"][f["prompt_len"] :], f["rejected"][f["prompt_len"] :]])
+              for f in features]  # fmt: skip
+    packed = pack_continuations(groups, pad_id)
+    index = torch.zeros((2 * b, width), dtype=torch.long)
+    for i, (prompt, (chosen, rejected)) in enumerate(groups):
+        p, rs = len(prompt), packed.starts[i][1]
+        index[i, : p + len(chosen)] = torch.arange(p + len(chosen))
+        index[b + i, :p] = torch.arange(p)
+        index[b + i, p : p + len(rejected)] = torch.arange(rs, rs + len(rejected))
+    return {"packed_input_ids": packed.input_ids, "packed_position_ids": packed.position_ids,
+            "packed_segments": packed.segments, "unpack_index": index}  # fmt: skip
+
+
+def unpack_pair_values(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
+    """Per-token values of packed pairs ``(B, L[, ...])`` -> those of the unpacked rows ``(2B, T[, ...])``
+    (chosen rows first; values on padding are meaningless, as unpacked)."""
+    index = unpack_index.view(*unpack_index.shape, *([1] * (packed.dim() - 2))).expand(
+        -1, -1, *packed.shape[2:]
+    )
+    return packed.repeat(2, *([1] * (packed.dim() - 1))).gather(1, index)
+
+
+# ---------------------------------------------------------------- the mask a model takes
+
+# Attention implementations that take a (G, 1, L, L) mask as given (flash attention takes none).
+CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def custom_mask(allowed: torch.Tensor, attn_implementation: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``(G, 1, L, L)`` mask (True = may attend) in the form ``attn_implementation`` takes: SDPA
+    the boolean mask, eager an additive one in the model's ``dtype`` (0 or the dtype's minimum)."""
+    if attn_implementation not in CUSTOM_MASK_ATTENTION:
+        raise ValueError(f"attention implementation {attn_implementation!r} takes no custom mask")
+    if attn_implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
