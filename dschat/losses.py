@@ -38,6 +38,29 @@ def token_logprobs(
     return picked, _entropy(logp)
 
 
+def picked_token_logprobs(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits (G, N, V) of packed rows -> ``(logp, entropy)`` (R, A): the log-prob of ``tokens[r, a]``
+    under softmax(logits[rows[r], positions[r, a]] / temperature), float32 and differentiable, and with
+    ``entropy`` that distribution's entropy (no gradient). ``rows`` (R,), ``positions`` and ``tokens``
+    (R, A). Several rows may read one position (the K answers' first tokens, all predicted from their
+    shared prompt's last token): the (R, A, V) distributions are never materialised."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    logp = F.log_softmax(x, dim=-1)  # (G, N, V)
+    r = rows.unsqueeze(1).expand_as(positions)
+    picked = logp[r, positions, tokens]
+    return picked, (_entropy(logp)[r, positions] if entropy else None)
+
+
 @torch.no_grad()
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     """(..., V) log-probs -> (...) entropy; a -inf log-prob (a token the tempered policy cannot draw)

@@ -23,6 +23,18 @@ def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = No
     return field(default=default, metadata=meta)
 
 
+def share_prompt_opt(what: str):
+    """``--share_prompt``, one definition for the steps that score several continuations of one prompt
+    (step 2's pairs, step 3's answers per prompt); ``what`` names them in the help."""
+    return opt(
+        True,
+        f"compute each prompt once for its {what}: one packed row, prompt + continuations, each continuation "
+        "masked from the others and continuing the prompt's positions, so the values are those of separate rows "
+        "(checked at start-up; a model that does not honour the mask or the positions falls back to separate "
+        "rows with a warning)",
+    )
+
+
 ZERO_STAGES = (0, 1, 2, 3)
 
 

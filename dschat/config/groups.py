@@ -13,6 +13,7 @@ from dschat.config.fields import (
     flag_name,
     opt,
     parse_data_split,
+    share_prompt_opt,
 )
 from dschat.utils.errors import UserError
 
@@ -249,12 +250,8 @@ class RewardArgs:
         "PPO is not paid for length alone (w is logged and saved in summary.json)",
     )
 
-    share_prompt: bool = opt(
-        True,
-        "score each pair as one packed row, prompt + chosen + rejected, the rejected answer masked from the chosen "
-        "one and continuing the prompt's positions: the prompt is computed once instead of twice (about 40 percent of "
-        "the tokens of an HH-RLHF pair) with the same values; checked on two pairs at start-up, and a model that "
-        "does not honour the mask or the positions falls back to unpacked rows with a warning",
+    share_prompt: bool = share_prompt_opt(
+        "chosen and rejected answers (on HH-RLHF the prompt is about 40 percent of a pair's tokens)"
     )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dschat.config.fields import opt
+from dschat.config.fields import opt, share_prompt_opt
 from dschat.generation.sampling import SamplingConfig
 from dschat.utils.errors import UserError
 
@@ -85,6 +85,10 @@ class PPOArgs:
     )
     n_samples_per_prompt: int = opt(
         1, "responses sampled per prompt (rows per round = prompts x this); rloo/group_norm compare them"
+    )
+    share_prompt: bool = share_prompt_opt(
+        "--n_samples_per_prompt answers in the experience passes and the actor's update (the built-in tasks' "
+        "prompts are most of every row)"
     )
     advantage_estimator: str = opt(
         "gae",

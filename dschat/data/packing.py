@@ -105,6 +105,58 @@ def unpack_pair_values(packed: torch.Tensor, unpack_index: torch.Tensor) -> torc
     return packed.repeat(2, *([1] * (packed.dim() - 1))).gather(1, index)
 
 
+# ---------------------------------------------------------------- rollouts (step 3)
+
+
+@dataclass
+class PackedRollouts:
+    """R rollouts (prompt left-padded to ``prompt_len``, then the response) packed by prompt: adjacent rows
+    with the same prompt (the K answers of one prompt) share one packed row.
+
+    A = T - prompt_len actions per row: action j predicts response token j (at column prompt_len + j).
+    """
+
+    packed: Packed  # G rows
+    group: torch.Tensor  # (R,) each rollout's packed row
+    source: torch.Tensor  # (R, A) the packed position whose logits predict action j
+    valid: torch.Tensor  # (R, A) bool: action j lies within the row's (masked) response
+    last: torch.Tensor  # (R,) the packed position of each rollout's last real token
+
+
+def pack_rollouts(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, pad_id: int) -> PackedRollouts | None:  # fmt: skip
+    """Rollouts ``sequences (R, T)`` with ``attention_mask (R, T)`` (the left-padded prompt, then the
+    response up to where the mask ends) -> :class:`PackedRollouts`. None where a prompt is empty (no
+    position would predict the first answer token) or a response's mask is not contiguous from
+    ``prompt_len`` (not a rollout): such rows are scored unpacked."""
+    seq, mask = sequences.cpu(), attention_mask.cpu().bool()
+    r, t = seq.shape
+    groups: list[tuple[list[int], list[list[int]]]] = []
+    group, k_of = [], []
+    for i in range(r):
+        prompt = seq[i, :prompt_len][mask[i, :prompt_len]].tolist()
+        n = int(mask[i, prompt_len:].sum())
+        if not prompt or not bool(mask[i, prompt_len : prompt_len + n].all()):
+            return None
+        if not groups or prompt != groups[-1][0]:
+            groups.append((prompt, []))
+        groups[-1][1].append(seq[i, prompt_len : prompt_len + n].tolist())
+        group.append(len(groups) - 1)
+        k_of.append(len(groups[-1][1]) - 1)
+    packed = pack_continuations(groups, pad_id)
+    j = torch.arange(t - prompt_len)
+    source = torch.zeros((r, len(j)), dtype=torch.long)
+    valid = torch.zeros((r, len(j)), dtype=torch.bool)
+    last = torch.zeros(r, dtype=torch.long)
+    for i, (g, k) in enumerate(zip(group, k_of)):
+        p, start, n = packed.prompt_len[g], packed.starts[g][k], len(groups[g][1][k])
+        # action 0 is predicted from the prompt's last token, action j > 0 from response token j - 1;
+        # past the response, from any real position (the action is masked)
+        source[i] = torch.where((j == 0) | (j >= n), p - 1, start + j - 1)
+        valid[i] = j < n
+        last[i] = start + n - 1 if n else p - 1
+    return PackedRollouts(packed, torch.tensor(group, dtype=torch.long), source, valid, last)
+
+
 # ---------------------------------------------------------------- the mask a model takes
 
 # Attention implementations that take a (G, 1, L, L) mask as given (flash attention takes none).

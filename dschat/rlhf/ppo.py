@@ -5,6 +5,7 @@ experience collection and clipped PPO updates. The maths lives in :mod:`dschat.r
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,11 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dschat.data.packing import PackedRollouts, custom_mask, pack_rollouts, shared_prompt_mask
 from dschat.generation.plain import position_ids_from_mask
 from dschat.lm import accepts, sft_loss
-from dschat.losses import token_logprobs
+from dschat.losses import picked_token_logprobs, token_logprobs
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
+
+LOG = logging.getLogger("dschat")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class PPOHyper:
     # PPO takes (old, new, reference; the KL and the entropy) is of that distribution, as in OpenRLHF and
     # veRL: with raw logits the ratio and the KL would belong to a policy that did not act.
     temperature: float = 1.0
+    # Each prompt's answers packed in one row for the log-prob passes (--share_prompt); checked against
+    # separate rows on the first experience batch (PPOTrainer.packing_checked).
+    share_prompt: bool = False
 
 
 class PPOTrainer:
@@ -76,6 +83,8 @@ class PPOTrainer:
         self.hyper, self.kl_ctl = hyper, kl_ctl
         self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
         self.generated_tokens = 0.0
+        self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
+        self.packing_checked = False
 
     def log_row(self, w: dict[str, float]) -> dict[str, float]:
         """The train-split log row of a window of rounds (``w``: :class:`dschat.trainer.MetricWindow` sums
@@ -123,6 +132,15 @@ class PPOTrainer:
         with self.actor.module.disable_adapter():
             yield self.actor
 
+    def pack(
+        self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
+    ) -> PackedRollouts | None:
+        """The rollouts packed by prompt for :meth:`action_logprobs`, or None (``--no_share_prompt``, one
+        answer per prompt, or rows that cannot be packed)."""
+        if not self.share_prompt or self.hyper.n_samples_per_prompt < 2:
+            return None
+        return pack_rollouts(sequences, attention_mask, prompt_len, self.tokenizer.pad_token_id)
+
     def action_logprobs(
         self,
         engine,
@@ -130,6 +148,7 @@ class PPOTrainer:
         attention_mask: torch.Tensor,
         prompt_len: int,
         entropy: bool = False,
+        packed: PackedRollouts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (B, T-1) of the tokens at the tempered sampling distribution, and with ``entropy`` the
         per-position entropy (B, T-1); both 0 at positions before ``prompt_len - 1`` (prompt tokens, never
@@ -137,8 +156,12 @@ class PPOTrainer:
 
         The LM head runs only on the positions that predict a response token (``logits_to_keep``): the
         prompt is most of every row, and a 49152-way head with fp32 log-softmax over it would be most of
-        the cost of the pass. Values equal those of the full-sequence computation.
+        the cost of the pass. Values equal those of the full-sequence computation. With ``packed``
+        (:meth:`pack`) the body, too, runs each prompt once for all its answers; then positions past a
+        row's response (masked actions) are 0.
         """
+        if packed is not None:
+            return self._packed_action_logprobs(engine, sequences, prompt_len, packed, entropy)
         t = sequences.shape[1]
         keep = t - prompt_len + 1  # logits at positions prompt_len - 1 .. T-1
         extra = {"logits_to_keep": keep} if keep < t and accepts(engine, "logits_to_keep") else {}
@@ -149,6 +172,42 @@ class PPOTrainer:
         pad = (t - keep, 0)
         logprobs, ent = token_logprobs(logits, sequences[:, -keep:], self.hyper.temperature, entropy=entropy)
         return F.pad(logprobs, pad), (F.pad(ent, pad) if entropy else None)
+
+    def _packed_action_logprobs(
+        self, engine, sequences: torch.Tensor, prompt_len: int, pr: PackedRollouts, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dev, p = sequences.device, pr.packed
+        module = getattr(engine, "module", engine)
+        width = p.input_ids.shape[1]
+        keep = width - min(p.prompt_len) + 1  # from the earliest prompt's last token on
+        mask = custom_mask(shared_prompt_mask(p.segments.to(dev)), getattr(module.config, "_attn_implementation", None),
+                           next(module.parameters()).dtype)  # fmt: skip
+        extra = {"logits_to_keep": keep} if accepts(engine, "logits_to_keep") else {}
+        logits = engine(input_ids=p.input_ids.to(dev), attention_mask=mask, position_ids=p.position_ids.to(dev),
+                        **extra).logits  # fmt: skip
+        offset = width - logits.shape[1]
+        valid = pr.valid.to(dev)
+        logprobs, ent = picked_token_logprobs(logits, pr.group.to(dev), pr.source.to(dev) - offset,
+                                              sequences[:, prompt_len:], self.hyper.temperature, entropy=entropy)  # fmt: skip
+        pad = (prompt_len - 1, 0)
+        return F.pad(logprobs * valid, pad), (F.pad(ent * valid, pad) if entropy else None)
+
+    def _check_packing(self, sequences, attention_mask, prompt_len, packed, logprobs, action_mask) -> None:
+        """Once, on the first experience batch: the actor's log-probs from packed rows against separate
+        rows. A model that ignores the custom mask or the position ids differs by far more than rounding
+        (bf16 ~1e-2 nats); then packing is switched off for the rest of the run, with a warning."""
+        self.packing_checked = True
+        plain, _ = self.action_logprobs(self.actor, sequences, attention_mask, prompt_len)
+        diff = float(((plain - logprobs).abs() * action_mask).sum() / action_mask.sum().clamp_min(1.0))
+        tol = 1e-4 if next(self.actor.module.parameters()).dtype == torch.float32 else 0.05
+        if diff <= tol:
+            LOG.info(
+                "--share_prompt: packed answers match separate rows (mean |log-prob difference| %.1e)", diff
+            )
+            return
+        LOG.warning("--share_prompt: packed answers differ from separate rows by %.3f nats per token on this model; "
+                    "computing separate rows instead", diff)  # fmt: skip
+        self.share_prompt = False
 
     # ------------------------------------------------------------------ 1. experience
     @torch.no_grad()
@@ -177,13 +236,23 @@ class PPOTrainer:
             reward_mask = attention_mask * (~is_eos).long()
 
             self.actor.eval()
+            packed = self.pack(sequences, attention_mask, prompt_len)
             logprobs, per_token_entropy = self.action_logprobs(
-                self.actor, sequences, attention_mask, prompt_len, entropy=True
+                self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
             )
+            if packed is not None and not self.packing_checked:
+                self._check_packing(sequences, attention_mask, prompt_len, packed, logprobs, action_mask)
+                if not self.share_prompt:
+                    packed = None
+                    logprobs, per_token_entropy = self.action_logprobs(
+                        self.actor, sequences, attention_mask, prompt_len, entropy=True
+                    )
             entropy = M.masked_mean(per_token_entropy, action_mask)
             with self.reference_mode() as ref:
                 ref.eval()
-                ref_logprobs, _ = self.action_logprobs(ref, sequences, attention_mask, prompt_len)
+                ref_logprobs, _ = self.action_logprobs(
+                    ref, sequences, attention_mask, prompt_len, packed=packed
+                )
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
             scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
             judged = (
@@ -278,7 +347,10 @@ class PPOTrainer:
         # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)
         h = self.hyper
         self.actor.train()
-        logprobs, _ = self.action_logprobs(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
+        packed = self.pack(exp.sequences, exp.attention_mask, exp.prompt_len)
+        logprobs, _ = self.action_logprobs(
+            self.actor, exp.sequences, exp.attention_mask, exp.prompt_len, packed=packed
+        )
         pg_loss, pg_stats = M.policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange,
                                           cliprange_high=h.cliprange_high, agg=h.loss_agg, norm_len=h.max_answer_len)  # fmt: skip
         actor_loss = pg_loss

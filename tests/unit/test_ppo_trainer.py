@@ -133,12 +133,14 @@ def test_plain_generation_ignores_the_checkpoints_generation_settings(tokenizer)
     assert model.generation_config is own  # the checkpoint's settings are back (they are exported with it)
 
 
-def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monkeypatch):
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monkeypatch, share_prompt):
     """At temperature 0.5 the old, reference and new log-probs, the KL and the entropy are those of
-    softmax(logits / 0.5), the distribution the tokens were sampled from (test above)."""
+    softmax(logits / 0.5), the distribution the tokens were sampled from (test above). With
+    ``share_prompt`` each prompt's two answers run as one packed row, and every number is the same."""
     t = 0.5
     actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
-    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=t)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=t, share_prompt=share_prompt)
     calls = spy_policy_loss(monkeypatch)
     torch.manual_seed(5)
     exp, stats = ppo.make_experience(*prompts(tokenizer))
@@ -162,6 +164,7 @@ def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monk
     (new, old, mask), *_ = calls
     assert torch.equal(old, exp.logprobs)
     assert torch.allclose(new * mask, want * mask, atol=1e-5)
+    assert ppo.share_prompt == share_prompt and ppo.packing_checked == share_prompt
 
 
 class FixedScores:

@@ -178,3 +178,52 @@ def test_settle_share_prompt_falls_back_where_it_does_not(monkeypatch, caplog):
     model.hf_model.config._attn_implementation = "flash_attention_2"
     settle_share_prompt(model, collate, feats, evals, "cpu")
     assert not collate.share_prompt and "takes no custom mask" in caplog.text
+
+
+# ---------------------------------------------------------------- rollouts (step 3)
+
+
+def test_pack_rollouts_layout_by_hand():
+    from dschat.data.packing import pack_rollouts
+
+    # prompt_len 3; rows 0, 1 share the prompt [5, 6] (left-padded), row 2 has [7, 8, 9]; responses are
+    # the masked tokens from column 3 on: [10, 11], [12], [13, 14, 15]
+    seq = torch.tensor([[0, 5, 6, 10, 11, 0], [0, 5, 6, 12, 0, 0], [7, 8, 9, 13, 14, 15]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    pr = pack_rollouts(seq, mask, prompt_len=3, pad_id=0)
+    assert pr.packed.input_ids.tolist() == [[5, 6, 10, 11, 12, 0], [7, 8, 9, 13, 14, 15]]
+    assert pr.packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0], [0, 1, 2, 3, 4, 5]]
+    assert pr.group.tolist() == [0, 0, 1]
+    # action j predicts response token j: from the prompt's last token (j = 0), then from token j - 1;
+    # past the response, the prompt's last token again (masked)
+    assert pr.source.tolist() == [[1, 2, 1], [1, 1, 1], [2, 3, 4]]
+    assert pr.valid.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
+    assert pr.last.tolist() == [3, 4, 5]
+    # an empty prompt, or a response with a hole in its mask, is not packed
+    assert pack_rollouts(seq, torch.tensor([[0, 0, 0, 1, 1, 0]] * 3), 3, 0) is None
+    assert pack_rollouts(seq, torch.tensor([[0, 1, 1, 1, 0, 1]] * 3), 3, 0) is None
+
+
+def test_ppo_falls_back_to_separate_rows_where_packing_does_not_hold(tokenizer, monkeypatch, caplog):
+    """A model that ignores the custom mask (plain causal attention): the first batch's check switches
+    packing off and the experience is that of separate rows."""
+    import dschat.rlhf.ppo as ppo_module
+    from tests.unit.test_ppo_trainer import Engine, micro_llama, prompts, trainer
+
+    def causal(segments):
+        n = segments.shape[1]
+        return torch.ones((n, n), dtype=torch.bool).tril().expand(segments.shape[0], 1, -1, -1)
+
+    monkeypatch.setattr(ppo_module, "shared_prompt_mask", causal)
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    runs = {}
+    for share in (True, False):
+        ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=share)
+        torch.manual_seed(5)
+        with caplog.at_level("WARNING", logger="dschat"):
+            runs[share] = (ppo.make_experience(*prompts(tokenizer))[0], ppo)
+    (packed_exp, ppo), (plain_exp, _) = runs[True], runs[False]
+    assert ppo.packing_checked and not ppo.share_prompt
+    assert "packed answers differ from separate rows" in caplog.text
+    assert torch.equal(packed_exp.logprobs, plain_exp.logprobs)
+    assert torch.equal(packed_exp.ref_logprobs, plain_exp.ref_logprobs)
