@@ -254,9 +254,10 @@ class PPOTrainer:
                     ref, sequences, attention_mask, prompt_len, packed=packed
                 )
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
-            scores = self.reward_source.score(prompts, responses, sequences, reward_mask)
+            reward_packed = self.pack(sequences, reward_mask, prompt_len) if packed is not None else None
+            scores = self.reward_source.score(prompts, responses, sequences, reward_mask, reward_packed)
             judged = (
-                self.judge.score(prompts, responses, sequences, reward_mask)
+                self.judge.score(prompts, responses, sequences, reward_mask, reward_packed)
                 if self.judge is not None
                 else None
             )

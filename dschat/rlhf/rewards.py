@@ -11,13 +11,19 @@ from typing import Protocol
 
 import torch
 
+from dschat.data.packing import PackedRollouts, shared_prompt_mask
 from dschat.losses import gather_last
 from dschat.utils.errors import UserError
 
 
 class RewardSource(Protocol):
     def score(
-        self, prompts: list[str], responses: list[str], sequences: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        prompts: list[str],
+        responses: list[str],
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        packed: PackedRollouts | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -25,16 +31,22 @@ class RewardModelSource:
     """A frozen reward engine (``ScalarHeadModel``) scoring prompt + response at its last real token.
 
     ``attention_mask`` must cover the prompt and the response *without* its EOS, matching how step 2
-    trained the model (scores sit on the last response token).
+    trained the model (scores sit on the last response token). ``packed``: the same rows packed by
+    prompt (:func:`dschat.data.packing.pack_rollouts` of that mask), scored with each prompt run once.
     """
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     @torch.no_grad()
-    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
-        values = self.engine(sequences, attention_mask)
-        return gather_last(values, attention_mask).float()
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
+        if packed is None:
+            return gather_last(self.engine(sequences, attention_mask), attention_mask).float()
+        p, dev = packed.packed, sequences.device
+        values = self.engine(
+            p.input_ids.to(dev), shared_prompt_mask(p.segments.to(dev)), p.position_ids.to(dev)
+        )
+        return values[packed.group.to(dev), packed.last.to(dev)].float()  # (G, L) -> (R,)
 
 
 class FunctionSource:
@@ -50,7 +62,7 @@ class FunctionSource:
             raise UserError(f"--reward_fn {spec}: {type(self.fn).__name__} is not callable")
         self.spec = spec
 
-    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
         out = self.fn(prompts, responses)
         try:
             t = torch.as_tensor(list(out), dtype=torch.float32, device=sequences.device)
@@ -67,5 +79,5 @@ class SumSource:
     def __init__(self, *sources: RewardSource) -> None:
         self.sources = sources
 
-    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
-        return sum(s.score(prompts, responses, sequences, attention_mask) for s in self.sources)
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
+        return sum(s.score(prompts, responses, sequences, attention_mask, packed) for s in self.sources)

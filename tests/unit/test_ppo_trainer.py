@@ -48,7 +48,7 @@ class Engine(torch.nn.Module):
 class Scores:
     """A reward source: a fixed score per row."""
 
-    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
         return torch.arange(len(responses), dtype=torch.float32)
 
 
@@ -173,7 +173,7 @@ class FixedScores:
     def __init__(self, values: list[float]) -> None:
         self.values = values
 
-    def score(self, prompts, responses, sequences, attention_mask) -> torch.Tensor:
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
         return torch.tensor(self.values)
 
 

@@ -111,7 +111,7 @@ class ConstSource:
     def __init__(self, values):
         self.values = values
 
-    def score(self, prompts, responses, sequences, attention_mask):
+    def score(self, prompts, responses, sequences, attention_mask, packed=None):
         return torch.tensor(self.values)
 
 

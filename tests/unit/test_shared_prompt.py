@@ -227,3 +227,19 @@ def test_ppo_falls_back_to_separate_rows_where_packing_does_not_hold(tokenizer, 
     assert "packed answers differ from separate rows" in caplog.text
     assert torch.equal(packed_exp.logprobs, plain_exp.logprobs)
     assert torch.equal(packed_exp.ref_logprobs, plain_exp.ref_logprobs)
+
+
+def test_reward_model_scores_packed_rollouts_as_separate_rows():
+    from dschat.data.packing import pack_rollouts
+    from dschat.rlhf.rewards import RewardModelSource
+
+    model = _tiny("llama")
+    # two prompts (left-padded to 4) with two and one answers; the mask ends each answer at its last token
+    seq = torch.tensor([[0, 5, 6, 7, 10, 11, 12], [0, 5, 6, 7, 13, 0, 0], [1, 2, 3, 4, 20, 21, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]])
+    source = RewardModelSource(model)
+    packed = pack_rollouts(seq, mask, prompt_len=4, pad_id=0)
+    plain = source.score([""] * 3, [""] * 3, seq, mask)
+    assert source.score([""] * 3, [""] * 3, seq, mask, packed).tolist() == pytest.approx(
+        plain.tolist(), abs=1e-5
+    )
