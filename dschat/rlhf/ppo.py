@@ -194,12 +194,14 @@ class PPOTrainer:
 
     def _check_packing(self, sequences, attention_mask, prompt_len, packed, logprobs, action_mask) -> None:
         """Once, on the first experience batch: the actor's log-probs from packed rows against separate
-        rows. A model that ignores the custom mask or the position ids differs by far more than rounding
-        (bf16 ~1e-2 nats); then packing is switched off for the rest of the run, with a warning."""
+        rows. A model that ignores the custom mask or the position ids differs by far more than rounding;
+        then packing is switched off for the rest of the run, with a warning. Measured on SmolLM2 in bf16
+        (8 sampled answers to 2 task prompts): rounding 0.03 nats per token on average, an ignored mask
+        1.28, positions counted through the packed row 0.55; in fp32 rounding is ~1e-6."""
         self.packing_checked = True
         plain, _ = self.action_logprobs(self.actor, sequences, attention_mask, prompt_len)
         diff = float(((plain - logprobs).abs() * action_mask).sum() / action_mask.sum().clamp_min(1.0))
-        tol = 1e-4 if next(self.actor.module.parameters()).dtype == torch.float32 else 0.05
+        tol = 1e-4 if next(self.actor.module.parameters()).dtype == torch.float32 else 0.15
         if diff <= tol:
             LOG.info(
                 "--share_prompt: packed answers match separate rows (mean |log-prob difference| %.1e)", diff
