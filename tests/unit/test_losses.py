@@ -187,3 +187,26 @@ def test_sft_loss_fused_head_equals_the_models_own_logits(tie):
     model.config.model_type = "gemma2"  # soft-capped logits: the fused head would be wrong there
     assert lm.plain_head(model) is None
     assert torch.allclose(lm.sft_loss(model, ids, mask, labels)[0], full)
+
+
+def test_picked_token_logprobs_by_hand():
+    """Two packed rows; three rollouts read positions of them, two of them the same position (the shared
+    prompt's last token) with different targets. Uniform logits over 4 tokens give log(1/4); a logit of
+    log(3) on token 2 gives 3/(3+3) = 1/2 for token 2 and 1/6 for the others."""
+    from dschat.losses import picked_token_logprobs
+
+    logits = torch.zeros(2, 3, 4)
+    logits[0, 1, 2] = math.log(3.0)
+    rows = torch.tensor([0, 0, 1])
+    positions = torch.tensor([[1, 0], [1, 2], [0, 2]])
+    tokens = torch.tensor([[2, 1], [0, 3], [3, 3]])
+    logp, ent = picked_token_logprobs(logits, rows, positions, tokens, entropy=True)
+    q = math.log(0.25)
+    want = torch.tensor([[math.log(0.5), q], [math.log(1 / 6), q], [q, q]])
+    torch.testing.assert_close(logp, want, atol=1e-6, rtol=0)
+    h_uniform, h_peaked = math.log(4.0), -(0.5 * math.log(0.5) + 3 * (1 / 6) * math.log(1 / 6))
+    want_h = torch.tensor([[h_peaked, h_uniform], [h_peaked, h_uniform], [h_uniform, h_uniform]])
+    torch.testing.assert_close(ent, want_h, atol=1e-6, rtol=0)
+    # temperature 2 halves the logits: token 2 at position (0, 1) gets sqrt(3) / (sqrt(3) + 3)
+    logp2, _ = picked_token_logprobs(logits, rows, positions, tokens, temperature=2.0)
+    assert float(logp2[0, 0]) == pytest.approx(math.log(3**0.5 / (3**0.5 + 3)), abs=1e-6)
