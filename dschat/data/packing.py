@@ -4,8 +4,8 @@ A preference pair is a prompt with two continuations (chosen, rejected); a group
 prompt with K sampled answers. Packed as ``prompt + c_1 + ... + c_K``, each continuation continues the
 prompt's positions and sees only the prompt and itself (:func:`shared_prompt_mask`), so every token's
 causal context, and therefore its hidden state, is the one it has in its own unpacked row. Pure tensor
-code, no model: the model side (which mask format an attention implementation takes, and the check that a
-model honours it) lives with the models that use it.
+code, no model: the mask in the form an attention implementation takes is here (:func:`custom_mask`); the
+check that a model honours it lives with the models that use it (the reward model, PPO's actor).
 """
 
 from __future__ import annotations

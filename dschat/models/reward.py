@@ -44,7 +44,7 @@ class ScalarHeadModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``attention_mask`` (B, T) marks real tokens; a boolean (B, 1, T, T) one (packed pairs,
-        :func:`dschat.data.collate.shared_prompt_mask`) says which token sees which, and then
+        :func:`dschat.data.packing.shared_prompt_mask`) says which token sees which, and then
         ``position_ids`` (B, T) must be given."""
         return self.hf_model.score(self.hidden(input_ids, attention_mask, position_ids)).squeeze(-1).float()
 
@@ -75,9 +75,9 @@ class ScalarHeadModel(nn.Module):
         packed = self.hidden(batch["packed_input_ids"].to(device), shared_prompt_mask(batch["packed_segments"].to(device)),
                              batch["packed_position_ids"].to(device)).float()  # fmt: skip
         where = batch["unpack_index"].to(device)  # (2B, T)
-        unpacked = packed.repeat(2, 1, 1).gather(1, where.unsqueeze(-1).expand(-1, -1, packed.shape[-1]))
+        unpacked = unpack_pair_values(packed, where)  # (2B, T, H)
         # Only the rejected answer's tokens can differ (the rest keep their unpacked causal context).
-        segment = batch["packed_segments"].to(device).repeat(2, 1).gather(1, where)
+        segment = unpack_pair_values(batch["packed_segments"].to(device), where)
         check = mask.bool() & (segment == REJECTED)
         return float((unpacked - plain)[check].norm() / plain[check].norm().clamp_min(1e-12))
 
