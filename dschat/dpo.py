@@ -8,16 +8,20 @@ held in memory while training) and kept in a table indexed by the pair's positio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dschat.config import DPOArgs
-from dschat.lm import eval_batches, target_logits
+from dschat.data.packing import CUSTOM_MASK_ATTENTION, drop_packed
+from dschat.lm import eval_batches, logprob_packing_tolerance, packed_token_logprobs, target_logits
 from dschat.losses import DPOLoss, dpo_loss, token_nll
 from dschat.utils import dist
 from dschat.utils.io import atomic_save_tensors
+
+LOG = logging.getLogger("dschat")
 
 
 @dataclass
@@ -33,13 +37,65 @@ class ResponseLogps:
 
 def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLogps:
     """Forward ``batch`` from :class:`dschat.data.collate.PreferenceLMCollator` (``input_ids (2B, T)``);
-    the LM head runs only on the response positions."""
-    logits, labels = target_logits(
-        model, batch["input_ids"].to(device), batch["attention_mask"].to(device), batch["labels"].to(device)
-    )
-    nll, n = token_nll(logits, labels)  # (2B,), (2B,)
+    the LM head runs only on the response positions. A batch with packed rows (``--share_prompt``) runs
+    those: each pair's prompt once, the same log-probs as the unpacked rows."""
+    if "packed_input_ids" in batch:
+        valid = batch["target_valid"].to(device)  # (2B, A)
+        logp, _ = packed_token_logprobs(
+            model, batch["packed_input_ids"].to(device), batch["packed_segments"].to(device),
+            batch["packed_position_ids"].to(device), batch["target_group"], batch["target_source"],
+            batch["target_tokens"],
+        )  # fmt: skip
+        nll, n = -(logp * valid).sum(1), valid.sum(1).float()  # (2B,), (2B,)
+    else:
+        logits, labels = target_logits(
+            model,
+            batch["input_ids"].to(device),
+            batch["attention_mask"].to(device),
+            batch["labels"].to(device),
+        )
+        nll, n = token_nll(logits, labels)  # (2B,), (2B,)
     b = nll.shape[0] // 2
     return ResponseLogps(-nll[:b], -nll[b:], n[:b], n[b:], nll[:b].sum() / n[:b].sum().clamp_min(1.0))
+
+
+@torch.no_grad()
+def settle_share_prompt(model, collate, train: list[dict], evals: list, device) -> None:
+    """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PreferenceLMCollator` that packs) only where
+    packed pairs give the unpacked log-probs on this model: the answers of two ``train`` pairs, compared
+    per token against :func:`dschat.lm.logprob_packing_tolerance`. Otherwise the collator stops packing
+    and the already collated ``evals`` (a list of (batch, weight)) lose their packed rows, with a warning.
+    ``model``: the policy (or its engine), checked in eval mode before its first update."""
+    module = getattr(model, "module", model)
+    attn = getattr(module.config, "_attn_implementation", None)
+    batch = collate(train[:2])
+    why = None
+    if attn not in CUSTOM_MASK_ATTENTION:
+        why = f"attention implementation {attn!r} takes no custom mask"
+    elif "packed_input_ids" in batch:
+        was_training = module.training
+        module.eval()  # no dropout: the two forwards must be comparable
+        packed = response_logps(model, batch, device)
+        unpacked = dict(batch)
+        drop_packed(unpacked)
+        plain = response_logps(model, unpacked, device)
+        module.train(was_training)
+        # the answers' summed log-probs, their difference spread over the answers' tokens
+        tokens = packed.chosen_tokens.sum() + packed.rejected_tokens.sum()
+        gap = (packed.chosen - plain.chosen).abs().sum() + (packed.rejected - plain.rejected).abs().sum()
+        diff = float(gap / tokens)
+        if diff > logprob_packing_tolerance(next(module.parameters()).dtype):
+            why = f"packed pairs' log-probs differ from separate rows by {diff:.3f} nats per token on this model"
+        else:
+            LOG.info(
+                "--share_prompt: packed pairs match separate rows (mean |log-prob difference| %.1e)", diff
+            )
+    if why is None:
+        return
+    LOG.warning("--share_prompt: %s; computing separate rows instead", why)
+    collate.share_prompt = False
+    for b, _ in evals:
+        drop_packed(b)
 
 
 @torch.no_grad()

@@ -10,8 +10,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from dschat.data.collate import IGNORE_INDEX
+from dschat.data.packing import custom_mask, shared_prompt_mask
 from dschat.data.sampler import ResumableDistributedSampler
-from dschat.losses import linear_cross_entropy, mean_token_nll, token_nll
+from dschat.losses import linear_cross_entropy, mean_token_nll, picked_token_logprobs, token_nll
 from dschat.utils import dist
 
 
@@ -47,6 +48,47 @@ def target_logits(
     extra = {"logits_to_keep": k} if k < t and accepts(model, "logits_to_keep") else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
     return logits[:, -k:], labels[:, -k:]
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    segments: torch.Tensor,
+    position_ids: torch.Tensor,
+    group: torch.Tensor,
+    source: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(R, A)`` of ``tokens (R, A)`` from packed rows (:mod:`dschat.data.packing`: a prompt
+    and its continuations, ``input_ids``, ``segments``, ``position_ids`` (G, L)): token ``[r, a]`` is
+    predicted at position ``source[r, a]`` of packed row ``group[r]``; with ``entropy`` also the entropy
+    there (no gradient). Both are meaningless where the caller's validity mask is False.
+
+    The causal LM runs each prompt once for all its continuations, under the shared-prompt mask in the
+    form its attention implementation takes, and its LM head only from the earliest predicting position
+    on (``logits_to_keep``). ``model``: a causal LM, a peft wrapper or the DeepSpeed engine around one.
+    """
+    module = getattr(model, "module", model)
+    dev = input_ids.device
+    width = input_ids.shape[1]
+    keep = width - int(source.min())
+    mask = custom_mask(shared_prompt_mask(segments), getattr(module.config, "_attn_implementation", None),
+                       next(module.parameters()).dtype)  # fmt: skip
+    extra = {"logits_to_keep": keep} if accepts(model, "logits_to_keep") else {}
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **extra).logits
+    offset = width - logits.shape[1]
+    return picked_token_logprobs(logits, group.to(dev), source.to(dev) - offset, tokens.to(dev), temperature,
+                                 entropy=entropy)  # fmt: skip
+
+
+def logprob_packing_tolerance(dtype: torch.dtype) -> float:
+    """The largest mean |log-prob difference| per token between packed and separate rows that is rounding,
+    not a packing fault. Measured on SmolLM2 in bf16 (8 sampled answers to 2 task prompts): rounding 0.03
+    nats, an ignored mask 1.28, positions counted through the packed row 0.55; fp32 rounding ~1e-6."""
+    return 1e-4 if dtype == torch.float32 else 0.15
 
 
 # Architectures whose logits are exactly ``get_output_embeddings()(body(...).last_hidden_state)``: no

@@ -319,6 +319,7 @@ class DPOArgs:
         "pair are computed once before training and kept with the run",
         type=str,
     )
+    share_prompt: bool = share_prompt_opt("chosen and rejected answers")
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         if self.beta <= 0:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dschat.data.packing import pack_pairs
+from dschat.data.packing import pack_pairs, pack_preference_targets
 
 IGNORE_INDEX = -100
 
@@ -143,14 +143,26 @@ class PreferenceLMCollator:
     ``attention_mask (2B, T)``, ``labels (2B, T)`` = the response and its end token, ``IGNORE_INDEX``
     on the prompt and padding (as in step 1: the policy learns to stop), and ``index (B,)`` each pair's
     position in its data set (where its reference log-probs are kept).
+
+    With ``share_prompt`` the batch also holds each pair as one packed row, prompt + chosen + rejected
+    (:func:`dschat.data.packing.pack_preference_targets`: ``packed_*`` and ``target_*``), where every
+    pair has a prompt token to predict its answers' first tokens from.
     """
 
     pad_id: int
     end_id: int | None
+    share_prompt: bool = False
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows = [sft_example(f[side][: f["prompt_len"]], f[side][f["prompt_len"] :], self.end_id, False)
                 for side in ("chosen", "rejected") for f in features]  # fmt: skip
         out = SFTCollator(self.pad_id)(rows)
         out["index"] = torch.tensor([f["index"] for f in features], dtype=torch.long)
+        if self.share_prompt and all(f["prompt_len"] > 0 for f in features):
+            end = [self.end_id] if self.end_id is not None else []
+            out |= pack_preference_targets(
+                [(f["chosen"][: f["prompt_len"]], f["chosen"][f["prompt_len"] :] + end, f["rejected"][f["prompt_len"] :] + end)
+                 for f in features],
+                self.pad_id,
+            )  # fmt: skip
         return out

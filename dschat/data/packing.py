@@ -143,18 +143,61 @@ def pack_rollouts(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_
         group.append(len(groups) - 1)
         k_of.append(len(groups[-1][1]) - 1)
     packed = pack_continuations(groups, pad_id)
-    j = torch.arange(t - prompt_len)
-    source = torch.zeros((r, len(j)), dtype=torch.long)
-    valid = torch.zeros((r, len(j)), dtype=torch.bool)
+    source = torch.zeros((r, t - prompt_len), dtype=torch.long)
+    valid = torch.zeros((r, t - prompt_len), dtype=torch.bool)
     last = torch.zeros(r, dtype=torch.long)
     for i, (g, k) in enumerate(zip(group, k_of)):
         p, start, n = packed.prompt_len[g], packed.starts[g][k], len(groups[g][1][k])
-        # action 0 is predicted from the prompt's last token, action j > 0 from response token j - 1;
-        # past the response, from any real position (the action is masked)
-        source[i] = torch.where((j == 0) | (j >= n), p - 1, start + j - 1)
-        valid[i] = j < n
+        source[i], valid[i] = continuation_sources(p, start, n, t - prompt_len)
         last[i] = start + n - 1 if n else p - 1
     return PackedRollouts(packed, torch.tensor(group, dtype=torch.long), source, valid, last)
+
+
+def continuation_sources(
+    prompt_len: int, start: int, n: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a continuation of ``n`` tokens packed at ``start`` after a prompt of ``prompt_len`` tokens:
+    ``(source (width,), valid (width,))``, the packed position whose logits predict its token j, and
+    whether j < n. Token 0 is predicted from the prompt's last token, token j > 0 from token j - 1; past
+    the continuation, from the prompt's last token (any real position: the target is masked)."""
+    j = torch.arange(width)
+    return torch.where((j == 0) | (j >= n), prompt_len - 1, start + j - 1), j < n
+
+
+# ---------------------------------------------------------------- preference pairs for a policy (DPO)
+
+
+def pack_preference_targets(rows: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Pairs ``(prompt, chosen targets, rejected targets)`` (each answer with its end token: the tokens
+    whose log-probs DPO sums) as rows ``prompt + chosen + rejected``.
+
+    Returns ``packed_input_ids``, ``packed_position_ids``, ``packed_segments`` (B, L) and, for the 2B
+    answers (chosen rows first), ``target_tokens (2B, A)`` (0 past an answer), ``target_source (2B, A)``:
+    the packed position whose logits predict each, ``target_valid (2B, A)``; A = the longest answer. An
+    answer's last token (its end token) predicts nothing, yet stays in the row: it is one of the targets.
+    """
+    b = len(rows)
+    if any(not p for p, _, _ in rows):
+        raise ValueError("a packed pair needs a prompt token to predict its answers' first tokens from")
+    packed = pack_continuations([(p, [c, r]) for p, c, r in rows], pad_id)
+    width = max(max(len(c), len(r)) for _, c, r in rows)
+    tokens = torch.zeros((2 * b, width), dtype=torch.long)
+    source = torch.zeros((2 * b, width), dtype=torch.long)
+    valid = torch.zeros((2 * b, width), dtype=torch.bool)
+    for i, (p, c, r) in enumerate(rows):
+        for side, answer in ((0, c), (1, r)):
+            row = side * b + i
+            tokens[row, : len(answer)] = torch.tensor(answer, dtype=torch.long)
+            source[row], valid[row] = continuation_sources(len(p), packed.starts[i][side], len(answer), width)
+    return {"packed_input_ids": packed.input_ids, "packed_position_ids": packed.position_ids,
+            "packed_segments": packed.segments, "target_group": torch.arange(2 * b) % b, "target_tokens": tokens,
+            "target_source": source, "target_valid": valid}  # fmt: skip
+
+
+def drop_packed(batch: dict) -> None:
+    """Remove a collated batch's packed fields (a run that fell back to separate rows after collating)."""
+    for key in [k for k in batch if k.startswith(("packed_", "target_")) or k == "unpack_index"]:
+        del batch[key]
 
 
 # ---------------------------------------------------------------- the mask a model takes

@@ -18,6 +18,7 @@ from dschat.data.packing import (
     CUSTOM_MASK_ATTENTION,
     REJECTED,
     custom_mask,
+    drop_packed,
     shared_prompt_mask,
     unpack_pair_values,
 )
@@ -140,8 +141,7 @@ def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets:
     collate.share_prompt = False
     for batches in eval_sets:  # evaluation batches were collated already
         for batch, _ in batches:
-            for key in [k for k in batch if k.startswith("packed_") or k == "unpack_index"]:
-                del batch[key]
+            drop_packed(batch)
 
 
 def load_reward_model(

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dschat.data.packing import PackedRollouts, custom_mask, pack_rollouts, shared_prompt_mask
+from dschat.data.packing import PackedRollouts, pack_rollouts
 from dschat.generation.plain import position_ids_from_mask
-from dschat.lm import accepts, sft_loss
-from dschat.losses import picked_token_logprobs, token_logprobs
+from dschat.lm import accepts, logprob_packing_tolerance, packed_token_logprobs, sft_loss
+from dschat.losses import token_logprobs
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 
@@ -177,31 +177,22 @@ class PPOTrainer:
         self, engine, sequences: torch.Tensor, prompt_len: int, pr: PackedRollouts, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev, p = sequences.device, pr.packed
-        module = getattr(engine, "module", engine)
-        width = p.input_ids.shape[1]
-        keep = width - min(p.prompt_len) + 1  # from the earliest prompt's last token on
-        mask = custom_mask(shared_prompt_mask(p.segments.to(dev)), getattr(module.config, "_attn_implementation", None),
-                           next(module.parameters()).dtype)  # fmt: skip
-        extra = {"logits_to_keep": keep} if accepts(engine, "logits_to_keep") else {}
-        logits = engine(input_ids=p.input_ids.to(dev), attention_mask=mask, position_ids=p.position_ids.to(dev),
-                        **extra).logits  # fmt: skip
-        offset = width - logits.shape[1]
         valid = pr.valid.to(dev)
-        logprobs, ent = picked_token_logprobs(logits, pr.group.to(dev), pr.source.to(dev) - offset,
-                                              sequences[:, prompt_len:], self.hyper.temperature, entropy=entropy)  # fmt: skip
+        logprobs, ent = packed_token_logprobs(engine, p.input_ids.to(dev), p.segments.to(dev), p.position_ids.to(dev),
+                                              pr.group, pr.source, sequences[:, prompt_len:], self.hyper.temperature,
+                                              entropy=entropy)  # fmt: skip
         pad = (prompt_len - 1, 0)
         return F.pad(logprobs * valid, pad), (F.pad(ent * valid, pad) if entropy else None)
 
     def _check_packing(self, sequences, attention_mask, prompt_len, packed, logprobs, action_mask) -> None:
         """Once, on the first experience batch: the actor's log-probs from packed rows against separate
-        rows. A model that ignores the custom mask or the position ids differs by far more than rounding;
-        then packing is switched off for the rest of the run, with a warning. Measured on SmolLM2 in bf16
-        (8 sampled answers to 2 task prompts): rounding 0.03 nats per token on average, an ignored mask
-        1.28, positions counted through the packed row 0.55; in fp32 rounding is ~1e-6."""
+        rows. A model that ignores the custom mask or the position ids differs by far more than rounding
+        (:func:`dschat.lm.logprob_packing_tolerance`); then packing is switched off for the rest of the
+        run, with a warning."""
         self.packing_checked = True
         plain, _ = self.action_logprobs(self.actor, sequences, attention_mask, prompt_len)
         diff = float(((plain - logprobs).abs() * action_mask).sum() / action_mask.sum().clamp_min(1.0))
-        tol = 1e-4 if next(self.actor.module.parameters()).dtype == torch.float32 else 0.15
+        tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
         if diff <= tol:
             LOG.info(
                 "--share_prompt: packed answers match separate rows (mean |log-prob difference| %.1e)", diff

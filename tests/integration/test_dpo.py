@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, run_cmd
-from tests.integration.helpers import assert_ok, error_line, summary, train_losses
+from tests.integration.helpers import assert_ok, error_line, metrics, summary, train_losses
 from tests.integration.test_step2 import preference_file, write_jsonl
 
 DPO = ROOT / "training" / "step2_dpo_finetuning" / "main.py"
@@ -100,6 +101,39 @@ def test_resume_equals_an_uninterrupted_run(pairs, tmp_path):
     got, want = train_losses(out), train_losses(ref)
     for step in range(1, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+
+def test_shared_prompt_trains_like_unpacked_rows(pairs, tmp_path):
+    """--share_prompt (packed pairs, the default) and --no_share_prompt run the same maths: in fp32 the
+    losses, the reference log-probs and the implicit-reward accuracy agree to rounding, and the packed
+    run computes fewer tokens."""
+    from safetensors.torch import load_file
+
+    common = [*FAST, "--data_path", str(pairs), "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1",
+              "--learning_rate", "2e-3"]  # fmt: skip
+    runs = {}
+    for name, flag in (("packed", "--share_prompt"), ("plain", "--no_share_prompt")):
+        assert_ok(proc := dpo(tmp_path / name, *common, flag))
+        runs[name] = proc.stdout + proc.stderr
+    packed, plain = tmp_path / "packed", tmp_path / "plain"
+    assert summary(packed)["share_prompt"] is True and summary(plain)["share_prompt"] is False
+    assert "packed pairs match separate rows" in runs["packed"]
+    ref_p, ref_u = (
+        load_file(str(d / "reference_logps.safetensors"))["reference_logps"] for d in (packed, plain)
+    )
+    read = ~ref_u.isnan()
+    assert torch.allclose(ref_p[read], ref_u[read], atol=1e-4)
+    a, b = train_losses(packed), train_losses(plain)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-4), step
+    for key in ("implicit_reward_accuracy_end", "eval_margin_end", "eval_loss_end"):
+        assert summary(packed)[key] == pytest.approx(summary(plain)[key], rel=1e-3, abs=1e-5), key
+    rows = {d: [r for r in metrics(d) if r["split"] == "train"] for d in (packed, plain)}
+    assert [r["tokens"] for r in rows[packed]] == [r["tokens"] for r in rows[plain]]
+    for p, u in zip(rows[packed], rows[plain]):
+        assert p["computed_tokens_per_sec"] / p["tokens_per_sec"] < 0.9
+        assert u["computed_tokens_per_sec"] == pytest.approx(u["tokens_per_sec"])
 
 
 @pytest.mark.parametrize(

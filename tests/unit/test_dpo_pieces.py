@@ -97,3 +97,106 @@ def test_reference_table_is_padding_free_and_marks_unread_rows(tmp_path):
         ex, p = examples[i], examples[i]["prompt_len"]
         assert float(table[i, 0]) == pytest.approx(by_hand(ex["chosen"][:p], ex["chosen"][p:]), abs=1e-4)
         assert float(table[i, 1]) == pytest.approx(by_hand(ex["rejected"][:p], ex["rejected"][p:]), abs=1e-4)
+
+
+# ---------------------------------------------------------------- packed pairs (--share_prompt)
+
+
+def test_packed_preference_targets_by_hand():
+    # pair 0: prompt [1, 2], chosen [3, 4], rejected [5]; pair 1: prompt [6], chosen [7], rejected [8, 8, 8];
+    # end token 9 after every answer
+    feats = [
+        dict(pair_example([1, 2], [3, 4], [5]), index=0),
+        dict(pair_example([6], [7], [8, 8, 8]), index=1),
+    ]
+    out = PreferenceLMCollator(pad_id=0, end_id=9, share_prompt=True)(feats)
+    assert out["packed_input_ids"].tolist() == [[1, 2, 3, 4, 9, 5, 9], [6, 7, 9, 8, 8, 8, 9]]
+    assert out["packed_position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3], [0, 1, 2, 1, 2, 3, 4]]
+    # rows: chosen 0, chosen 1, rejected 0, rejected 1; targets are the answer and its end token
+    assert out["target_group"].tolist() == [0, 1, 0, 1]
+    assert out["target_tokens"].tolist() == [[3, 4, 9, 0], [7, 9, 0, 0], [5, 9, 0, 0], [8, 8, 8, 9]]
+    # each target is predicted from the token before it: the first from the prompt's last token (1 in row
+    # 0, 0 in row 1), never from the other answer; past an answer, the prompt's last token (masked)
+    assert out["target_source"].tolist() == [[1, 2, 3, 1], [0, 1, 0, 0], [1, 5, 1, 1], [0, 3, 4, 5]]
+    assert out["target_valid"].int().tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    # the unpacked rows are still there, unchanged
+    plain = PreferenceLMCollator(pad_id=0, end_id=9)(feats)
+    assert all(torch.equal(out[k], plain[k]) for k in plain)
+
+
+def test_pairs_without_a_prompt_are_not_packed():
+    feats = [dict(pair_example([], [3, 4], [5]), index=0)]
+    out = PreferenceLMCollator(pad_id=0, end_id=9, share_prompt=True)(feats)
+    assert "packed_input_ids" not in out
+
+
+def _tiny_lm(arch: str, attn: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shapes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0}  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **shapes)).eval()
+    model.config._attn_implementation = attn
+    return model
+
+
+def _pairs(share: bool):
+    g = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, 64, (n,), generator=g).tolist()
+
+    feats = [pair_example(ids(5), ids(4), ids(7)), pair_example(ids(9), ids(2), ids(3)), pair_example(ids(1), ids(3), ids(3))]  # fmt: skip
+    return PreferenceLMCollator(pad_id=0, end_id=63, share_prompt=share)(
+        [dict(f, index=i) for i, f in enumerate(feats)]
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_pairs_give_the_unpacked_logprobs(arch, attn):
+    from dschat.dpo import response_logps
+
+    model = _tiny_lm(arch, attn)
+    with torch.no_grad():
+        packed = response_logps(model, _pairs(True), "cpu")
+        plain = response_logps(model, _pairs(False), "cpu")
+    for field in ("chosen", "rejected", "chosen_tokens", "rejected_tokens", "chosen_nll_mean"):
+        assert torch.allclose(getattr(packed, field), getattr(plain, field), atol=1e-5), field
+    assert plain.chosen_tokens.tolist() == [5, 3, 4]  # the answer and its end token
+    # and the gradients: the same loss through either layout gives the same parameter gradients
+    grads = []
+    for share in (True, False):
+        model.zero_grad()
+        lp = response_logps(model, _pairs(share), "cpu")
+        (lp.chosen - lp.rejected).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_settle_keeps_packing_where_it_holds_and_falls_back_where_not(monkeypatch, caplog):
+    import dschat.lm as lm_module
+    from dschat.dpo import settle_share_prompt
+    from dschat.lm import eval_batches
+
+    feats = [
+        dict(pair_example([1, 2, 3], [4, 5], [6]), index=0),
+        dict(pair_example([7], [8], [9, 9]), index=1),
+    ]
+    model = _tiny_lm("llama", "sdpa")
+    collate = PreferenceLMCollator(pad_id=0, end_id=63, share_prompt=True)
+    evals = eval_batches(feats, batch_size=2, collate=collate)
+    settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert collate.share_prompt and "packed_input_ids" in evals[0][0]
+    # a model that applies plain causal attention: the rejected answer sees the chosen one
+    monkeypatch.setattr(lm_module, "shared_prompt_mask", lambda seg: torch.ones(seg.shape[1], seg.shape[1]).bool().tril().expand(seg.shape[0], 1, -1, -1))  # fmt: skip
+    with caplog.at_level("WARNING", logger="dschat"):
+        settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert (
+        not collate.share_prompt
+        and "packed_input_ids" not in evals[0][0]
+        and "target_source" not in evals[0][0]
+    )
+    assert "differ from separate rows" in caplog.text
+    assert "packed_input_ids" not in collate(feats)

@@ -207,14 +207,14 @@ def test_pack_rollouts_layout_by_hand():
 def test_ppo_falls_back_to_separate_rows_where_packing_does_not_hold(tokenizer, monkeypatch, caplog):
     """A model that ignores the custom mask (plain causal attention): the first batch's check switches
     packing off and the experience is that of separate rows."""
-    import dschat.rlhf.ppo as ppo_module
+    import dschat.lm as lm_module
     from tests.unit.test_ppo_trainer import Engine, micro_llama, prompts, trainer
 
     def causal(segments):
         n = segments.shape[1]
         return torch.ones((n, n), dtype=torch.bool).tril().expand(segments.shape[0], 1, -1, -1)
 
-    monkeypatch.setattr(ppo_module, "shared_prompt_mask", causal)
+    monkeypatch.setattr(lm_module, "shared_prompt_mask", causal)
     actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
     runs = {}
     for share in (True, False):

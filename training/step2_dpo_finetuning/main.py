@@ -28,6 +28,7 @@ from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import PreferenceLMCollator
+from dschat.data.packing import PAD
 from dschat.data.pipeline import prepare_pair_data
 from dschat.dpo import (
     evaluate_pairs,
@@ -36,6 +37,7 @@ from dschat.dpo import (
     reference_table,
     response_logps,
     save_table,
+    settle_share_prompt,
     table_rows,
 )
 from dschat.models.loading import (
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data, mined = dpo_pairs(data_args, pairs_args, setup, run.seed, dtype, model_args.trust_remote_code)
-    collate = PreferenceLMCollator(tokenizer.pad_token_id, setup.fmt.end_id)
+    collate = PreferenceLMCollator(tokenizer.pad_token_id, setup.fmt.end_id, share_prompt=hp.share_prompt)
     batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = batches
 
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                                            optim=optim, ds=ds_args, dtype=dtype, total_steps=total_steps)  # fmt: skip
     log.info("policy: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s); beta %g, loss %s", model_path,
              n_params / 1e6, dtype, ds_args.zero_stage, world, hp.beta, hp.dpo_loss)  # fmt: skip
+
+    if collate.share_prompt:  # before the reference pass, which already runs packed rows
+        settle_share_prompt(engine, collate, data.train, evals, engine.device)
 
     # ---------------------------------------------------------------- 4. reference log-probs (once), resume
     sw = Stopwatch()
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                              lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
     summary = summarize(hp, state, eval_start, eval_end, ref_path, mined, run_info)
     summary.update(T.accuracy_summary(acc_start, acc_end))
+    summary["share_prompt"] = collate.share_prompt  # what ran: off where the start-up check fell back
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: implicit-reward accuracy %.4f -> %.4f, margin %.4f -> %.4f, policy saved to %s",
@@ -199,17 +205,25 @@ def dpo_micro_step(engine, ref_train: torch.Tensor, hp, batch: dict) -> dict:
     engine.backward(loss)
     engine.step()
     margin = out.chosen_rewards - out.rejected_rewards
+    # Throughput counts the pairs' real tokens, packed or not (the same work); ``computed`` the tokens the
+    # model ran (a shared prompt once), and the padding is what the model ran of it.
     mask = batch["attention_mask"]
+    tokens, computed, padding = mask.sum(), mask.sum(), mask.numel() - mask.sum()
+    if "packed_segments" in batch:
+        real = batch["packed_segments"] != PAD
+        computed, padding = real.sum(), real.numel() - real.sum()
     return {"loss": loss, "pairs": margin.numel(), "right": (margin > 0).sum(), "margin": margin.sum(),
             "chosen_reward": out.chosen_rewards.sum(), "rejected_reward": out.rejected_rewards.sum(),
-            "tokens": mask.sum(), "positions": mask.numel()}  # fmt: skip
+            "tokens": tokens, "positions": tokens + padding, "computed": computed}  # fmt: skip
 
 
 def dpo_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
-    """Implicit-reward accuracy, margin and the two answers' implicit rewards over the window's pairs."""
+    """Implicit-reward accuracy, margin and the two answers' implicit rewards over the window's pairs;
+    tokens the model computed per second (fewer than the pairs' tokens with ``--share_prompt``)."""
     n = max(w["pairs"], 1.0)
-    return {k: w[s] / n for k, s in (("accuracy", "right"), ("margin", "margin"), ("chosen_reward", "chosen_reward"),
-                                     ("rejected_reward", "rejected_reward"))}  # fmt: skip
+    out = {k: w[s] / n for k, s in (("accuracy", "right"), ("margin", "margin"), ("chosen_reward", "chosen_reward"),
+                                    ("rejected_reward", "rejected_reward"))}  # fmt: skip
+    return out | {"computed_tokens_per_sec": w["computed"] / seconds}
 
 
 def reference_tables(engine, ref_path, data, used, optim, collate, run, model_args, dtype):
