@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dschat.config import DPOArgs
-from dschat.data.packing import CUSTOM_MASK_ATTENTION, drop_packed
+from dschat.data.packing import CUSTOM_MASK_ATTENTION, drop_packed, stop_packing
 from dschat.lm import eval_batches, logprob_packing_tolerance, packed_token_logprobs, target_logits
 from dschat.losses import DPOLoss, dpo_loss, token_nll
 from dschat.utils import dist
@@ -93,9 +93,7 @@ def settle_share_prompt(model, collate, train: list[dict], evals: list, device) 
     if why is None:
         return
     LOG.warning("--share_prompt: %s; computing separate rows instead", why)
-    collate.share_prompt = False
-    for b, _ in evals:
-        drop_packed(b)
+    stop_packing(collate, [evals])
 
 
 @torch.no_grad()

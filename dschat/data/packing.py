@@ -200,6 +200,27 @@ def drop_packed(batch: dict) -> None:
         del batch[key]
 
 
+def stop_packing(collate, eval_sets: list[list]) -> None:
+    """A run falls back to separate rows: ``collate`` (a pair collator with ``share_prompt``) stops packing,
+    and the batches of ``eval_sets`` (lists of (batch, weight)), collated already, lose their packed fields."""
+    collate.share_prompt = False
+    for batches in eval_sets:
+        for batch, _ in batches:
+            drop_packed(batch)
+
+
+def pair_token_counts(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens, computed, positions)`` of a collated batch of pairs: the pairs' real tokens as separate
+    rows hold them (throughput counts these, packed or not: the same work), the real tokens the model ran
+    (a shared prompt once when the batch is packed), and the positions it ran, padding included."""
+    mask = batch["attention_mask"]
+    tokens = mask.sum()
+    if "packed_segments" not in batch:
+        return tokens, tokens, torch.tensor(mask.numel())
+    real = batch["packed_segments"] != PAD
+    return tokens, real.sum(), tokens + real.numel() - real.sum()
+
+
 # ---------------------------------------------------------------- the mask a model takes
 
 # Attention implementations that take a (G, 1, L, L) mask as given (flash attention takes none).

@@ -18,8 +18,8 @@ from dschat.data.packing import (
     CUSTOM_MASK_ATTENTION,
     REJECTED,
     custom_mask,
-    drop_packed,
     shared_prompt_mask,
+    stop_packing,
     unpack_pair_values,
 )
 from dschat.losses import gather_last
@@ -138,10 +138,7 @@ def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets:
         LOG.info("--share_prompt: packed pairs match unpacked rows (relative difference %.1e)", error)
         return
     LOG.warning("--share_prompt: %s; scoring unpacked rows instead", why)
-    collate.share_prompt = False
-    for batches in eval_sets:  # evaluation batches were collated already
-        for batch, _ in batches:
-            drop_packed(batch)
+    stop_packing(collate, eval_sets)
 
 
 def load_reward_model(

@@ -28,7 +28,7 @@ from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import PreferenceLMCollator
-from dschat.data.packing import PAD
+from dschat.data.packing import pair_token_counts
 from dschat.data.pipeline import prepare_pair_data
 from dschat.dpo import (
     evaluate_pairs,
@@ -205,16 +205,10 @@ def dpo_micro_step(engine, ref_train: torch.Tensor, hp, batch: dict) -> dict:
     engine.backward(loss)
     engine.step()
     margin = out.chosen_rewards - out.rejected_rewards
-    # Throughput counts the pairs' real tokens, packed or not (the same work); ``computed`` the tokens the
-    # model ran (a shared prompt once), and the padding is what the model ran of it.
-    mask = batch["attention_mask"]
-    tokens, computed, padding = mask.sum(), mask.sum(), mask.numel() - mask.sum()
-    if "packed_segments" in batch:
-        real = batch["packed_segments"] != PAD
-        computed, padding = real.sum(), real.numel() - real.sum()
+    tokens, computed, positions = pair_token_counts(batch)  # packed or not, the pairs' tokens count
     return {"loss": loss, "pairs": margin.numel(), "right": (margin > 0).sum(), "margin": margin.sum(),
             "chosen_reward": out.chosen_rewards.sum(), "rejected_reward": out.rejected_rewards.sum(),
-            "tokens": tokens, "positions": tokens + padding, "computed": computed}  # fmt: skip
+            "tokens": tokens, "positions": positions, "computed": computed}  # fmt: skip
 
 
 def dpo_columns(w: dict[str, float], seconds: float) -> dict[str, float]:

@@ -30,7 +30,7 @@ from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import PairCollator, response_lengths
-from dschat.data.packing import PAD
+from dschat.data.packing import pair_token_counts
 from dschat.data.pipeline import prepare_pair_data
 from dschat.lm import eval_batches
 from dschat.losses import (
@@ -255,14 +255,9 @@ def ranking_micro_step(engine, reward: C.RewardArgs, length_w: float | None, bat
         loss = pairwise_loss(chosen, rejected, reward.margin, offset)
     engine.backward(loss)
     engine.step()
-    # Throughput counts the pairs' real tokens, packed or not (the same work); ``computed`` the tokens the
-    # model ran (a shared prompt once), and the padding is what the model ran of it.
-    tokens, computed, padding = mask.sum(), mask.sum(), mask.numel() - mask.sum()
-    if "packed_segments" in batch:
-        real = batch["packed_segments"] != PAD
-        computed, padding = real.sum(), real.numel() - real.sum()
+    tokens, computed, positions = pair_token_counts(batch)  # packed or not, the pairs' tokens count
     return {"loss": loss, "pairs": b, "right": (chosen > rejected).sum(), "margin": (chosen - rejected).sum(),
-            "tokens": tokens, "positions": tokens + padding, "computed": computed}  # fmt: skip
+            "tokens": tokens, "positions": positions, "computed": computed}  # fmt: skip
 
 
 def pair_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
