@@ -63,12 +63,13 @@ def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLog
 def settle_share_prompt(model, collate, train: list[dict], evals: list, device) -> None:
     """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PreferenceLMCollator` that packs) only where
     packed pairs give the unpacked log-probs on this model: the answers of two ``train`` pairs, compared
-    per token against :func:`dschat.lm.logprob_packing_tolerance`. Otherwise the collator stops packing
+    per token against :func:`dschat.lm.logprob_packing_tolerance` (the first two with a prompt: a batch
+    packs only when all its pairs have one). Otherwise the collator stops packing
     and the already collated ``evals`` (a list of (batch, weight)) lose their packed rows, with a warning.
     ``model``: the policy (or its engine), checked in eval mode before its first update."""
     module = getattr(model, "module", model)
     attn = getattr(module.config, "_attn_implementation", None)
-    batch = collate(train[:2])
+    batch = collate([f for f in train if f["prompt_len"] > 0][:2] or train[:2])
     why = None
     if attn not in CUSTOM_MASK_ATTENTION:
         why = f"attention implementation {attn!r} takes no custom mask"

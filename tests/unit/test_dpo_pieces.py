@@ -200,3 +200,21 @@ def test_settle_keeps_packing_where_it_holds_and_falls_back_where_not(monkeypatc
     )
     assert "differ from separate rows" in caplog.text
     assert "packed_input_ids" not in collate(feats)
+
+
+def test_settle_checks_pairs_with_a_prompt_even_when_the_first_has_none(monkeypatch, caplog):
+    # a batch packs only when every pair has a prompt: checking train[:2] blindly would skip the check
+    import dschat.lm as lm_module
+    from dschat.dpo import settle_share_prompt
+
+    feats = [
+        dict(pair_example([], [4, 5], [6]), index=0),
+        dict(pair_example([1, 2, 3], [4, 5], [6]), index=1),
+        dict(pair_example([7], [8], [9, 9]), index=2),
+    ]
+    model = _tiny_lm("llama", "sdpa")
+    collate = PreferenceLMCollator(pad_id=0, end_id=63, share_prompt=True)
+    monkeypatch.setattr(lm_module, "shared_prompt_mask", lambda seg: torch.ones(seg.shape[1], seg.shape[1]).bool().tril().expand(seg.shape[0], 1, -1, -1))  # fmt: skip
+    with caplog.at_level("WARNING", logger="dschat"):
+        settle_share_prompt(model, collate, feats, [], "cpu")
+    assert not collate.share_prompt and "differ from separate rows" in caplog.text
