@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from dschat.generation.inference_copy import (
     plan_for,
 )
 from dschat.generation.kv_decode import decode
-from dschat.generation.plain import PlainGenerator, position_ids_from_mask
+from dschat.generation.plain import PlainGenerator, position_ids_from_mask, stop_ids_for, through_first_stop
 from dschat.generation.sampling import SamplingConfig
 from dschat.utils import dist
 from dschat.utils.errors import UserError
@@ -96,10 +96,12 @@ class HybridGenerator:
         measure_logprobs: bool = True,
         fast_attention: bool = True,
         static_cache: bool | None = None,
+        stop_ids: Sequence[int] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
         if zero3 and gather is None:
             raise ValueError("HybridGenerator(zero3=True) needs gather= (dschat.engine.core.gather_zero3)")
+        self.stop_ids = stop_ids_for(tokenizer, stop_ids)  # a row ends at any of these (end of turn, EOS)
         self.gather, self.gather_layers = gather or no_gather, gather_layers
         self.release_cache, self.unpin = release_cache, unpin
         # StaticCache: allocated once and kept between rounds, compile-friendly. On CPU a dynamic cache
@@ -137,7 +139,7 @@ class HybridGenerator:
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
-        self.fallback = PlainGenerator(self.engine, self.tokenizer, self.sampling, self.zero3)
+        self.fallback = PlainGenerator(self.engine, self.tokenizer, self.sampling, self.zero3, self.stop_ids)
         if dist.is_main():
             LOG.warning("hybrid engine: %s; generating with plain Hugging Face generate instead", reason)
 
@@ -272,7 +274,7 @@ class HybridGenerator:
         # ranks step together only when each forward is collective (the unpinned ZeRO-3 module)
         lockstep = True if (self.copy is None and self.zero3 and dist.world_size() > 1) else None
         out = decode(
-            self._model, ids, mask, s, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            self._model, ids, mask, s, eos_token_id=list(self.stop_ids), pad_token_id=tok.pad_token_id,
             cache=self._cache(self._model, ids.shape[0], ids.shape[1] + s.max_new_tokens),
             generator=generator, lockstep=lockstep, return_logprobs=self._measure_pending,
         )  # fmt: skip
@@ -291,15 +293,13 @@ class HybridGenerator:
     def _measure(
         self, seq: torch.Tensor, prompt_mask: torch.Tensor, gen_logprobs: torch.Tensor, p: int
     ) -> None:
-        """Max and mean |log pi_generation - log pi_training| over the generated tokens (through EOS).
+        """Max and mean |log pi_generation - log pi_training| over the generated tokens (through the stop).
 
         The training side is the engine's own forward (eval mode, the training dtype), as PPO uses it.
         Collective under ZeRO-3: every rank measures on its first ``generate`` call.
         """
         resp = seq[:, p:]
-        eos = self.tokenizer.eos_token_id
-        is_eos = (resp == eos).long() if eos is not None else torch.zeros_like(resp)
-        valid = (is_eos.cumsum(1) - is_eos) == 0  # tokens up to and including the first EOS
+        valid = through_first_stop(resp, self.stop_ids)
         mask = torch.cat([prompt_mask.long(), valid.long()], dim=1)
         was_training = self.engine.module.training
         self.engine.eval()

@@ -11,6 +11,7 @@ No deepspeed here; ``torch.distributed`` only for ranks that must step together 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,7 @@ def decode(
     attention_mask: torch.Tensor,
     sampling: SamplingConfig,
     *,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     pad_token_id: int,
     cache=None,
     generator: torch.Generator | None = None,
@@ -86,7 +87,8 @@ def decode(
 
     ``cache`` is a transformers ``Cache`` sized for at least P + max_new_tokens (None: a dynamic one).
     Positions skip left padding exactly as the training forward computes them. A row stops at its
-    EOS and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
+    EOS (any of them, where ``eos_token_id`` is a list: a chat template's end of turn and the EOS, as
+    ``generate`` takes them) and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
     group, or ``True`` for the default group) keeps several ranks stepping together until all of them
     are done (needed when each forward is collective, e.g. a ZeRO-3 module); a rank that is done
     keeps running forwards on a dummy token without appending, like ``generate(synced_gpus=True)``.
@@ -107,6 +109,10 @@ def decode(
     logits = out.logits[:, -1, :].float()
     pos = positions[:, -1:]
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
+    stops = None
+    if eos_token_id is not None:
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        stops = torch.tensor(ids, dtype=torch.long, device=device) if ids else None
     tokens: list[torch.Tensor] = []
     scores: list[torch.Tensor] = []
     synced = lockstep is not None and lockstep is not False
@@ -115,17 +121,17 @@ def decode(
     while True:
         if not this_done:
             step_logits = logits
-            if eos_token_id is not None and len(tokens) < sampling.min_new_tokens:
+            if stops is not None and len(tokens) < sampling.min_new_tokens:
                 step_logits = logits.clone()
-                step_logits[:, eos_token_id] = float("-inf")
+                step_logits[:, stops] = float("-inf")
             tok = next_tokens(step_logits, sampling, generator)
             if return_logprobs:
                 lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None]).squeeze(1)
                 scores.append(torch.where(unfinished, lp, torch.zeros_like(lp)))
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad_token_id))
             tokens.append(tok)
-            if eos_token_id is not None:
-                unfinished &= tok != eos_token_id
+            if stops is not None:
+                unfinished &= ~torch.isin(tok, stops)
             this_done = len(tokens) >= sampling.max_new_tokens or not bool(unfinished.any())
         all_done = this_done
         if synced:

@@ -13,7 +13,7 @@ settings the checkpoint carries.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,13 +30,31 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.clamp_min(0)
 
 
-def generation_config_for(sampling: SamplingConfig, tokenizer) -> GenerationConfig:
+def stop_ids_for(tokenizer, stop_ids: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The token ids at which a rollout stops: ``stop_ids`` (a prompt format's, e.g. a chat template's end
+    of turn and EOS, :attr:`dschat.data.prompt_format.PromptFormat.stop_ids`), else the tokenizer's EOS."""
+    if stop_ids:
+        return tuple(dict.fromkeys(int(i) for i in stop_ids))
+    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+
+
+def through_first_stop(response: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
+    """(B, n) generated tokens -> (B, n) bool: True up to and including each row's first stop token
+    (whatever follows it, padding that may equal a stop id, is not part of the answer)."""
+    is_stop = torch.isin(response, torch.tensor(list(stop_ids), dtype=response.dtype, device=response.device))
+    return (is_stop.long().cumsum(dim=1) - is_stop.long()) == 0
+
+
+def generation_config_for(
+    sampling: SamplingConfig, tokenizer, stop_ids: Sequence[int] = ()
+) -> GenerationConfig:
     """The Hugging Face ``GenerationConfig`` of ``sampling``: greedy, or one draw from the tempered and
-    filtered distribution, stopping at the tokenizer's EOS."""
+    filtered distribution, stopping at any of :func:`stop_ids_for`."""
     from transformers import GenerationConfig
 
+    stops = list(stop_ids_for(tokenizer, stop_ids))
     return GenerationConfig(**sampling.generate_kwargs(), use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+                            eos_token_id=stops or None)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -62,8 +80,13 @@ def without_checkpoint_generation_config(module: torch.nn.Module) -> Iterator[No
 
 
 class PlainGenerator:
-    def __init__(self, engine, tokenizer, sampling: SamplingConfig, zero3: bool) -> None:
+    """``generate`` on the training module; a row stops at any of ``stop_ids`` (:func:`stop_ids_for`)."""
+
+    def __init__(
+        self, engine, tokenizer, sampling: SamplingConfig, zero3: bool, stop_ids: Sequence[int] | None = None
+    ) -> None:
         self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
+        self.stop_ids = stop_ids_for(tokenizer, stop_ids)
 
     @contextlib.contextmanager
     def generation_mode(self) -> Iterator[PlainGenerator]:
@@ -84,9 +107,9 @@ class PlainGenerator:
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig | None = None
     ) -> torch.Tensor:
-        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their EOS)."""
+        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their stop token)."""
         module = self.engine.module
-        config = generation_config_for(sampling or self.sampling, self.tokenizer)
+        config = generation_config_for(sampling or self.sampling, self.tokenizer, self.stop_ids)
         with without_checkpoint_generation_config(module):
             return module.generate(
                 input_ids=input_ids,

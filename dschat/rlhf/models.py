@@ -200,13 +200,15 @@ def build_models(
 
 
 def make_generator(
-    o: RLHFOptions, actor, tokenizer, sampling: SamplingConfig
+    o: RLHFOptions, actor, tokenizer, sampling: SamplingConfig, fmt: PromptFormat
 ) -> HybridGenerator | PlainGenerator:
-    """The hybrid engine (fast generation from the training weights), or plain ``generate``."""
+    """The hybrid engine (fast generation from the training weights), or plain ``generate``; either stops
+    a rollout at the prompt format's stop tokens (a chat template's end of turn as well as the EOS), where
+    step 1 taught the policy to end its answers."""
     eng, zero3 = o.engine, o.actor_ds.zero_stage == 3
     if not eng.enable_hybrid_engine:
-        return PlainGenerator(actor, tokenizer, sampling, zero3=zero3)
-    return HybridGenerator(actor, tokenizer, sampling, zero3=zero3, gather=engine_core.gather_zero3,
+        return PlainGenerator(actor, tokenizer, sampling, zero3=zero3, stop_ids=fmt.stop_ids)
+    return HybridGenerator(actor, tokenizer, sampling, zero3=zero3, gather=engine_core.gather_zero3, stop_ids=fmt.stop_ids,
                            tp_size=eng.inference_tp_size, gather_layers=eng.tp_gather_partition_size,
                            release_cache=eng.release_inference_cache, unpin=eng.unpin_actor_parameters)  # fmt: skip
 

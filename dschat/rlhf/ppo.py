@@ -219,14 +219,16 @@ class PPOTrainer:
             sequences = gen.generate(prompt_ids, prompt_mask)
         prompt_len = prompt_ids.shape[1]
         with self._timed("experience"):
-            action_mask = M.action_mask_from(sequences, prompt_len, tok.eos_token_id, tok.pad_token_id)
+            stops = self.generator.stop_ids  # EOS and the chat template's end of turn
+            action_mask = M.action_mask_from(sequences, prompt_len, stops)
             self.generated_tokens += float(action_mask.sum())
             response_mask = torch.zeros_like(sequences)
             response_mask[:, 1:] = action_mask.long()
             attention_mask = torch.cat([prompt_mask, response_mask[:, prompt_len:]], dim=1)
-            # The reward model was trained on prompt + response without EOS: score at the last content token.
-            is_eos = (sequences == tok.eos_token_id) & (response_mask > 0)
-            reward_mask = attention_mask * (~is_eos).long()
+            # The reward model was trained on prompt + response without its end token: score at the last
+            # content token.
+            is_end = torch.isin(sequences, torch.tensor(stops, device=sequences.device)) & (response_mask > 0)
+            reward_mask = attention_mask * (~is_end).long()
 
             self.actor.eval()
             packed = self.pack(sequences, attention_mask, prompt_len)
@@ -255,7 +257,7 @@ class PPOTrainer:
                 else None
             )
 
-            truncated = M.truncated_rows(sequences, prompt_len, tok.eos_token_id)
+            truncated = M.truncated_rows(sequences, prompt_len, stops)
             clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
             clipped = clipped - h.truncation_penalty * truncated.float()
             # With --kl_in loss the penalty is the actor's loss term (train), not a per-token reward.

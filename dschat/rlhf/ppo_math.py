@@ -13,23 +13,22 @@ reach ``exp`` or a sum, because ``0 * inf`` is nan and would poison the whole ba
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
+from dschat.generation.plain import through_first_stop
 
-def action_mask_from(sequences: torch.Tensor, prompt_len: int, eos_id: int, pad_id: int) -> torch.Tensor:
+
+def action_mask_from(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
     """(B, T) prompt (left-padded to ``prompt_len``) + generated tokens -> action mask (B, T-1).
 
-    A generated token counts until and including the first EOS; whatever generate wrote after it
-    (padding, which may equal EOS) does not. Prompt positions never count.
+    A generated token counts until and including the first stop token (``stop_ids``: the EOS, and a chat
+    template's end of turn where that differs); whatever generate wrote after it (padding, which may
+    equal a stop id) does not. Before it every token was sampled, even one that happens to be the pad
+    token. Prompt positions never count.
     """
-    response = sequences[:, prompt_len:]
-    is_eos = response == eos_id
-    # position of the first EOS (or the end): tokens after it are padding
-    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
-    # Before the first EOS every token was sampled (even one that happens to be the pad token);
-    # generate writes padding only after it.
-    valid = ~after_eos
+    valid = through_first_stop(sequences[:, prompt_len:], stop_ids)
     mask = torch.zeros(
         sequences.shape[0], sequences.shape[1] - 1, dtype=torch.float32, device=sequences.device
     )
@@ -173,10 +172,13 @@ def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return same.repeat_interleave(group_size)
 
 
-def truncated_rows(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> torch.Tensor:
-    """(B, T) prompt + generated tokens -> (B,) bool: True where the response has no EOS, i.e. generation
-    stopped at the token budget mid-answer (``--truncation_penalty`` charges these)."""
-    return ~(sequences[:, prompt_len:] == eos_id).any(dim=1)
+def truncated_rows(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
+    """(B, T) prompt + generated tokens -> (B,) bool: True where the response has no stop token, i.e.
+    generation stopped at the token budget mid-answer (``--truncation_penalty`` charges these)."""
+    response = sequences[:, prompt_len:]
+    return ~torch.isin(
+        response, torch.tensor(list(stop_ids), dtype=response.dtype, device=response.device)
+    ).any(dim=1)
 
 
 def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -135,7 +135,7 @@ def rollout(model, prompts: list[list[int]], responses: list[list[int]], seed: i
     p, r = max(map(len, prompts)), max(map(len, responses))
     seq = torch.tensor([[0] * (p - len(x)) + x + y + [2] * (r - len(y)) for x, y in zip(prompts, responses)])
     prompt_mask = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts])
-    action_mask = M.action_mask_from(seq, p, eos_id=2, pad_id=0)
+    action_mask = M.action_mask_from(seq, p, stop_ids=[2])
     attention_mask = torch.cat([prompt_mask, action_mask[:, p - 1 :].long()], dim=1)
     with torch.no_grad():
         logits = model(input_ids=seq, attention_mask=attention_mask,

@@ -109,7 +109,7 @@ def test_action_mask_eos_in_the_middle():
     # prompt_len 3 (left-padded), response [7, EOS, PAD, PAD]. Mask has T-1 = 6 entries; entry t is
     # token t+1: entries 0, 1 are prompt tokens 1, 2 -> 0; entries 2..5 are response tokens 7, EOS, PAD, PAD
     seq = torch.tensor([[PAD, 5, 6, 7, EOS, PAD, PAD]])
-    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    mask = action_mask_from(seq, prompt_len=3, stop_ids=[EOS])
     assert mask.shape == (1, 6)
     assert mask.dtype == torch.float32
     assert torch.equal(mask, t([[0, 0, 1, 1, 0, 0]]))
@@ -125,7 +125,7 @@ def test_action_mask_batch_of_cases():
             [5, 6, 7, 8, 9, 10, EOS],  # EOS as the very last token counts
         ]
     )
-    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    mask = action_mask_from(seq, prompt_len=3, stop_ids=[EOS])
     expected = t(
         [
             [0, 0, 1, 1, 0, 0],
@@ -148,14 +148,34 @@ def test_action_mask_pad_equals_eos():
             [5, 6, 7, 8, 9, 10, 11],  # no EOS: [1, 1, 1, 1]
         ]
     )
-    mask = action_mask_from(seq, prompt_len=3, eos_id=2, pad_id=2)
+    mask = action_mask_from(seq, prompt_len=3, stop_ids=[2])
     assert torch.equal(mask, t([[0, 0, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]]))
+
+
+def test_action_mask_and_truncation_end_at_whichever_stop_token_comes_first():
+    # a chat template's end of turn (END) beside the EOS: either ends the answer
+    END = 9
+    seq = torch.tensor(
+        [
+            [5, 6, 7, 8, END, EOS, PAD],  # END first: [1, 1, 0, 0]
+            [5, 6, 7, EOS, END, PAD, PAD],  # EOS first: [1, 0, 0, 0]
+            [5, 6, 7, 8, 8, 8, 8],  # neither: all count, truncated
+            [5, 6, 7, 8, 8, 8, END],  # END as the last token: all count, not truncated
+        ]
+    )
+    mask = action_mask_from(seq, prompt_len=3, stop_ids=[END, EOS])
+    assert torch.equal(
+        mask, t([[0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    )
+    assert truncated_rows(seq, prompt_len=3, stop_ids=[END, EOS]).tolist() == [False, False, True, False]
+    # with the EOS alone, END is an ordinary token and the first row runs on to its EOS
+    assert action_mask_from(seq, prompt_len=3, stop_ids=[EOS])[0].tolist() == [0, 0, 1, 1, 1, 0]
 
 
 def test_action_mask_prompt_tokens_never_count():
     # prompt tokens equal to EOS/PAD or not: the prompt block never enters the mask
     seq = torch.tensor([[EOS, PAD, EOS, 7, 8]])
-    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    mask = action_mask_from(seq, prompt_len=3, stop_ids=[EOS])
     assert torch.equal(mask, t([[0, 0, 1, 1]]))
 
 
@@ -164,7 +184,7 @@ def test_action_mask_sampled_pad_token_before_eos_counts():
     # padding only after a row's EOS, so a PAD id before the first EOS was sampled by the policy (the
     # builtin tokenizer's <pad> = 0 is an ordinary logit). Response [7, PAD, 8, EOS] -> [1, 1, 1, 1].
     seq = torch.tensor([[5, 6, 7, 7, PAD, 8, EOS]])
-    mask = action_mask_from(seq, prompt_len=3, eos_id=EOS, pad_id=PAD)
+    mask = action_mask_from(seq, prompt_len=3, stop_ids=[EOS])
     assert torch.equal(mask, t([[0, 0, 1, 1, 1, 1]]))
 
 
@@ -624,7 +644,7 @@ def test_uniform_groups_marks_every_row_of_an_all_equal_group():
 def test_truncated_rows_are_those_without_eos_in_the_response():
     # prompt_len 2, EOS = 2: row 0 ends; row 1 runs out of budget; row 2 has EOS only in its prompt
     seqs = torch.tensor([[7, 7, 5, 2, 0], [7, 7, 5, 6, 8], [7, 2, 5, 6, 8]])
-    assert truncated_rows(seqs, prompt_len=2, eos_id=2).tolist() == [False, True, True]
+    assert truncated_rows(seqs, prompt_len=2, stop_ids=[2]).tolist() == [False, True, True]
 
 
 def aggregation_case():

@@ -190,8 +190,8 @@ def test_rlvr_stabilisers_in_one_round(tokenizer, penalty):
                   truncation_penalty=penalty, loss_agg="seq_mean_token_sum_norm", max_answer_len=6)  # fmt: skip
     torch.manual_seed(5)
     exp, stats = ppo.make_experience(*prompts(tokenizer))
-    full = M.action_mask_from(exp.sequences, exp.prompt_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    truncated = M.truncated_rows(exp.sequences, exp.prompt_len, tokenizer.eos_token_id)
+    full = M.action_mask_from(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id])
+    truncated = M.truncated_rows(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id])
     assert truncated.any()  # a random micro model rarely says EOS within 6 tokens
     score = torch.tensor([1.0, 1.0, 0.0, 2.0]) - penalty * truncated.float()
     relative = score.view(2, 2) - score.view(2, 2).mean(1, keepdim=True)
@@ -223,7 +223,7 @@ def test_uniform_groups_are_counted_without_the_filter_and_stay_in_the_update(to
     torch.manual_seed(5)
     exp, stats = ppo.make_experience(*prompts(tokenizer))
     assert stats["uniform_group_rows"] == 2.0  # prompt 0's two answers both score 1
-    full = M.action_mask_from(exp.sequences, exp.prompt_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    full = M.action_mask_from(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id])
     assert torch.equal(exp.action_mask, full)
 
 
@@ -309,3 +309,56 @@ def test_shared_reference_is_the_actor_without_its_adapter_numerically(tokenizer
     torch.testing.assert_close(
         lp_actor[:, 1:], tempered_logprobs(actor, seq, attn, 0.7)[:, 1:], rtol=1e-5, atol=1e-5
     )
+
+
+# ---------------------------------------------------------------- a chat template's end of turn
+class RecordingScores(Scores):
+    """Scores that keep the mask the reward model was handed."""
+
+    def __init__(self) -> None:
+        self.masks: list[torch.Tensor] = []
+
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
+        self.masks.append(attention_mask.clone())
+        return super().score(prompts, responses, sequences, attention_mask, packed)
+
+
+@pytest.mark.parametrize("kind", ["plain", "hybrid"])
+def test_rollouts_end_at_the_templates_end_of_turn_when_it_is_not_eos(tokenizer, kind):
+    """A chat model ends its reply with its template's end-of-turn token, which need not be its EOS
+    (Gemma's <end_of_turn>, Phi-3's <|end|>, a base Qwen2's <|im_end|>). Generation must stop there, and
+    the action mask, the reward model's last token and the truncation flag must end there too."""
+    from dschat.generation.hybrid import HybridGenerator
+
+    actor = micro_llama(len(tokenizer))
+    ids, mask, texts = prompts(tokenizer)
+    greedy = SamplingConfig(max_new_tokens=6, do_sample=False)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    free = decode(actor, ids, mask, greedy, eos_token_id=eos, pad_token_id=pad).sequences[:, ids.shape[1] :]
+    end = int(free[0, 1])  # row 0's second greedy token plays the end of turn
+    assert end != eos and int(free[0, 0]) != end
+    # each row's answer: up to and including its first end of turn or EOS, or all 6 tokens (truncated)
+    lengths, stopped = [], []
+    for row in free.tolist():
+        hit = [i for i, t in enumerate(row) if t in (end, eos)]
+        lengths.append(hit[0] + 1 if hit else len(row))
+        stopped.append(bool(hit))
+    engine = Engine(actor)
+    stops = (end, eos)
+    gen = (PlainGenerator(engine, tokenizer, greedy, zero3=False, stop_ids=stops) if kind == "plain"
+           else HybridGenerator(engine, tokenizer, greedy, zero3=False, stop_ids=stops, measure_logprobs=False))  # fmt: skip
+    scores = RecordingScores()
+    hyper = PPOHyper(clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+                     whiten_advantages=False, unsup_coef=0.0, n_samples_per_prompt=2, advantage_estimator="rloo",
+                     temperature=1.0)  # fmt: skip
+    ppo = PPOTrainer(actor=engine, reference=Engine(micro_llama(len(tokenizer))), critic=None, reward_source=scores,
+                     generator=gen, tokenizer=tokenizer, hyper=hyper, kl_ctl=M.FixedKLController(0.1))  # fmt: skip
+    exp, stats = ppo.make_experience(ids, mask, texts)
+    twice = [x for x in lengths for _ in range(2)]
+    assert exp.sequences.shape[1] == ids.shape[1] + max(lengths) and lengths[0] == 2
+    assert exp.action_mask.sum(1).tolist() == [float(n) for n in twice]
+    assert stats["truncated_rows"] == 2.0 * stopped.count(False)
+    # the reward model reads prompt + response without its end token, as step 2 trained it
+    prompt_tokens = mask.sum(1).tolist()
+    expect = [p + n - s for p, n, s in zip(prompt_tokens, lengths, stopped) for _ in range(2)]
+    assert scores.masks[0].sum(1).tolist() == expect

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                      critic_updates=rounds.critic_updates)  # fmt: skip
     sampling = SamplingConfig(max_new_tokens=ppo.max_answer_seq_len, temperature=ppo.temperature, top_p=ppo.top_p,
                               top_k=ppo.top_k)  # fmt: skip
-    generator = make_generator(o, m.actor, tokenizer, sampling)
+    generator = make_generator(o, m.actor, tokenizer, sampling, fmt)
     trainer = make_trainer(o, m, generator, tokenizer)
     log.info(describe(o, m, paths, dtype))
 
