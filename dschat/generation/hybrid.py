@@ -121,7 +121,7 @@ class HybridGenerator:
             raise UserError("--inference_tp_size > 1 needs an inference copy: drop --unpin_actor_parameters")
         module = engine.module
         try:
-            plan_for(module.get_base_model() if hasattr(module, "get_base_model") else module)
+            plan_for(module.get_base_model() if hasattr(module, "get_base_model") else module, tp_size)
         except UnsupportedModel as exc:
             self._fall_back(str(exc))
             return

@@ -82,11 +82,28 @@ class UnsupportedModel(Exception):
     """The actor cannot be served by an inference copy (the caller falls back to plain generation)."""
 
 
-def plan_for(model: nn.Module) -> ArchPlan:
+def plan_for(model: nn.Module, tp_size: int = 1) -> ArchPlan:
+    """How ``model``'s copy is built. Tensor parallelism needs the architecture's split (:data:`PLANS`);
+    without it any architecture is copied whole, its decoder blocks found by :func:`decoder_blocks`
+    (they only group the ZeRO-3 gathering), so a new model keeps the fast path."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in PLANS:
-        raise UnsupportedModel(f"architecture {model_type!r} (supported: {', '.join(sorted(PLANS))})")
-    return PLANS[model_type]
+    if model_type in PLANS:
+        return PLANS[model_type]
+    if tp_size > 1:
+        raise UnsupportedModel(f"architecture {model_type!r} has no tensor-parallel split (planned: "
+                               f"{', '.join(sorted(PLANS))}); --inference_tp_size 1 serves any architecture")  # fmt: skip
+    return ArchPlan(layers=decoder_blocks(model), colwise=(), rowwise=())
+
+
+def decoder_blocks(model: nn.Module) -> str:
+    """The name of ``model``'s ModuleList of decoder blocks: the first one with as many entries as the
+    config has layers ("" where there is none: the copy is then gathered in one piece)."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            return name
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------- pure maths
@@ -216,8 +233,8 @@ class InferenceCopy:
         fast_attention: bool = True,
     ) -> None:
         base = train_module.get_base_model() if hasattr(train_module, "get_base_model") else train_module
-        self.plan = plan_for(base)
         self.tp = tp or TPGroup()
+        self.plan = plan_for(base, self.tp.size)
         self.dtype, self.device = dtype, device
         config = copy.deepcopy(base.config)
         config.use_cache = True
@@ -243,7 +260,9 @@ class InferenceCopy:
     # ------------------------------------------------------------------ construction
     def _chunk_of(self, name: str) -> int:
         prefix = self.plan.layers + "."
-        return int(name[len(prefix) :].split(".", 1)[0]) if name.startswith(prefix) else -1
+        return (
+            int(name[len(prefix) :].split(".", 1)[0]) if self.plan.layers and name.startswith(prefix) else -1
+        )
 
     def _materialize(self, base: nn.Module) -> None:
         """Real tensors for every meta parameter (sliced shapes under TP; tied parameters stay tied),

@@ -17,6 +17,7 @@ from dschat.generation.inference_copy import (
     local_shape,
     merged_lora_weight,
     no_gather,
+    plan_for,
     shard,
     shard_spec,
 )
@@ -233,13 +234,35 @@ def test_inference_copy_of_a_lora_model_matches_it_and_leaves_it_untouched():
         assert torch.allclose(copy.model(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
 
 
-def test_an_architecture_without_a_plan_is_unsupported():
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+def _tiny_causal_lm(arch: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                            num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
-    with pytest.raises(UnsupportedModel, match="gpt_neox"):
-        InferenceCopy(neox, dtype=torch.float32, device=torch.device("cpu"))
+    shapes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0,
+              "head_dim": 8, "eos_token_id": 2, "bos_token_id": 1}  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **shapes)).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3", "gpt_neox"])
+def test_any_architecture_gets_an_inference_copy_without_tensor_parallelism(arch):
+    """Without TP the copy is the same model with the same weights: no per-architecture table is needed,
+    so a new model keeps the fast path instead of falling back to plain generate."""
+    model = _tiny_causal_lm(arch)
+    copy = InferenceCopy(model, dtype=torch.float32, device=torch.device("cpu"))
+    copy.refill(no_gather)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        assert torch.allclose(copy.model(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+    # the decoder blocks are still found, so ZeRO-3 gathering goes block by block
+    chunks = copy.chunks(1)
+    assert len(chunks) == 3 and sum(len(c) for c in chunks) == len(copy.fills)
+
+
+def test_tensor_parallelism_needs_a_plan_for_the_architecture():
+    with pytest.raises(UnsupportedModel, match="qwen3.*--inference_tp_size 1"):
+        plan_for(_tiny_causal_lm("qwen3"), tp_size=2)
+    assert plan_for(_tiny_causal_lm("qwen2"), tp_size=2).colwise  # a planned one splits
 
 
 # ---------------------------------------------------------------------------------------------- flags
@@ -264,3 +287,26 @@ def test_hybrid_flags_parse_and_validate():
     ):  # fmt: skip
         with pytest.raises(UserError, match=needle):
             engine_args(*flags)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_hybrid_greedy_on_an_unplanned_architecture_equals_generate(arch):
+    """The hybrid engine serves a model outside the TP table from its copy (no fallback), and its greedy
+    answers are Hugging Face ``generate``'s."""
+    from types import SimpleNamespace
+
+    from dschat.generation.hybrid import HybridGenerator
+
+    model = _tiny_causal_lm(arch)
+    engine = SimpleNamespace(module=model, device=torch.device("cpu"), eval=model.eval, train=model.train)
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    greedy = SamplingConfig(max_new_tokens=6, do_sample=False)
+    gen = HybridGenerator(engine, tok, greedy, zero3=False, measure_logprobs=False)
+    assert gen.fallback is None and gen.copy is not None
+    ids = torch.tensor([[0, 5, 9, 3], [4, 8, 12, 7]])
+    mask = (ids != 0).long()
+    with gen.generation_mode() as g:
+        ours = g.generate(ids, mask)
+    want = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, eos_token_id=2,
+                          pad_token_id=0)  # fmt: skip
+    assert torch.equal(ours, want[:, : ours.shape[1]]) and (want[:, ours.shape[1] :] == 0).all()
