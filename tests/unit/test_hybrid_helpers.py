@@ -260,7 +260,7 @@ def test_any_architecture_gets_an_inference_copy_without_tensor_parallelism(arch
 
 
 def test_tensor_parallelism_needs_a_plan_for_the_architecture():
-    with pytest.raises(UnsupportedModel, match="qwen3.*--inference_tp_size 1"):
+    with pytest.raises(UnsupportedModel, match=r"qwen3.*--inference_tp_size 1"):
         plan_for(_tiny_causal_lm("qwen3"), tp_size=2)
     assert plan_for(_tiny_causal_lm("qwen2"), tp_size=2).colwise  # a planned one splits
 
