@@ -9,6 +9,7 @@ held in memory while training) and kept in a table indexed by the pair's positio
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,7 +114,14 @@ def reference_table(
     if only is not None:
         table[[i for i in range(len(examples)) if i not in only]] = float("nan")
         examples = [examples[i] for i in sorted(only)]
-    for batch, weight in eval_batches(examples, batch_size=batch_size, collate=collate):
+    batches = eval_batches(examples, batch_size=batch_size, collate=collate)
+    start = last = time.perf_counter()
+    for i, (batch, weight) in enumerate(batches):
+        if dist.is_main() and time.perf_counter() - last > 60:  # a long pass says how far it is
+            last = time.perf_counter()
+            LOG.info(
+                "reference log-probs: %d of %d batches, %.2f s a batch", i, len(batches), (last - start) / i
+            )
         lp = response_logps(model, batch, device)
         keep = weight > 0
         idx = batch["index"][keep]
