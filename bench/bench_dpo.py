@@ -100,6 +100,9 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     result = {
         "implicit_reward_accuracy": s["implicit_reward_accuracy_end"],
         "implicit_reward_accuracy_start": s.get("implicit_reward_accuracy_start"),
+        "implicit_reward_accuracy_chosen_longer": s.get("implicit_reward_accuracy_chosen_longer_end"),
+        "implicit_reward_accuracy_chosen_shorter": s.get("implicit_reward_accuracy_chosen_shorter_end"),
+        "longer_response_baseline": s.get("longer_response_baseline"),
         "eval_margin": s["eval_margin_end"],
         "train_pairs": len((pairs / "train.jsonl").read_text().splitlines()),
         "steps": s["steps"],

@@ -19,6 +19,7 @@ from dschat.config import DPOArgs
 from dschat.data.packing import CUSTOM_MASK_ATTENTION, drop_packed, stop_packing
 from dschat.lm import eval_batches, logprob_packing_tolerance, packed_token_logprobs, target_logits
 from dschat.losses import DPOLoss, dpo_loss, token_nll
+from dschat.ranking import ranking_metrics, ranking_sums
 from dschat.utils import dist
 from dschat.utils.io import atomic_save_tensors
 
@@ -149,28 +150,29 @@ def pair_loss(lp: ResponseLogps, ref: torch.Tensor, hp: DPOArgs) -> tuple[torch.
 def evaluate_pairs(
     model, batches: list[tuple[dict, torch.Tensor]], ref: torch.Tensor, hp: DPOArgs, device
 ) -> dict:
-    """Held-out pairs (all ranks): implicit-reward accuracy (the chosen answer's reward strictly higher;
-    ties count as wrong, so the untrained policy scores 0), mean margin and rewards, DPO loss."""
+    """Held-out pairs (all ranks), scored as a reward model is (:mod:`dschat.ranking`) with the implicit
+    rewards as scores: accuracy (the chosen answer's reward strictly higher; ties count as wrong, so the
+    untrained policy scores 0), split by which answer is longer, the "longer wins" baseline, the mean
+    margin and rewards; and the DPO loss."""
     was_training = model.training
     model.eval()
-    sums = [0.0] * 6  # pairs, right, margin, chosen reward, rejected reward, loss
+    totals: dict[str, float] = {}
     for batch, weight in batches:
         lp = response_logps(model, batch, device)
         w = weight.to(lp.chosen.device)
         _, out = pair_loss(lp, ref[batch["index"]], hp)
-        margin = out.chosen_rewards - out.rejected_rewards
-        sums[0] += float(w.sum())
-        sums[1] += float(((margin > 0).float() * w).sum())
-        sums[2] += float((margin * w).sum())
-        sums[3] += float((out.chosen_rewards * w).sum())
-        sums[4] += float((out.rejected_rewards * w).sum())
-        sums[5] += float((out.losses * w).sum())
+        sums = ranking_sums(out.chosen_rewards, out.rejected_rewards, lp.chosen_tokens, lp.rejected_tokens, w)
+        sums["loss"] = float((out.losses * w).sum())
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + v
     if was_training:
         model.train()
-    n, right, margin, chosen, rejected, loss = dist.all_reduce_sum(sums)
-    n = max(n, 1.0)
-    return {"pairs": n, "accuracy": right / n, "margin": margin / n, "chosen_reward": chosen / n,
-            "rejected_reward": rejected / n, "loss": loss / n}  # fmt: skip
+    keys = sorted(totals)
+    reduced = dict(zip(keys, dist.all_reduce_sum([totals[k] for k in keys])))
+    m = ranking_metrics(reduced)
+    m["chosen_reward"], m["rejected_reward"] = m.pop("chosen_mean"), m.pop("rejected_mean")
+    m["loss"] = reduced["loss"] / max(reduced["n"], 1.0)
+    return m
 
 
 def save_table(path: Path, table: torch.Tensor) -> None:

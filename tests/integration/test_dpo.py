@@ -45,6 +45,10 @@ def test_dpo_learns_the_preference(trained):
     assert s["eval_margin_end"] > 1.0
     assert s["eval_chosen_reward_end"] > s["eval_rejected_reward_end"]
     assert s["eval_loss_end"] < 0.3
+    # split by length as the reward model's evaluation is, both halves learned
+    split = [s.get(f"implicit_reward_accuracy_chosen_{side}_end") for side in ("longer", "shorter")]
+    assert all(a is not None and a > 0.8 for a in split), s
+    assert 0.0 <= s["longer_response_baseline"] <= 1.0
     losses = train_losses(trained)
     assert losses[max(losses)] < losses[min(losses)]
     assert (trained / "reference_logps.safetensors").is_file() and (trained / "config.json").is_file()

@@ -99,6 +99,39 @@ def test_reference_table_is_padding_free_and_marks_unread_rows(tmp_path):
         assert float(table[i, 1]) == pytest.approx(by_hand(ex["rejected"][:p], ex["rejected"][p:]), abs=1e-4)
 
 
+def test_held_out_evaluation_splits_accuracy_by_answer_length():
+    # Implicit rewards set by hand through the reference table: beta * d on the chosen answer, 0 on the
+    # rejected. Pair 0: chosen longer, d = +1 (right); pair 1: chosen longer, d = -1 (wrong); pair 2:
+    # chosen shorter, d = +1 (right). As the reward model's evaluation, split by which answer is longer.
+    from transformers import AutoModelForCausalLM
+
+    from dschat.config import DPOArgs
+    from dschat.dpo import evaluate_pairs, reference_table
+    from dschat.lm import eval_batches
+    from dschat.models.loading import resolve
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(resolve("builtin:micro-llama"), dtype=torch.float32).eval()
+    examples = [pair_example([5, 6, 7], [8, 9], [10]), pair_example([5], [11, 12, 13, 14], [15, 16]),
+                pair_example([7, 7], [20], [21, 22, 23])]  # fmt: skip
+    for i, ex in enumerate(examples):
+        ex["index"] = i
+    collate = PreferenceLMCollator(pad_id=0, end_id=2, share_prompt=True)
+    ref = reference_table(model, examples, batch_size=3, collate=collate, device="cpu")
+    d = torch.tensor([1.0, -1.0, 1.0])
+    ref[:, 0] -= d
+    batches = eval_batches(examples, batch_size=2, collate=collate)  # two batches, one padded by a repeat
+    m = evaluate_pairs(model, batches, ref, DPOArgs(beta=0.5), "cpu")
+    assert m["pairs"] == 3
+    assert m["accuracy"] == pytest.approx(2 / 3)
+    assert m["accuracy_chosen_longer"] == pytest.approx(1 / 2) and m["accuracy_chosen_shorter"] == 1.0
+    assert m["longer_response_baseline"] == pytest.approx(2 / 3)
+    assert m["margin"] == pytest.approx(0.5 * 1 / 3, abs=1e-5)
+    assert m["chosen_reward"] == pytest.approx(0.5 * 1 / 3, abs=1e-5) and m[
+        "rejected_reward"
+    ] == pytest.approx(0, abs=1e-5)
+
+
 # ---------------------------------------------------------------- packed pairs (--share_prompt)
 
 

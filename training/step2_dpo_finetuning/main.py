@@ -184,6 +184,14 @@ def summarize(hp, state: T.TrainState, eval_start: dict, eval_end: dict, ref_pat
         "dpo_loss": hp.dpo_loss,
         "implicit_reward_accuracy_start": eval_start["accuracy"],
         "implicit_reward_accuracy_end": eval_end["accuracy"],
+        # as the reward model reports it: does the policy prefer the human's pick beyond its length?
+        **{
+            f"implicit_reward_accuracy_{side}_{when}": ev[f"accuracy_{side}"]
+            for when, ev in (("start", eval_start), ("end", eval_end))
+            for side in ("chosen_longer", "chosen_shorter")
+            if f"accuracy_{side}" in ev
+        },
+        "longer_response_baseline": eval_end.get("longer_response_baseline"),
         "eval_margin_start": eval_start["margin"],
         "eval_margin_end": eval_end["margin"],
         "eval_chosen_reward_end": eval_end["chosen_reward"],
