@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = load_preset(args)
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)
+    check_models(args)
     if preset:
         print(describe_preset(preset, args), flush=True)
     if args.estimate_memory:
@@ -341,6 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         for line in next_commands(args, steps, preset):
             print(line, flush=True)
     return 0
+
+
+def check_models(args: argparse.Namespace) -> None:
+    """A starting model given as a local path that is not there: one line now, not a failed step later."""
+    from dschat.models.loading import check_local_path
+
+    for flag, value in (("--actor-model", args.actor_model), ("--reward-model", args.reward_model)):
+        if value:
+            check_local_path(value, flag)
 
 
 def check_dpo(args: argparse.Namespace, steps: list[int]) -> None:

@@ -51,11 +51,24 @@ def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
         except KeyError:
             known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
             raise UserError(f"{flag} {name_or_path}: unknown built-in model (known: {known})") from None
+    if name_or_path.startswith("~"):
+        name_or_path = os.path.expanduser(name_or_path)
     if gguf.is_gguf_path(name_or_path):
         return gguf.convert(name_or_path, flag)
     if name_or_path in gguf.OFFLINE_COPIES and not os.path.exists(name_or_path):
         return gguf.resolve_offline_alias(name_or_path, flag)
+    check_local_path(name_or_path, flag)
     return name_or_path
+
+
+def check_local_path(name_or_path: str, flag: str) -> None:
+    """A spec that can only be a local path (absolute, ``./``, ``../``, ``~``, or more parts than a hub
+    id's ``namespace/name``) must exist: one clear line, before transformers tries it as a hub id."""
+    if builtin.is_builtin(name_or_path) or os.path.exists(os.path.expanduser(name_or_path)):
+        return
+    local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
+    if local:
+        raise UserError(f"{flag} {name_or_path}: no such local file or directory")
 
 
 def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--model_name_or_path"):

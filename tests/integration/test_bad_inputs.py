@@ -80,3 +80,10 @@ def test_train_py_more_processes_than_devices(tmp_path):
     )  # fmt: skip
     error_line(proc, "--num-gpus 64")
     assert not (tmp_path / "step1").exists()
+
+
+def test_train_py_missing_local_model_is_caught_before_any_step_starts(tmp_path):
+    out = tmp_path / "out"
+    proc = train_py("--actor-model", str(tmp_path / "no-such-model"), "--output-dir", str(out))
+    error_line(proc, "--actor-model", "no such local file or directory")
+    assert "==> step" not in proc.stdout and not out.exists()

@@ -83,3 +83,20 @@ def test_inference_dtype():
     assert inference_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(UserError, match="--dtype fp16: half precision needs a GPU"):
         inference_dtype("fp16", "cpu")
+
+
+@pytest.mark.parametrize("spec", ["/nonexistent/model", "./missing-dir", "../missing", "~/missing", "a/b/c"])
+def test_a_missing_local_model_path_is_one_clear_error(spec):
+    # not a hub id (namespace/name): a local path that is not there, said before any loading is tried
+    from dschat.models.loading import resolve
+    from dschat.utils.errors import UserError
+
+    with pytest.raises(UserError, match=r"--actor-model .*: no such local file or directory"):
+        resolve(spec, "--actor-model")
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "facebook/opt-125m"])
+def test_hub_ids_pass_the_path_check(spec):
+    from dschat.models.loading import resolve
+
+    assert resolve(spec) == spec
