@@ -57,13 +57,13 @@ def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
         return gguf.convert(name_or_path, flag)
     if name_or_path in gguf.OFFLINE_COPIES and not os.path.exists(name_or_path):
         return gguf.resolve_offline_alias(name_or_path, flag)
-    check_local_path(name_or_path, flag)
     return name_or_path
 
 
 def check_local_path(name_or_path: str, flag: str) -> None:
     """A spec that can only be a local path (absolute, ``./``, ``../``, ``~``, or more parts than a hub
-    id's ``namespace/name``) must exist: one clear line, before transformers tries it as a hub id."""
+    id's ``namespace/name``) must exist: ``train.py`` says so before any step starts (a step itself
+    reports it when loading, through :func:`load_config` or :func:`load_tokenizer`)."""
     if builtin.is_builtin(name_or_path) or os.path.exists(os.path.expanduser(name_or_path)):
         return
     local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
@@ -77,13 +77,19 @@ def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--mo
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        where = (
-            "a local directory without a config.json"
-            if os.path.isdir(path)
-            else "neither a local model directory nor downloadable from the Hugging Face Hub"
-        )
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{flag} {path}: {where} ({first[:200]})") from None
+        raise _load_error(flag, path, exc, "a local directory without a config.json") from None
+
+
+def _load_error(flag: str, path: str, exc: Exception, in_a_directory: str) -> UserError:
+    """The one line for a model (or its tokenizer) that would not load: whether ``path`` is a local
+    directory (then ``in_a_directory`` says what is wrong there) or neither that nor a hub model."""
+    where = (
+        in_a_directory
+        if os.path.isdir(path)
+        else "neither a local model directory nor downloadable from the Hugging Face Hub"
+    )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(f"{flag} {path}: {where} ({first[:200]})")
 
 
 def load_tokenizer(
@@ -99,8 +105,7 @@ def load_tokenizer(
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{flag} {path}: cannot load a tokenizer ({first})") from None
+        raise _load_error(flag, path, exc, "cannot load a tokenizer from this directory") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = padding_side

@@ -227,7 +227,9 @@ class PPOTrainer:
             attention_mask = torch.cat([prompt_mask, response_mask[:, prompt_len:]], dim=1)
             # The reward model was trained on prompt + response without its end token: score at the last
             # content token.
-            is_end = torch.isin(sequences, torch.tensor(stops, device=sequences.device)) & (response_mask > 0)
+            is_end = torch.isin(
+                sequences, torch.tensor(stops, dtype=sequences.dtype, device=sequences.device)
+            ) & (response_mask > 0)
             reward_mask = attention_mask * (~is_end).long()
 
             self.actor.eval()

@@ -48,7 +48,6 @@ def test_dpo_learns_the_preference(trained):
     # split by length as the reward model's evaluation is, both halves learned
     split = [s.get(f"implicit_reward_accuracy_chosen_{side}_end") for side in ("longer", "shorter")]
     assert all(a is not None and a > 0.8 for a in split), s
-    assert 0.0 <= s["longer_response_baseline"] <= 1.0
     losses = train_losses(trained)
     assert losses[max(losses)] < losses[min(losses)]
     assert (trained / "reference_logps.safetensors").is_file() and (trained / "config.json").is_file()
