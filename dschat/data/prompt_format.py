@@ -161,11 +161,47 @@ class PromptFormat:
         return f"{self.name}|{self.end_id}"
 
 
+def alternating(messages: list[Message]) -> list[Message]:
+    """The same dialogue as a strict template takes it (Gemma, Mistral and Llama 2 raise otherwise): a
+    system turn's text leads the first user turn, and consecutive turns of one role are one turn."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    out: list[Message] = []
+    for m in (m for m in messages if m["role"] != "system"):
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(dict(m))
+    if system and out and out[0]["role"] == "user":
+        out[0] = {"role": "user", "content": "\n\n".join([*system, out[0]["content"]])}
+    return out
+
+
+def apply_template(tokenizer, messages: list[Message], **kwargs) -> str:
+    """``tokenizer.apply_chat_template`` (text), with the dialogue as given where the template takes it and
+    :func:`alternating` where it raises; a template that refuses both is one clear error."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except TemplateError as exc:
+        error = exc
+    strict = alternating(messages)
+    if strict != messages:
+        try:
+            return tokenizer.apply_chat_template(strict, tokenize=False, **kwargs)
+        except TemplateError as exc:
+            error = exc
+    name = getattr(tokenizer, "name_or_path", "") or "the model"
+    roles = "/".join(m["role"] for m in messages)
+    raise UserError(f"the chat template of {name} rejects a dialogue of turns {roles} ({error}); "
+                    "pass --chat_template off to use the Human/Assistant text")  # fmt: skip
+
+
 def _template_end_id(tokenizer) -> int | None:
     """The first token the template writes after an assistant message's content: its end of turn."""
     mark = "\u2063dschat-response\u2063"
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}], tokenize=False
+    text = apply_template(
+        tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}]
     )
     after = text.split(mark, 1)[1] if mark in text else ""
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
@@ -191,7 +227,7 @@ def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template"
             end,
             stops,
             (),
-            lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+            lambda msgs: apply_template(tokenizer, msgs, add_generation_prompt=True),
         )
     return PromptFormat(
         HUMAN_ASSISTANT, tokenizer, eos, (eos,) if eos is not None else (), TURN_STOPS, render_human_assistant

@@ -107,3 +107,36 @@ def test_training_and_inference_see_the_same_prompt_ids(chatml, tmp_path, choice
     assert pad_right([pair["chosen"]], 0)["input_ids"][0].tolist() == (
         fmt.encode_prompts([as_dialogue(question)])[0] + fmt.encode_responses([answer])[0]
     )
+
+
+# Gemma's rules as its template enforces them: no system role, user and assistant strictly alternating
+STRICT = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_strict_template_gets_alternating_turns_and_no_system_role(chatml):
+    # 6 of the 4500 HH-RLHF prompts hold two Human turns in a row; a strict template (Gemma, Mistral,
+    # Llama 2) raises on them, and on a system turn. The turns are merged and the system text goes into
+    # the first user turn, the way those models' own docs say to; a tolerant template sees them as given.
+    chatml.chat_template = STRICT
+    fmt = prompt_format(chatml)
+    twice = "\n\nHuman: hi\n\nHuman: are you there?\n\nAssistant: yes\n\nHuman: 2 + 2?\n\nAssistant:"
+    assert fmt.prompt_text(twice) == (
+        "<|im_start|>user\nhi\n\nare you there?<|im_end|>\n<|im_start|>assistant\nyes<|im_end|>\n"
+        "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    system = "System: be brief\n\nHuman: 2 + 2?\n\nAssistant:"
+    assert fmt.prompt_text(system) == "<|im_start|>user\nbe brief\n\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    chatml.chat_template = CHATML  # tolerant: the turns as the data holds them
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>user\nare you there?" in prompt_format(chatml).prompt_text(twice)
+
+
+def test_a_template_that_rejects_a_dialogue_anyway_is_one_clear_error(chatml):
+    chatml.chat_template = "{{ raise_exception('no thanks') }}"
+    with pytest.raises(UserError, match="chat template.*no thanks"):
+        prompt_format(chatml).prompt_text("\n\nHuman: hi\n\nAssistant:")
