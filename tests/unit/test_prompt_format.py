@@ -131,12 +131,16 @@ def test_a_strict_template_gets_alternating_turns_and_no_system_role(chatml):
         "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     )
     system = "System: be brief\n\nHuman: 2 + 2?\n\nAssistant:"
-    assert fmt.prompt_text(system) == "<|im_start|>user\nbe brief\n\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        fmt.prompt_text(system) == "<|im_start|>user\nbe brief\n\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     chatml.chat_template = CHATML  # tolerant: the turns as the data holds them
-    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>user\nare you there?" in prompt_format(chatml).prompt_text(twice)
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>user\nare you there?" in prompt_format(
+        chatml
+    ).prompt_text(twice)
 
 
 def test_a_template_that_rejects_a_dialogue_anyway_is_one_clear_error(chatml):
     chatml.chat_template = "{{ raise_exception('no thanks') }}"
-    with pytest.raises(UserError, match="chat template.*no thanks"):
+    with pytest.raises(UserError, match=r"chat template.*no thanks"):
         prompt_format(chatml).prompt_text("\n\nHuman: hi\n\nAssistant:")
