@@ -176,7 +176,8 @@ def single(workdir: Path) -> None:
         hf = hf_generate(plain, enc, tok, GREEDY)
         emit(check="arch", arch=name, hybrid=gen.stats()["hybrid_engine"], greedy_equal=torch.equal(ours, hf))
 
-    # an architecture without a plan falls back to plain generate, with one warning
+    # an architecture without a TP plan: served by its copy at TP 1; at TP 2 it falls back to plain
+    # generate, with one warning
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)
@@ -192,7 +193,12 @@ def single(workdir: Path) -> None:
                 warnings.append(record.getMessage())
 
     logging.getLogger("dschat").addHandler(Catch())
-    gen = HybridGenerator(engine, tok, GREEDY, zero3=False)
+    served = HybridGenerator(engine, tok, GREEDY, zero3=False)
+    with served.generation_mode() as g:
+        ours = g.generate(enc["input_ids"], enc["attention_mask"])
+    emit(check="unplanned", hybrid=served.stats()["hybrid_engine"], warnings=list(warnings),
+         greedy_equal=torch.equal(ours, hf_generate(plain, enc, tok, GREEDY)))  # fmt: skip
+    gen = HybridGenerator(engine, tok, GREEDY, zero3=False, tp_size=2)
     for _ in range(2):
         with gen.generation_mode() as g:
             ours = g.generate(enc["input_ids"], enc["attention_mask"])

@@ -70,10 +70,16 @@ def test_llama_mistral_qwen2_opt_gpt2_are_served(single):
         assert r["hybrid"] and r["greedy_equal"], name
 
 
-def test_an_unsupported_architecture_falls_back_with_one_warning(single):
+def test_an_architecture_without_a_tp_split_is_served_at_tp_1_and_falls_back_at_tp_2(single):
+    (served,) = [r for r in single if r["check"] == "unplanned"]
+    assert served["hybrid"] is True and served["greedy_equal"] and served["warnings"] == []
     (r,) = [r for r in single if r["check"] == "fallback"]
     assert r["hybrid"] is False and r["greedy_equal"]
-    assert len(r["warnings"]) == 1 and "gpt_neox" in r["warnings"][0]
+    assert (
+        len(r["warnings"]) == 1
+        and "gpt_neox" in r["warnings"][0]
+        and "--inference_tp_size 1" in r["warnings"][0]
+    )
 
 
 @pytest.mark.slow
