@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
@@ -121,6 +122,9 @@ class Chat:
 def interactive(chat: Chat) -> None:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
+    # Ctrl-C stops a reply even where this process was started with SIGINT ignored (Python then keeps it
+    # ignored: a shell without job control ignores it in everything it starts with `&`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print("Type a message. 'clear' forgets the conversation; 'quit' or Ctrl-D leaves; Ctrl-C stops a reply.")
     while True:
         try:

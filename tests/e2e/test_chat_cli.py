@@ -7,6 +7,7 @@ says " 0123456789" and then invents a "\\nHuman:" turn, ``endless`` never stops 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -24,9 +25,13 @@ FORGOT = "oldest message(s) no longer fit"
 
 
 def spawn(*args: str) -> pexpect.spawn:
+    """chat.py on a terminal. It starts with Ctrl-C ignored, as under a shell that ran the test suite in
+    the background (`cmd &` without job control ignores SIGINT in every descendant): the tool itself must
+    make Ctrl-C stop a reply."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return pexpect.spawn(sys.executable, [CHAT, *map(str, args)], env=env, cwd=str(ROOT), encoding="utf-8",
-                         timeout=90, dimensions=(40, 400))  # fmt: skip
+                         timeout=90, dimensions=(40, 400),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
 
 
 def test_two_turns_with_history_clear_and_quit(tiny):
