@@ -38,11 +38,16 @@ def stop_ids_for(tokenizer, stop_ids: Sequence[int] | None = None) -> tuple[int,
     return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
 
 
+def is_stop(tokens: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
+    """Token ids (any shape) -> bool of the same shape: True where the token is one of ``stop_ids``."""
+    return torch.isin(tokens, torch.tensor(list(stop_ids), dtype=tokens.dtype, device=tokens.device))
+
+
 def through_first_stop(response: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
     """(B, n) generated tokens -> (B, n) bool: True up to and including each row's first stop token
     (whatever follows it, padding that may equal a stop id, is not part of the answer)."""
-    is_stop = torch.isin(response, torch.tensor(list(stop_ids), dtype=response.dtype, device=response.device))
-    return (is_stop.long().cumsum(dim=1) - is_stop.long()) == 0
+    stop = is_stop(response, stop_ids).long()
+    return (stop.cumsum(dim=1) - stop) == 0
 
 
 def generation_config_for(

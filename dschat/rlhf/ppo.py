@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dschat.data.packing import PackedRollouts, pack_rollouts
-from dschat.generation.plain import position_ids_from_mask
+from dschat.generation.plain import is_stop, position_ids_from_mask
 from dschat.lm import accepts, logprob_packing_tolerance, packed_token_logprobs, sft_loss
 from dschat.losses import token_logprobs
 from dschat.rlhf import ppo_math as M
@@ -227,9 +227,7 @@ class PPOTrainer:
             attention_mask = torch.cat([prompt_mask, response_mask[:, prompt_len:]], dim=1)
             # The reward model was trained on prompt + response without its end token: score at the last
             # content token.
-            is_end = torch.isin(
-                sequences, torch.tensor(stops, dtype=sequences.dtype, device=sequences.device)
-            ) & (response_mask > 0)
+            is_end = is_stop(sequences, stops) & (response_mask > 0)
             reward_mask = attention_mask * (~is_end).long()
 
             self.actor.eval()

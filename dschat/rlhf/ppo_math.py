@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dschat.generation.plain import through_first_stop
+from dschat.generation.plain import is_stop, through_first_stop
 
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
@@ -175,10 +175,7 @@ def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 def truncated_rows(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
     """(B, T) prompt + generated tokens -> (B,) bool: True where the response has no stop token, i.e.
     generation stopped at the token budget mid-answer (``--truncation_penalty`` charges these)."""
-    response = sequences[:, prompt_len:]
-    return ~torch.isin(
-        response, torch.tensor(list(stop_ids), dtype=response.dtype, device=response.device)
-    ).any(dim=1)
+    return ~is_stop(sequences[:, prompt_len:], stop_ids).any(dim=1)
 
 
 def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -70,12 +70,10 @@ def test_preference_lm_collator_labels_responses_and_end():
     assert n.tolist() == [3.0, 2.0, 2.0, 4.0]
 
 
-def test_reference_table_is_padding_free_and_marks_unread_rows(tmp_path):
-    # A real micro Llama: each pair scored in a padded batch of three equals it scored alone, and the sum
-    # over response tokens equals a hand loop over log_softmax; rows outside `only` are NaN.
+def _micro_llama_and_three_pairs():
+    """The built-in micro Llama (fp32, eval) and three indexed pairs: chosen longer, longer, shorter."""
     from transformers import AutoModelForCausalLM
 
-    from dschat.dpo import reference_table
     from dschat.models.loading import resolve
 
     torch.manual_seed(0)
@@ -84,6 +82,15 @@ def test_reference_table_is_padding_free_and_marks_unread_rows(tmp_path):
                 pair_example([7, 7], [20], [21, 22, 23])]  # fmt: skip
     for i, ex in enumerate(examples):
         ex["index"] = i
+    return model, examples
+
+
+def test_reference_table_is_padding_free_and_marks_unread_rows(tmp_path):
+    # A real micro Llama: each pair scored in a padded batch of three equals it scored alone, and the sum
+    # over response tokens equals a hand loop over log_softmax; rows outside `only` are NaN.
+    from dschat.dpo import reference_table
+
+    model, examples = _micro_llama_and_three_pairs()
     collate = PreferenceLMCollator(pad_id=0, end_id=2)
     table = reference_table(model, examples, batch_size=3, collate=collate, device="cpu", only={0, 2})
     assert torch.isnan(table[1]).all() and not torch.isnan(table[[0, 2]]).any()
@@ -103,19 +110,11 @@ def test_held_out_evaluation_splits_accuracy_by_answer_length():
     # Implicit rewards set by hand through the reference table: beta * d on the chosen answer, 0 on the
     # rejected. Pair 0: chosen longer, d = +1 (right); pair 1: chosen longer, d = -1 (wrong); pair 2:
     # chosen shorter, d = +1 (right). As the reward model's evaluation, split by which answer is longer.
-    from transformers import AutoModelForCausalLM
-
     from dschat.config import DPOArgs
     from dschat.dpo import evaluate_pairs, reference_table
     from dschat.lm import eval_batches
-    from dschat.models.loading import resolve
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(resolve("builtin:micro-llama"), dtype=torch.float32).eval()
-    examples = [pair_example([5, 6, 7], [8, 9], [10]), pair_example([5], [11, 12, 13, 14], [15, 16]),
-                pair_example([7, 7], [20], [21, 22, 23])]  # fmt: skip
-    for i, ex in enumerate(examples):
-        ex["index"] = i
+    model, examples = _micro_llama_and_three_pairs()
     collate = PreferenceLMCollator(pad_id=0, end_id=2, share_prompt=True)
     ref = reference_table(model, examples, batch_size=3, collate=collate, device="cpu")
     d = torch.tensor([1.0, -1.0, 1.0])
