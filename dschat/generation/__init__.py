@@ -2,8 +2,9 @@
 
 - :mod:`.sampling`: :class:`SamplingConfig`, what distribution to draw from (validated in one place,
   turned into ``generate`` arguments in one place; no torch, so option parsers use it).
-- :mod:`.plain`: :class:`PlainGenerator`, Hugging Face ``generate`` on the training module.
-- :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples exactly as ``generate`` does.
+- :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples exactly as ``generate`` does, and
+  the positions that skip left padding.
+- :mod:`.plain`: :class:`PlainGenerator`, that decoder on the training module; the stop ids of a rollout.
 - :mod:`.inference_copy` and :mod:`.hybrid`: the hybrid engine (a plain, optionally tensor-parallel copy
   of the actor refilled each PPO round; the ZeRO-3 gathering is passed in by ``dschat.engine``);
   :mod:`.attention`: its fp32 SDPA and KV cache for bf16 on CPU.

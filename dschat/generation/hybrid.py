@@ -40,8 +40,8 @@ from dschat.generation.inference_copy import (
     no_gather,
     plan_for,
 )
-from dschat.generation.kv_decode import decode
-from dschat.generation.plain import PlainGenerator, position_ids_from_mask, stop_ids_for, through_first_stop
+from dschat.generation.kv_decode import decode, position_ids_from_mask
+from dschat.generation.plain import PlainGenerator, stop_ids_for, through_first_stop
 from dschat.generation.sampling import SamplingConfig
 from dschat.utils import dist
 from dschat.utils.errors import UserError

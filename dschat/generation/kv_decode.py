@@ -10,14 +10,19 @@ No deepspeed here; ``torch.distributed`` only for ranks that must step together 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dschat.generation.plain import position_ids_from_mask
 from dschat.generation.sampling import SamplingConfig
+from dschat.lm import accepts
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` computes them: (B, T)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp_min(0)
 
 
 def filter_logits(
@@ -62,13 +67,6 @@ class DecodeOutput:
     new_tokens: int  # n
 
 
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 @torch.no_grad()
 def decode(
     model: torch.nn.Module,
@@ -102,7 +100,8 @@ def decode(
     device = input_ids.device
     mask = attention_mask.to(device=device, dtype=torch.long)
     positions = position_ids_from_mask(mask)
-    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    # through a peft wrapper too (its forward passes the keyword on): no (B, P, V) prefill logits
+    extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                 use_cache=True, **extra)  # fmt: skip
     cache = out.past_key_values

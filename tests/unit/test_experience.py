@@ -129,7 +129,7 @@ def test_cat_left_pads_narrower_prompt_blocks():
 def rollout(model, prompts: list[list[int]], responses: list[list[int]], seed: int) -> Experience:
     """An Experience of left-padded ``prompts`` (padded to the longest) and ``responses`` (right-padded
     with EOS = 2), with the model's log-probs and values and random advantages."""
-    from dschat.generation.plain import position_ids_from_mask
+    from dschat.generation.kv_decode import position_ids_from_mask
     from dschat.rlhf import ppo_math as M
 
     p, r = max(map(len, prompts)), max(map(len, responses))
@@ -155,7 +155,7 @@ def test_cat_of_different_prompt_widths_keeps_every_log_prob_and_loss():
     log-probs on the concatenation equal those on each part, and so do the policy and value losses."""
     from transformers import LlamaForCausalLM
 
-    from dschat.generation.plain import position_ids_from_mask
+    from dschat.generation.kv_decode import position_ids_from_mask
     from dschat.models.builtin import build_config
     from dschat.rlhf import ppo_math as M
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat.generation.kv_decode import decode
-from dschat.generation.plain import PlainGenerator, position_ids_from_mask
+from dschat.generation.kv_decode import decode, position_ids_from_mask
+from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import build_config
 from dschat.rlhf import ppo_math as M
@@ -131,6 +131,32 @@ def test_plain_generation_ignores_the_checkpoints_generation_settings(tokenizer)
         )
         assert torch.equal(plain, ref.sequences), s
     assert model.generation_config is own  # the checkpoint's settings are back (they are exported with it)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_plain_generation_draws_the_tokens_of_hugging_face_generate(tokenizer, do_sample):
+    """The plain generator runs the KV-cache decoder, not ``generate``, for speed: the rollouts are still
+    ``generate``'s, greedy and sampled from one seed, stopping at either of two stop ids."""
+    from transformers import GenerationConfig
+
+    model = micro_llama(len(tokenizer))
+    model.generation_config = GenerationConfig()  # nothing of a checkpoint's own (the test above)
+    ids, mask, _ = prompts(tokenizer)
+    s = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=20, do_sample=do_sample)
+    torch.manual_seed(5)
+    free = model.generate(
+        input_ids=ids, attention_mask=mask, **s.generate_kwargs(), pad_token_id=tokenizer.pad_token_id
+    )
+    stops = [int(free[0, 7]), tokenizer.eos_token_id]  # a token the first answer draws: it must stop there
+    torch.manual_seed(5)
+    plain = PlainGenerator(Engine(model), tokenizer, s, zero3=False, stop_ids=stops).generate(ids, mask)
+    torch.manual_seed(5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **s.generate_kwargs(), eos_token_id=stops,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert torch.equal(plain, ref)
+    answer = plain[0, 5:].tolist()  # the first row stops at its third new token (or an earlier copy of it)
+    cut = answer.index(stops[0])
+    assert cut <= 2 and all(t == tokenizer.pad_token_id for t in answer[cut + 1 :])
 
 
 @pytest.mark.parametrize("share_prompt", [False, True])
