@@ -55,10 +55,14 @@ _LLAMA_LIKE = ArchPlan(
     colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
     rowwise=("self_attn.o_proj", "mlp.down_proj"),
 )
+# Qwen3 and Gemma 2 take Llama's split: their attention reshapes by head_dim with -1 heads, so a rank's
+# slice of q/k/v is a whole number of heads; Qwen3's per-head q/k norms and Gemma 2's norms stay whole.
 PLANS: dict[str, ArchPlan] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
     "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "gemma2": _LLAMA_LIKE,
     "opt": ArchPlan(
         layers="model.decoder.layers",
         colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),

@@ -17,11 +17,11 @@ SCRIPT = Path(__file__).with_name("zero3_archs_script.py")
 
 
 @pytest.mark.slow
-def test_zero3_from_pretrained_for_opt_gpt2_qwen2_mistral(tmp_path):
+def test_zero3_from_pretrained_for_opt_gpt2_qwen2_mistral_qwen3_gemma2(tmp_path):
     proc = run_cmd([str(SCRIPT), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["arch"]: r for r in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))}
-    assert set(rows) == {"opt", "gpt2", "qwen2", "mistral"}
+    assert set(rows) == {"opt", "gpt2", "qwen2", "mistral", "qwen3", "gemma2"}
     for name, r in rows.items():
         assert r["partitioned"], f"{name}: parameters were not partitioned by zero.Init"
         assert r["params"] == r["expected"], name

@@ -63,9 +63,9 @@ def test_generation_and_training_log_probs_agree(single):
         assert 1e-5 < r["bf16_logprob_max_diff"] < 0.1, r
 
 
-def test_llama_mistral_qwen2_opt_gpt2_are_served(single):
+def test_llama_mistral_qwen2_qwen3_gemma2_opt_gpt2_are_served(single):
     archs = {r["arch"]: r for r in single if r["check"] == "arch"}
-    assert set(archs) == {"opt", "gpt2", "qwen2", "mistral"}
+    assert set(archs) == {"opt", "gpt2", "qwen2", "mistral", "qwen3", "gemma2"}
     for name, r in archs.items():
         assert r["hybrid"] and r["greedy_equal"], name
 
@@ -91,7 +91,7 @@ def test_tensor_parallel_generation_on_two_ranks_equals_one_rank(tmp_path):
     assert_ok(run_cmd([*launcher, str(SCRIPT), "tp", str(tmp_path)], env={"PYTHONPATH": str(ROOT)}))
     out = [json.loads(x) for r in (0, 1) for x in (tmp_path / f"rows-rank{r}.jsonl").read_text().splitlines()]
     tp = [r for r in out if r["check"] == "tp"]
-    assert {(r["arch"], r["rank"]) for r in tp} == {(a, k) for a in ("llama", "opt", "gpt2", "qwen2", "mistral")
+    assert {(r["arch"], r["rank"]) for r in tp} == {(a, k) for a in ("llama", "opt", "gpt2", "qwen2", "mistral", "qwen3", "gemma2")
                                                     for k in (0, 1)}  # fmt: skip
     for r in tp:
         assert r["equal"], r

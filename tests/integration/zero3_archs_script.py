@@ -18,6 +18,8 @@ from dschat.models.loading import count_parameters, load_causal_lm
 
 def builders():
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
         GPT2Config,
         GPT2LMHeadModel,
         MistralConfig,
@@ -26,6 +28,8 @@ def builders():
         OPTForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     small = {"vocab_size": 300}
@@ -37,6 +41,12 @@ def builders():
                                                       num_attention_heads=4, num_key_value_heads=2)),
         "mistral": lambda: MistralForCausalLM(MistralConfig(**small, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                             num_attention_heads=4, num_key_value_heads=2)),
+        # head_dim set apart from hidden / heads, per-head q/k norms (Qwen3); soft-capping, sliding window (Gemma 2)
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**small, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+        "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**small, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                         query_pre_attn_scalar=16, sliding_window=4)),
     }  # fmt: skip
 
 

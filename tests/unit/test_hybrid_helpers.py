@@ -282,9 +282,10 @@ def test_any_architecture_gets_an_inference_copy_without_tensor_parallelism(arch
 
 
 def test_tensor_parallelism_needs_a_plan_for_the_architecture():
-    with pytest.raises(UnsupportedModel, match=r"qwen3.*--inference_tp_size 1"):
-        plan_for(_tiny_causal_lm("qwen3"), tp_size=2)
-    assert plan_for(_tiny_causal_lm("qwen2"), tp_size=2).colwise  # a planned one splits
+    with pytest.raises(UnsupportedModel, match=r"phi3.*--inference_tp_size 1"):
+        plan_for(_tiny_causal_lm("phi3"), tp_size=2)  # fused q|k|v of unequal blocks: no plan
+    for arch in ("qwen2", "qwen3", "gemma2"):
+        assert plan_for(_tiny_causal_lm(arch), tp_size=2).colwise, arch  # planned ones split
 
 
 # ---------------------------------------------------------------------------------------------- flags
