@@ -97,6 +97,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
          str(args.learning_rate), "--beta", str(args.beta), *(["--max_steps", str(args.max_steps)] if args.max_steps
                                                               else [])])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
+    resolved = json.loads((dpo / "dschat_config.json").read_text())  # the run's options as it resolved them
     result = {
         "implicit_reward_accuracy": s["implicit_reward_accuracy_end"],
         "implicit_reward_accuracy_start": s.get("implicit_reward_accuracy_start"),
@@ -105,7 +106,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "longer_response_baseline": s.get("longer_response_baseline"),
         "eval_margin": s["eval_margin_end"],
         "train_pairs": len((pairs / "train.jsonl").read_text().splitlines()),
-        "train_pairs_read": s["steps"] * 16,  # --per_device_train_batch_size 16, one process
+        "train_pairs_read": s["steps"] * resolved["global_batch_size"],
         "steps": s["steps"],
         "train_tokens_per_sec": s["train_tokens_per_sec"],
         "dpo_wall_seconds": s["wall_seconds"],
