@@ -60,6 +60,32 @@ def next_tokens(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
+def shared_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows that repeat one prompt (PPO's ``n_samples_per_prompt`` answers, K samples to mine): (U,) the
+    index of one row per distinct (ids, mask) row and (B,) each row's distinct prompt, or None when no
+    two rows are alike."""
+    key = torch.cat([input_ids.long(), attention_mask.long()], dim=1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    b, u = key.shape[0], distinct.shape[0]
+    if u == b:
+        return None
+    first = torch.full((u,), b, dtype=torch.long, device=key.device)
+    first.scatter_reduce_(0, inverse, torch.arange(b, device=key.device), reduce="amin")
+    return first, inverse
+
+
+def _shareable(cache) -> bool:
+    """A cache whose rows can be copied after the prefill: a dynamic one (a ``StaticCache`` is allocated
+    for the batch it first sees)."""
+    if cache is None:
+        return True
+    from transformers import DynamicCache
+
+    return isinstance(cache, DynamicCache)
+
+
 @dataclass
 class DecodeOutput:
     sequences: torch.Tensor  # (B, P + n): prompt, then new tokens, pad after each row's EOS
@@ -84,6 +110,8 @@ def decode(
     """Generate up to ``sampling.max_new_tokens`` tokens for (B, P) left-padded prompts.
 
     ``cache`` is a transformers ``Cache`` sized for at least P + max_new_tokens (None: a dynamic one).
+    Rows that repeat one prompt share its prefill: the distinct prompts run once and their cache rows
+    are copied (with a dynamic cache; K answers per prompt then cost one prompt forward, not K).
     Positions skip left padding exactly as the training forward computes them. A row stops at its
     EOS (any of them, where ``eos_token_id`` is a list: a chat template's end of turn and the EOS, as
     ``generate`` takes them) and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
@@ -102,10 +130,19 @@ def decode(
     positions = position_ids_from_mask(mask)
     # through a peft wrapper too (its forward passes the keyword on): no (B, P, V) prefill logits
     extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, **extra)  # fmt: skip
-    cache = out.past_key_values
-    logits = out.logits[:, -1, :].float()
+    shared = shared_prompts(input_ids, mask) if _shareable(cache) else None
+    if shared is None:
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, **extra)  # fmt: skip
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+    else:
+        first, inverse = shared
+        out = model(input_ids=input_ids[first], attention_mask=mask[first], position_ids=positions[first],
+                    past_key_values=cache, use_cache=True, **extra)  # fmt: skip
+        cache = out.past_key_values
+        cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row its prompt's keys and values
+        logits = out.logits[:, -1, :].float()[inverse]
     pos = positions[:, -1:]
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     stops = None

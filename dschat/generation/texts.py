@@ -1,11 +1,13 @@
-"""Text in, text out: completions of rendered prompts with plain Hugging Face ``generate`` or any
-generator of this package (the hybrid engine), for evaluation and on-policy pairs."""
+"""Text in, text out: completions of rendered prompts with the KV-cache decoder (``generate``'s tokens,
+a shared prefill for repeated prompts) or any generator of this package (the hybrid engine), for
+evaluation and on-policy pairs."""
 
 from __future__ import annotations
 
 import torch
 
 from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.generation.kv_decode import decode
 from dschat.generation.sampling import SamplingConfig
 
 
@@ -30,7 +32,7 @@ def generate_texts(
 
     ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done. ``generator``
     (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of
-    ``model.generate``.
+    the decoder on ``model``. Rows that repeat a prompt (K samples each) share its prefill.
     """
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -39,6 +41,8 @@ def generate_texts(
     out: list[str] = []
     cfg = sampling or SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
     fmt = fmt or prompt_format(tokenizer)
+    # what follows a row's stop token (skipped when decoding); generate falls back to EOS likewise
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (fmt.stop_ids or (0,))[0]
     try:
         for s in range(0, len(prompts), batch_size):
             texts = [fmt.prompt_text(p) for p in prompts[s : s + batch_size]]
@@ -49,14 +53,8 @@ def generate_texts(
             if generator is not None:
                 seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg)
             else:
-                seq = model.generate(
-                    **enc,
-                    **cfg.generate_kwargs(),
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=list(fmt.stop_ids),
-                    synced_gpus=synced_gpus,
-                    use_cache=True,
-                )
+                seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(fmt.stop_ids),
+                             pad_token_id=pad, lockstep=True if synced_gpus else None).sequences  # fmt: skip
             out.extend(tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     finally:
         tokenizer.padding_side = side

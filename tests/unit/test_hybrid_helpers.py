@@ -21,7 +21,7 @@ from dschat.generation.inference_copy import (
     shard,
     shard_spec,
 )
-from dschat.generation.kv_decode import decode, filter_logits, next_tokens
+from dschat.generation.kv_decode import decode, filter_logits, next_tokens, shared_prompts
 from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import build_config
 from dschat.utils.errors import UserError
@@ -142,6 +142,40 @@ def test_decode_equals_hugging_face_generate(do_sample):
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=do_sample,
                          pad_token_id=0, eos_token_id=2, **kw)  # fmt: skip
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_rows_that_repeat_a_prompt_share_one_prefill_and_draw_generate_s_tokens(do_sample):
+    """PPO's K answers per prompt (rows repeated, adjacent or not): the prefill runs once per distinct
+    prompt (3 rows, not 6) and its cache rows are copied; the tokens are ``generate``'s, which prefills
+    every row. Two rows of equal ids but different padding are different prompts."""
+    model = tiny_llama()
+    a, b = [0, 0, 5, 9, 11], [7, 3, 8, 8, 2]
+    ids = torch.tensor([a, a, b, a, b, [0, 0, 5, 9, 11]])
+    starts = torch.tensor([[2], [2], [0], [2], [0], [1]])  # the last row: a's ids, one padding position less
+    mask = (torch.arange(5) >= starts).long()
+    seen: list[int] = []
+    hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
+    s = SamplingConfig(max_new_tokens=6, do_sample=do_sample, temperature=0.9, top_k=20)
+    torch.manual_seed(5)
+    ours = decode(model, ids, mask, s, eos_token_id=2, pad_token_id=0).sequences
+    hook.remove()
+    assert seen[0] == 3 and set(seen[1:]) == {6}
+    kw = dict(temperature=0.9, top_k=20) if do_sample else {}
+    torch.manual_seed(5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                         pad_token_id=0, eos_token_id=2, **kw)  # fmt: skip
+    assert torch.equal(ours, ref)
+    if do_sample:  # the copies are independent draws, not one answer repeated
+        assert len({tuple(r) for r in ours[[0, 1, 3], 5:].tolist()}) > 1
+
+
+def test_shared_prompts_pick_one_row_per_prompt():
+    ids = torch.tensor([[1, 2], [3, 4], [1, 2], [1, 2]])
+    mask = torch.ones_like(ids)
+    first, inverse = shared_prompts(ids, mask)
+    assert torch.equal(ids[first][inverse], ids) and sorted(first.tolist()) == [0, 1]
+    assert shared_prompts(ids[:2], mask[:2]) is None
 
 
 def test_decode_runs_the_lm_head_on_the_last_prompt_position_only_through_a_lora_wrapper():
