@@ -4,7 +4,8 @@
   turned into ``generate`` arguments in one place; no torch, so option parsers use it).
 - :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples exactly as ``generate`` does, and
   the positions that skip left padding.
-- :mod:`.plain`: :class:`PlainGenerator`, that decoder on the training module; the stop ids of a rollout.
+- :mod:`.plain`: :class:`PlainGenerator`, that decoder on the training module.
+- :mod:`.stops`: the stop ids of a rollout and the masks they cut (pure torch; the PPO maths uses them).
 - :mod:`.inference_copy` and :mod:`.hybrid`: the hybrid engine (a plain, optionally tensor-parallel copy
   of the actor refilled each PPO round; the ZeRO-3 gathering is passed in by ``dschat.engine``);
   :mod:`.attention`: its fp32 SDPA and KV cache for bf16 on CPU.

@@ -41,8 +41,9 @@ from dschat.generation.inference_copy import (
     plan_for,
 )
 from dschat.generation.kv_decode import decode, position_ids_from_mask
-from dschat.generation.plain import PlainGenerator, stop_ids_for, through_first_stop
+from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
+from dschat.generation.stops import stop_ids_for, through_first_stop
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dschat.data.packing import PackedRollouts, pack_rollouts
 from dschat.generation.kv_decode import position_ids_from_mask
-from dschat.generation.plain import is_stop
+from dschat.generation.stops import is_stop
 from dschat.lm import accepts, logprob_packing_tolerance, packed_token_logprobs, sft_loss
 from dschat.losses import token_logprobs
 from dschat.rlhf import ppo_math as M

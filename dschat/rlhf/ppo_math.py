@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dschat.generation.plain import is_stop, through_first_stop
+from dschat.generation.stops import is_stop, through_first_stop
 
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:

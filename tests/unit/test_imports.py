@@ -44,6 +44,21 @@ def test_pure_modules_do_not_import_deepspeed():
     assert proc.stdout.strip() == "ok"
 
 
+def test_the_ppo_maths_loads_no_model_or_generator_code():
+    """``ppo_math`` is pure maths: besides torch it may load only the stop-token helpers. It once reached
+    the decoder, the training helpers and the data pipeline through ``generation.plain``."""
+    code = (
+        "import sys, dschat.rlhf.ppo_math\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('dschat.'))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    allowed = {"dschat.rlhf", "dschat.rlhf.ppo_math", "dschat.generation", "dschat.generation.stops"}
+    assert set(proc.stdout.split()) <= allowed, set(proc.stdout.split()) - allowed
+
+
 def imported_top_levels(source: str) -> set[str]:
     """The top-level package of every absolute import in ``source`` (``import a.b`` and ``from a.b import c``)."""
     names = set()
