@@ -142,7 +142,9 @@ class HybridGenerator:
         self.fallback_reason = reason
         self.fallback = PlainGenerator(self.engine, self.tokenizer, self.sampling, self.zero3, self.stop_ids)
         if dist.is_main():
-            LOG.warning("hybrid engine: %s; generating with plain Hugging Face generate instead", reason)
+            LOG.warning(
+                "hybrid engine: %s; generating on the training module (the plain generator) instead", reason
+            )
 
     # ------------------------------------------------------------------ switching
     @contextlib.contextmanager

@@ -1,6 +1,9 @@
 """Token-by-token generation with a KV cache, following :class:`SamplingConfig` the way Hugging Face
 ``generate`` does (same filters in the same order, same ``torch.multinomial`` draw, rows padded after
-their EOS), without ``generate``'s per-step machinery. Used by the hybrid engine on its inference copy.
+their EOS), without ``generate``'s per-step machinery. Used by every generator of the training steps
+(the plain generator, the hybrid engine's inference copy, prompts -> texts); the inference tools keep
+``generate``. Unlike ``generate`` it applies no processor from a checkpoint's generation config (a
+repetition penalty, say): the steps draw from what :class:`SamplingConfig` says, nothing else.
 
     out = decode(model, input_ids, attention_mask, sampling, eos_token_id=2, pad_token_id=0)
     out.sequences  # (B, P + n)
@@ -76,14 +79,28 @@ def shared_prompts(
     return first, inverse
 
 
-def _shareable(cache) -> bool:
-    """A cache whose rows can be copied after the prefill: a dynamic one (a ``StaticCache`` is allocated
-    for the batch it first sees)."""
-    if cache is None:
-        return True
-    from transformers import DynamicCache
+_KV_ONLY_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
-    return isinstance(cache, DynamicCache)
+
+def _rows_copyable(cache) -> bool:
+    """Whether copying cache rows copies everything the cache holds: a dynamic cache whose layers are
+    plain key/value stores (full or sliding-window). Linear-attention, convolution and hybrid layers keep
+    other state that ``batch_select_indices`` leaves behind or cannot copy."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    plain = (DynamicLayer, DynamicSlidingWindowLayer)
+    return isinstance(cache, DynamicCache) and all(type(layer) in plain for layer in cache.layers)
+
+
+def _may_share(model: torch.nn.Module, cache) -> bool:
+    """Before the prefill: a given cache must be copyable; without one, the model's layer types (where its
+    config names them) must all be attention over keys and values."""
+    if cache is not None:
+        return _rows_copyable(cache)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None) or ()
+    return set(types) <= _KV_ONLY_LAYER_TYPES
 
 
 @dataclass
@@ -111,7 +128,9 @@ def decode(
 
     ``cache`` is a transformers ``Cache`` sized for at least P + max_new_tokens (None: a dynamic one).
     Rows that repeat one prompt share its prefill: the distinct prompts run once and their cache rows
-    are copied (with a dynamic cache; K answers per prompt then cost one prompt forward, not K).
+    are copied (K answers per prompt then cost one prompt forward, not K), where the cache is a dynamic
+    one of key/value layers; linear-attention or convolution layers and a ``StaticCache`` prefill every
+    row.
     Positions skip left padding exactly as the training forward computes them. A row stops at its
     EOS (any of them, where ``eos_token_id`` is a list: a chat template's end of turn and the EOS, as
     ``generate`` takes them) and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
@@ -130,19 +149,22 @@ def decode(
     positions = position_ids_from_mask(mask)
     # through a peft wrapper too (its forward passes the keyword on): no (B, P, V) prefill logits
     extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
-    shared = shared_prompts(input_ids, mask) if _shareable(cache) else None
+    shared = shared_prompts(input_ids, mask) if _may_share(model, cache) else None
+    if shared is not None:
+        first, inverse = shared
+        out = model(input_ids=input_ids[first], attention_mask=mask[first], position_ids=positions[first],
+                    past_key_values=cache, use_cache=True, **extra)  # fmt: skip
+        if _rows_copyable(out.past_key_values):
+            cache = out.past_key_values
+            cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row its prompt's keys and values
+            logits = out.logits[:, -1, :].float()[inverse]
+        else:  # the model built a cache with other state (no layer types in its config): every row
+            shared = None
     if shared is None:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, **extra)  # fmt: skip
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
-    else:
-        first, inverse = shared
-        out = model(input_ids=input_ids[first], attention_mask=mask[first], position_ids=positions[first],
-                    past_key_values=cache, use_cache=True, **extra)  # fmt: skip
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row its prompt's keys and values
-        logits = out.logits[:, -1, :].float()[inverse]
     pos = positions[:, -1:]
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     stops = None

@@ -28,7 +28,9 @@ def generate_texts(
     """Greedy completions (text after the prompt) for ``prompts`` (dialogue text or bare questions,
     rendered by ``fmt``: default the tokenizer's own format, as in training), left-padded batches;
     sampled ones with ``sampling`` (its ``max_new_tokens`` then replaces ``max_new_tokens``). A reply
-    ends at one of the format's stop tokens (EOS, a chat template's end of turn).
+    ends at one of the format's stop tokens (EOS, a chat template's end of turn). Exactly greedy, or
+    exactly ``sampling``: as in the rollouts, a checkpoint's generation config (a repetition penalty, say)
+    is not applied.
 
     ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done. ``generator``
     (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of

@@ -170,6 +170,38 @@ def test_rows_that_repeat_a_prompt_share_one_prefill_and_draw_generate_s_tokens(
         assert len({tuple(r) for r in ours[[0, 1, 3], 5:].tolist()}) > 1
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "gemma2"])
+def test_a_cache_that_keeps_more_than_keys_and_values_is_prefilled_row_by_row(arch):
+    """LFM2's short-convolution layers keep a state that no row copy carries over (and have no
+    ``batch_select_indices``): repeated prompts then prefill every row, with ``generate``'s tokens.
+    Gemma 2's sliding-window layers (window 4, prompts of 10) are plain key/value stores: they share."""
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    torch.manual_seed(0)
+    if arch == "lfm2":
+        model = transformers.Lfm2ForCausalLM(
+            transformers.Lfm2Config(**common, layer_types=["conv", "full_attention"])
+        )
+    else:
+        model = transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(**common, head_dim=16, sliding_window=4)
+        )
+    model.eval()
+    ids = torch.tensor([[0, 0, 5, 9, 11, 4, 4, 6, 7, 8]] * 2 + [[3, 8, 8, 2, 9, 9, 1, 5, 5, 5]])
+    mask = (torch.arange(10) >= torch.tensor([[2], [2], [0]])).long()
+    seen: list[int] = []
+    hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
+    s = SamplingConfig(max_new_tokens=5, do_sample=False)
+    ours = decode(model, ids, mask, s, eos_token_id=None, pad_token_id=0).sequences
+    hook.remove()
+    assert seen[-1] == 3 and (seen[0] == 2 if arch == "gemma2" else 3 in seen[:2])
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)  # fmt: skip
+    assert torch.equal(ours, ref)
+
+
 def test_shared_prompts_pick_one_row_per_prompt():
     ids = torch.tensor([[1, 2], [3, 4], [1, 2], [1, 2]])
     mask = torch.ones_like(ids)
