@@ -43,8 +43,6 @@ def generate_texts(
     out: list[str] = []
     cfg = sampling or SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
     fmt = fmt or prompt_format(tokenizer)
-    # what follows a row's stop token (skipped when decoding); generate falls back to EOS likewise
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (fmt.stop_ids or (0,))[0]
     try:
         for s in range(0, len(prompts), batch_size):
             texts = [fmt.prompt_text(p) for p in prompts[s : s + batch_size]]
@@ -56,7 +54,8 @@ def generate_texts(
                 seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg)
             else:
                 seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(fmt.stop_ids),
-                             pad_token_id=pad, lockstep=True if synced_gpus else None).sequences  # fmt: skip
+                             pad_token_id=tokenizer.pad_token_id,
+                             lockstep=True if synced_gpus else None).sequences  # fmt: skip
             out.extend(tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     finally:
         tokenizer.padding_side = side

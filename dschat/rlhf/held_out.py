@@ -50,9 +50,8 @@ class HeldOutEval:
         with self.timer("eval"):
             actor, tok, fmt = self.actor, self.tokenizer, self.fmt
             mine, weights = rank_slice(self.prompts)  # this rank's slice of the held-out prompts
-            with (
-                self.generator.generation_mode() as gen
-            ):  # the hybrid engine's fast path, or the plain generator
+            # the hybrid engine's fast path, or the plain generator
+            with self.generator.generation_mode() as gen:
                 answers = generate_texts(actor.module, tok, mine, device=actor.device, synced_gpus=self.zero3,
                                          max_new_tokens=self.sampling.max_new_tokens, generator=gen, fmt=fmt)  # fmt: skip
                 acc = verifier_accuracy(mine, answers, weights)
