@@ -39,6 +39,9 @@ def run_cmd(
 ) -> subprocess.CompletedProcess:
     """Run a command with the project's interpreter; output captured as text; ``input_text`` on stdin."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if env and "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):
+        # a test's PYTHONPATH adds the project; packages installed on the path stay reachable
+        full_env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], os.environ["PYTHONPATH"]))
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
     return subprocess.run(
@@ -50,6 +53,15 @@ def run_cmd(
         cwd=cwd,
         input=input_text,
     )
+
+
+def cpu_ranks_env(ranks: int = 2) -> dict[str, str]:
+    """Environment for a test that starts ``ranks`` processes on this machine: CPU ranks (gloo) unless
+    there is a GPU for each. The multi-rank tests compare against one CPU rank; on a one-GPU machine
+    two ranks would share a device, which train.py refuses and a bare launcher fails on."""
+    import torch
+
+    return {"CUDA_VISIBLE_DEVICES": ""} if 0 < torch.cuda.device_count() < ranks else {}
 
 
 def shared_data(*parts: str) -> Path:

@@ -25,6 +25,10 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except UserError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        # Alone, nothing can wait on this rank; with peers a blocking teardown could hang on a
+        # rank that did not fail, so they exit as before and the launcher ends the job.
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            _destroy_process_group()
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
@@ -39,4 +43,16 @@ def run_cli(main: Callable[[], int | None]) -> None:
                 flush=True,
             )
         raise
+    _destroy_process_group()
     sys.exit(code or 0)
+
+
+def _destroy_process_group() -> None:
+    """Tear down torch.distributed if it was started: NCCL otherwise prints a warning at exit
+    ("destroy_process_group() was not called") after every run on a GPU."""
+    if "torch" not in sys.modules:  # train.py and the quick tools never load torch: keep exit instant
+        return
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

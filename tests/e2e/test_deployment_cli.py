@@ -13,7 +13,7 @@ import yaml
 
 from dschat.launch import presets
 from dschat.launch.supervise import RankWatch
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cpu_ranks_env
 from tests.integration.helpers import assert_ok, error_line, train_py
 
 PRESETS = sorted((ROOT / "configs" / "presets").glob("*.yaml"))
@@ -76,7 +76,7 @@ def test_preset_implied_by_the_actor_model_and_overridden_by_flags(train, tmp_pa
 
     # the deployment type picks among a model's presets; --preset none turns presets off
     proc = train_py("--dry-run", "--step", "1", "--actor-model", "facebook/opt-1.3b", "--deployment-type", "single_node",
-                    "--num-gpus", "2", "--output-dir", str(tmp_path))  # fmt: skip
+                    "--num-gpus", "2", "--output-dir", str(tmp_path), env=cpu_ranks_env())  # fmt: skip
     assert_ok(proc)
     assert "==> preset opt-1.3b-single_node" in proc.stdout
     assert "deepspeed.launcher.runner" in " ".join(launch_line(proc.stdout, 1))

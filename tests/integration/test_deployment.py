@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cpu_ranks_env
 from tests.integration.helpers import (
     REFERENCE_1RANK,
     REFERENCE_RUN_FLAGS,
@@ -43,7 +43,8 @@ def test_two_simulated_nodes_match_one_process(tmp_path):
     assert_ok(step1(ref, *REFERENCE_1RANK, "--zero_stage", "3"))
 
     port = str(free_port())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # one core per "node"
+    # one core per "node"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **cpu_ranks_env()}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     procs = []
@@ -98,7 +99,7 @@ def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):
         "--output-dir", str(tmp_path), "--dist-timeout", "60",
         "--", "--max_steps", "40", "--per_device_train_batch_size", "8", "--eval_interval", "0",
         "--max_eval_samples", "64", "--eval_generation_samples", "0",
-        env={"DSCHAT_TEST_KILL_RANK": "1", "DSCHAT_TEST_KILL_AT_STEP": "3"}, timeout=300,
+        env={"DSCHAT_TEST_KILL_RANK": "1", "DSCHAT_TEST_KILL_AT_STEP": "3", **cpu_ranks_env()}, timeout=300,
     )  # fmt: skip
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
@@ -130,8 +131,9 @@ def test_all_three_steps_on_two_ranks_through_train_py(tmp_path):
         " --max_answer_seq_len: 8, --max_prompt_seq_len: 96, --eval_prompts: 8, --eval_interval: 0,"
         " --actor_zero_stage: 2, --critic_zero_stage: 2}\n"
     )
+    out = str(tmp_path / "out")
     proc = train_py(
-        "--preset", str(preset), "--num-gpus", "2", "--output-dir", str(tmp_path / "out"), timeout=1200
+        "--preset", str(preset), "--num-gpus", "2", "--output-dir", out, timeout=1200, env=cpu_ranks_env()
     )
     assert_ok(proc)
     assert "==> preset two-ranks (--preset): deployment single_node; model builtin:micro-llama" in proc.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd
 from tests.integration.helpers import assert_ok, error_line, metrics, summary, train_losses
 from tests.integration.test_step2 import preference_file, write_jsonl
 
@@ -72,7 +72,7 @@ def test_two_ranks_zero3_match_one_rank(pairs, tmp_path):
     two = tmp_path / "two"
     assert_ok(run_cmd(["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2",
                        str(DPO), "--output_dir", str(two), *common, "--per_device_train_batch_size", "8",
-                       "--zero_stage", "3"]))  # fmt: skip
+                       "--zero_stage", "3"], env=cpu_ranks_env()))  # fmt: skip
     a, b = train_losses(one), train_losses(two)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:

@@ -159,7 +159,8 @@ def test_an_offline_alias_uses_the_packaged_gguf_and_says_so(cache, monkeypatch,
         def locate_file(self, name: str) -> Path:
             return micro_gguf
 
-    monkeypatch.setattr(md, "distribution", lambda name: FakeDist())
+    real = md.distribution  # other packages' metadata (transformers reads some) stays real
+    monkeypatch.setattr(md, "distribution", lambda name: FakeDist() if name == "micro-dist" else real(name))
     monkeypatch.setitem(
         gguf.OFFLINE_COPIES,
         "org/Micro-Instruct",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd
 from tests.integration.helpers import assert_ok, error_line
 
 SCRIPT = Path(__file__).with_name("hybrid_script.py")
@@ -88,7 +88,8 @@ def test_tensor_parallel_generation_on_two_ranks_equals_one_rank(tmp_path):
     from dschat.utils.dist import free_port
 
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    assert_ok(run_cmd([*launcher, str(SCRIPT), "tp", str(tmp_path)], env={"PYTHONPATH": str(ROOT)}))
+    env = {"PYTHONPATH": str(ROOT), **cpu_ranks_env()}
+    assert_ok(run_cmd([*launcher, str(SCRIPT), "tp", str(tmp_path)], env=env))
     out = [json.loads(x) for r in (0, 1) for x in (tmp_path / f"rows-rank{r}.jsonl").read_text().splitlines()]
     tp = [r for r in out if r["check"] == "tp"]
     assert {(r["arch"], r["rank"]) for r in tp} == {(a, k) for a in ("llama", "opt", "gpt2", "qwen2", "mistral", "qwen3", "gemma2")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import cpu_ranks_env
 from tests.integration.helpers import (
     FAST,
     MICRO,
@@ -102,6 +103,7 @@ def test_two_ranks_zero3_match_one_rank_with_accumulation(reference_run, tmp_pat
     proc = train_py(
         "--step", "1", "--deployment-type", "single_node", "--num-gpus", "2", "--actor-zero-stage", "3",
         "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path), "--", *REFERENCE_RUN_FLAGS,
+        env=cpu_ranks_env(),
     )  # fmt: skip
     assert_ok(proc)
     two = tmp_path / "step1"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd
 from tests.integration.helpers import assert_ok, error_line
 
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
@@ -129,7 +129,8 @@ def test_two_ranks_zero3_match_one_rank(tmp_path):
     assert_ok(step2(one, *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"))
     two = tmp_path / "two"
     proc = run_cmd(["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2", str(STEP2),
-                    "--output_dir", str(two), *common, "--per_device_train_batch_size", "8", "--zero_stage", "3"])  # fmt: skip
+                    "--output_dir", str(two), *common, "--per_device_train_batch_size", "8", "--zero_stage", "3"],
+                   env=cpu_ranks_env())  # fmt: skip
     assert_ok(proc)
 
     def losses(d: Path) -> list[float]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd
 from tests.integration.helpers import assert_ok, error_line
 
 STEP3 = ROOT / "training" / "step3_rlhf_finetuning" / "main.py"
@@ -214,7 +214,8 @@ def test_zero3_two_ranks(models, tmp_path):
     out = tmp_path / "z3"
     launcher = ["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2"]
     proc = step3(out, actor, rm, "--max_steps", "3", "--actor_zero_stage", "3", "--critic_zero_stage", "3",
-                 "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "4", launcher=launcher)  # fmt: skip
+                 "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "4", launcher=launcher,
+                 env=cpu_ranks_env())  # fmt: skip
     assert_ok(proc)
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == 2 and s["actor_zero_stage"] == 3

@@ -72,9 +72,10 @@ def main(workdir: str) -> None:
         engine.eval()  # OPT and GPT-2 have dropout: compare functions without it
         with torch.no_grad():
             ref = plain(input_ids=x, labels=x).loss.item()
-            loss = engine(input_ids=x, labels=x).loss.item()
+            x_dev = x.to(engine.device)  # the plain reference stays on the CPU
+            loss = engine(input_ids=x_dev, labels=x_dev).loss.item()
         engine.train()
-        out = engine(input_ids=x, labels=x)
+        out = engine(input_ids=x_dev, labels=x_dev)
         engine.backward(out.loss)
         engine.step()
         print(json.dumps({"arch": name, "partitioned": partitioned, "params": count_parameters(model), "expected": expected,

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from dschat.utils import run
 from dschat.utils.errors import UserError
@@ -112,6 +113,10 @@ def test_summary_and_config_files(tmp_path):
     # the process's peak RSS is added (the kernel updates its high-water mark lazily, so compare loosely
     # with the resident size just before)
     assert 0.5 * rss_before <= summary.pop("peak_rss_bytes") <= 4 * rss_before
+    # and, once this process has used a GPU, the peaks of torch's allocator there
+    gpu = {k: summary.pop(k) for k in ("peak_gpu_allocated_bytes", "peak_gpu_reserved_bytes") if k in summary}
+    used_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    assert sorted(gpu) == (["peak_gpu_allocated_bytes", "peak_gpu_reserved_bytes"] if used_gpu else [])
     assert summary == {"loss": 0.5}
     with pytest.raises(UserError, match="holds a finished run"):
         check_output_dir(str(tmp_path), overwrite=False, resume=False)
