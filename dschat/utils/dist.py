@@ -49,7 +49,13 @@ def is_node_writer() -> bool:
 
 
 def barrier() -> None:
-    if is_initialized():
+    if not is_initialized():
+        return
+    if torch_dist.get_backend() == "nccl":
+        # NCCL needs a device for the barrier; unnamed, torch guesses it from the rank and prints two
+        # warnings (a single-rank group is not bound to a device at init: DeepSpeed leaves it unbound)
+        torch_dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
         torch_dist.barrier()
 
 

@@ -57,6 +57,7 @@ def build_engine(path: str, tok, *, stage: int, lora: int = 0, steps: int = 1, d
     params = [p for p in model.parameters() if p.requires_grad]
     engine = core.initialize_engine(model, optimizer=torch.optim.AdamW(params, lr=3e-2), ds_config=cfg)
     x = tok(["What is 1 + 1? 2", "Sort: b a -> a b"], return_tensors="pt", padding=True)["input_ids"]
+    x = x.to(engine.device)
     for _ in range(steps):
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
@@ -70,7 +71,7 @@ def reference(engine, tok, workdir: Path, name: str):
     dist.barrier()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(engine.device).eval()
 
 
 def hf_generate(model, enc, tok, s: SamplingConfig) -> torch.Tensor:
@@ -113,7 +114,7 @@ def identical(a: dict, b: dict) -> bool:
 def single(workdir: Path) -> None:
     path = materialize("builtin:micro-llama")
     tok = load_tokenizer(path, padding_side="left")
-    enc = tok(PROMPTS[0] + PROMPTS[1], return_tensors="pt", padding=True)
+    enc = tok(PROMPTS[0] + PROMPTS[1], return_tensors="pt", padding=True).to(dist.default_device())
     for stage, lora in ((0, 0), (3, 0), (3, 4), (0, 4)):
         engine = build_engine(path, tok, stage=stage, lora=lora)
         ref = reference(engine, tok, workdir, f"ref-{stage}-{lora}")
@@ -169,6 +170,7 @@ def single(workdir: Path) -> None:
         torch.manual_seed(0)
         plain = build().eval()
         plain.save_pretrained(workdir / name)
+        plain.to(dist.default_device())  # compared on the engine's device
         engine = build_engine(str(workdir / name), tok, stage=3, steps=0)
         gen = HybridGenerator(engine, tok, GREEDY, zero3=True, gather=gather_zero3)
         with gen.generation_mode() as g:
@@ -184,6 +186,7 @@ def single(workdir: Path) -> None:
     plain = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                              num_attention_heads=4, max_position_embeddings=128)).eval()  # fmt: skip
     plain.save_pretrained(workdir / "neox")
+    plain.to(dist.default_device())
     engine = build_engine(str(workdir / "neox"), tok, stage=0, steps=0)
     warnings: list[str] = []
 
@@ -212,7 +215,7 @@ def tp(workdir: Path) -> None:
     path = materialize("builtin:micro-llama")
     tok = load_tokenizer(path, padding_side="left")
     mine = PROMPTS[dist.rank()][: 3 - dist.rank()]  # 3 prompts on rank 0, 2 on rank 1
-    enc = tok(mine, return_tensors="pt", padding=True)
+    enc = tok(mine, return_tensors="pt", padding=True).to(dist.default_device())
     sources = {"llama": path}
     for name, build in builders().items():
         if dist.is_main():

@@ -1,10 +1,13 @@
-"""run_cli: how a program ends (exit codes, and the process group torn down so NCCL does not warn)."""
+"""The process group around a run: barriers that name their device, and run_cli tearing the group down
+before exit (exit codes kept), so that NCCL adds no warning lines to a run's output."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as torch_dist
 
+from dschat.utils import dist
 from dschat.utils.dist import free_port
 from dschat.utils.errors import EXIT_USER_ERROR, UserError, run_cli
 
@@ -34,3 +37,15 @@ def test_the_process_group_is_destroyed_before_exit(one_rank_group, outcome, cod
         run_cli(main)
     assert stop.value.code == code
     assert not torch_dist.is_initialized()
+
+
+def test_a_barrier_names_its_gpu_under_nccl(one_rank_group, monkeypatch):
+    # Unnamed, NCCL guesses the device from the rank and warns twice (seen on an H200, one rank).
+    one_rank_group()
+    dist.barrier()  # a real gloo barrier: no device to name
+    calls = []
+    monkeypatch.setattr(torch_dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(torch_dist, "barrier", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    dist.barrier()
+    assert calls == [{"device_ids": [3]}]
