@@ -86,7 +86,7 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
     tok = load_tokenizer(path, padding_side="left")
     examples = tasks.generate(None, n_per_task=args.prompts * world, seed=0)
     prompts = [e.prompt for e in examples[rank::world]][: args.prompts]  # built-in tasks, mixed lengths
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    enc = tok(prompts, return_tensors="pt", padding=True).to(dist.default_device())
     ids, mask = enc["input_ids"], enc["attention_mask"]
     cfg = train_ds_config(zero_stage=3, dtype=dtype, micro_batch_size=args.prompts, gradient_accumulation_steps=1,
                           world_size=world)  # fmt: skip
@@ -119,7 +119,7 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
         row[f"{key}gather_peak_mb"] = st["hybrid_gather_peak_mb"]
         row[f"{key}inference_copy_mb"] = st["hybrid_inference_copy_mb"]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    plain_model = load_causal_lm(path, tokenizer=tok, dtype=torch_dtype).eval()
+    plain_model = load_causal_lm(path, tokenizer=tok, dtype=torch_dtype).to(ids.device).eval()
 
     @torch.no_grad()
     def unwrapped() -> None:
