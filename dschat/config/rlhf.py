@@ -90,6 +90,12 @@ class PPOArgs:
         "--n_samples_per_prompt answers in the experience passes and the actor's update (the built-in tasks' "
         "prompts are most of every row)"
     )
+    share_frozen_trunk: bool = opt(
+        True,
+        "where the actor's embeddings and bottom blocks are frozen (--actor_trainable_layers) and the reference or "
+        "reward model holds the same ones, the experience pass computes them once: the actor's hidden states "
+        "after them feed the others' top blocks (checked against the full pass on the first batch)",
+    )
     advantage_estimator: str = opt(
         "gae",
         "gae: critic values and GAE (DeepSpeed-Chat); rloo / group_norm / dr_grpo: no critic, the score minus the "

@@ -10,6 +10,7 @@ check that a model honours it lives with the models that use it (the reward mode
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +152,22 @@ def pack_rollouts(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_
         source[i], valid[i] = continuation_sources(p, start, n, t - prompt_len)
         last[i] = start + n - 1 if n else p - 1
     return PackedRollouts(packed, torch.tensor(group, dtype=torch.long), source, valid, last)
+
+
+def read_at(pr: PackedRollouts, lengths: torch.Tensor) -> PackedRollouts:
+    """The same packed rows, read at each rollout's token ``lengths[r] - 1`` (R,) of its response instead
+    of its last one: ``lengths`` at most the packed responses' (the prompt's last token where 0).
+
+    The reward model reads a rollout before its end token (step 2 scored responses without it). Packing
+    with the end token in place and reading before it gives the same values as packing without it, since
+    no earlier position attends to a later one, and keeps the rows the actor's experience pass ran,
+    whose hidden states the reward model can then reuse (:mod:`dschat.models.trunk`)."""
+    n = pr.valid.sum(1)
+    lengths = lengths.to(n.device)
+    if bool((lengths > n).any()):
+        raise ValueError("read_at: a length beyond its packed response")
+    last = torch.where(lengths > 0, pr.last - n + lengths, pr.source[:, 0])  # source[:, 0]: the prompt's last
+    return dataclasses.replace(pr, last=last)
 
 
 def continuation_sources(

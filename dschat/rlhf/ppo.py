@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dschat.data.packing import PackedRollouts, pack_rollouts
+from dschat.data.packing import PackedRollouts, pack_rollouts, read_at
 from dschat.generation.kv_decode import position_ids_from_mask
 from dschat.generation.stops import is_stop
 from dschat.lm import accepts, logprob_packing_tolerance, packed_token_logprobs, sft_loss
 from dschat.losses import token_logprobs
+from dschat.models import trunk as trunk_sharing
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 
@@ -55,6 +56,9 @@ class PPOHyper:
     # Each prompt's answers packed in one row for the log-prob passes (--share_prompt); checked against
     # separate rows on the first experience batch (PPOTrainer.packing_checked).
     share_prompt: bool = False
+    # The frozen bottom blocks that the actor shares with the reference and reward model computed once in
+    # the experience pass (--share_frozen_trunk; dschat.models.trunk); checked on the first batch.
+    share_frozen_trunk: bool = False
 
 
 class PPOTrainer:
@@ -86,6 +90,8 @@ class PPOTrainer:
         self.generated_tokens = 0.0
         self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
         self.packing_checked = False
+        # {"reference" | "reward" | "judge": shared depth}, settled on the first experience batch
+        self.trunk_depths: dict[str, int] | None = None if hyper.share_frozen_trunk else {}
 
     def log_row(self, w: dict[str, float]) -> dict[str, float]:
         """The train-split log row of a window of rounds (``w``: :class:`dschat.trainer.MetricWindow` sums
@@ -132,6 +138,46 @@ class PPOTrainer:
             return
         with self.actor.module.disable_adapter():
             yield self.actor
+
+    def _trunk_consumers(self) -> dict[str, torch.nn.Module]:
+        """The engines that may start from the actor's frozen trunk: a reference engine (not the LoRA
+        actor's disabled adapter: its bottom blocks carry adapters) and reward models behind a plain
+        reward-model source."""
+        out = {"reference": self.reference, "reward": getattr(self.reward_source, "engine", None),
+               "judge": getattr(self.judge, "engine", None)}  # fmt: skip
+        return {k: v for k, v in out.items() if v is not None}
+
+    def _replayed(self, name: str, trunks: dict[int, trunk_sharing.Trunk], run, same_rows: bool = True):
+        """``run()`` for consumer ``name``, started from the actor's trunk where it shares one. On the
+        first batch also run in full: equal within the shared prompt's tolerance, or sharing stops for
+        this consumer with a warning."""
+        depth = (self.trunk_depths or {}).get(name, 0)
+        if not depth or not same_rows:
+            return run()
+        with trunk_sharing.replay(self._trunk_consumers()[name], trunks.get(depth)):
+            out = run()
+        if name in self.trunk_checked:
+            return out
+        self.trunk_checked.add(name)
+        full = run()
+        diff = float((out.float() - full.float()).abs().max()) if out.numel() else 0.0
+        tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
+        if diff <= tol:
+            LOG.info("--share_frozen_trunk: the %s starts from the actor's bottom %d blocks (max difference "
+                     "%.1e against its own)", name, depth, diff)  # fmt: skip
+            return out
+        LOG.warning("--share_frozen_trunk: the %s from the actor's bottom %d blocks differs from its own pass by "
+                    "%.3g; computing its own", name, depth, diff)  # fmt: skip
+        self.trunk_depths[name] = 0
+        return full
+
+    def _settle_trunk_depths(self) -> None:
+        """Once: how many bottom blocks each consumer shares with the actor (frozen and equal)."""
+        self.trunk_checked: set[str] = set()
+        self.trunk_depths = {
+            name: trunk_sharing.shared_depth([self.actor, engine])
+            for name, engine in self._trunk_consumers().items()
+        }
 
     def pack(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
@@ -232,31 +278,40 @@ class PPOTrainer:
             reward_mask = attention_mask * (~is_end).long()
 
             self.actor.eval()
+            if self.trunk_depths is None:
+                self._settle_trunk_depths()
             packed = self.pack(sequences, attention_mask, prompt_len)
-            logprobs, per_token_entropy = self.action_logprobs(
-                self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
-            )
+            depths = {d for d in self.trunk_depths.values() if d}
+            with trunk_sharing.capture(self.actor, depths) as trunks:  # the rows the others read
+                logprobs, per_token_entropy = self.action_logprobs(
+                    self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
+                )
             if packed is not None and not self.packing_checked:
                 self._check_packing(sequences, attention_mask, prompt_len, packed, logprobs, action_mask)
                 if not self.share_prompt:
                     packed = None
-                    logprobs, per_token_entropy = self.action_logprobs(
-                        self.actor, sequences, attention_mask, prompt_len, entropy=True
-                    )
+                    with trunk_sharing.capture(self.actor, depths) as trunks:
+                        logprobs, per_token_entropy = self.action_logprobs(
+                            self.actor, sequences, attention_mask, prompt_len, entropy=True
+                        )
             entropy = M.masked_mean(per_token_entropy, action_mask)
             with self.reference_mode() as ref:
                 ref.eval()
-                ref_logprobs, _ = self.action_logprobs(
-                    ref, sequences, attention_mask, prompt_len, packed=packed
-                )
+                ref_logprobs = self._replayed("reference", trunks, lambda: self.action_logprobs(
+                    ref, sequences, attention_mask, prompt_len, packed=packed)[0])  # fmt: skip
             responses = tok.batch_decode(sequences[:, prompt_len:], skip_special_tokens=True)
-            reward_packed = self.pack(sequences, reward_mask, prompt_len) if packed is not None else None
-            scores = self.reward_source.score(prompts, responses, sequences, reward_mask, reward_packed)
+            # The reward models read the actor's packed rows before each end token (the trunk's rows)
+            reward_packed = (
+                read_at(packed, reward_mask[:, prompt_len:].sum(1)) if packed is not None else None
+            )
+            scores = self._replayed("reward", trunks, lambda: self.reward_source.score(
+                prompts, responses, sequences, reward_mask, reward_packed), same_rows=packed is not None)  # fmt: skip
             judged = (
-                self.judge.score(prompts, responses, sequences, reward_mask, reward_packed)
+                self._replayed("judge", trunks, lambda: self.judge.score(
+                    prompts, responses, sequences, reward_mask, reward_packed), same_rows=packed is not None)
                 if self.judge is not None
                 else None
-            )
+            )  # fmt: skip
 
             truncated = M.truncated_rows(sequences, prompt_len, stops)
             clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)

@@ -184,7 +184,7 @@ def test_settle_share_prompt_falls_back_where_it_does_not(monkeypatch, caplog):
 
 
 def test_pack_rollouts_layout_by_hand():
-    from dschat.data.packing import pack_rollouts
+    from dschat.data.packing import pack_rollouts, read_at
 
     # prompt_len 3; rows 0, 1 share the prompt [5, 6] (left-padded), row 2 has [7, 8, 9]; responses are
     # the masked tokens from column 3 on: [10, 11], [12], [13, 14, 15]
@@ -199,6 +199,11 @@ def test_pack_rollouts_layout_by_hand():
     assert pr.source.tolist() == [[1, 2, 1], [1, 1, 1], [2, 3, 4]]
     assert pr.valid.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
     assert pr.last.tolist() == [3, 4, 5]
+    # read earlier in each response (the reward model's position, before an end token): 1, 0 and 2 tokens
+    assert read_at(pr, torch.tensor([1, 0, 2])).last.tolist() == [2, 1, 4]  # row 1: its prompt's last token
+    assert read_at(pr, torch.tensor([2, 1, 3])).last.tolist() == pr.last.tolist()
+    with pytest.raises(ValueError, match="beyond its packed response"):
+        read_at(pr, torch.tensor([3, 1, 3]))
     # an empty prompt, or a response with a hole in its mask, is not packed
     assert pack_rollouts(seq, torch.tensor([[0, 0, 0, 1, 1, 0]] * 3), 3, 0) is None
     assert pack_rollouts(seq, torch.tensor([[0, 1, 1, 1, 0, 1]] * 3), 3, 0) is None
@@ -241,5 +246,24 @@ def test_reward_model_scores_packed_rollouts_as_separate_rows():
     packed = pack_rollouts(seq, mask, prompt_len=4, pad_id=0)
     plain = source.score([""] * 3, [""] * 3, seq, mask)
     assert source.score([""] * 3, [""] * 3, seq, mask, packed).tolist() == pytest.approx(
+        plain.tolist(), abs=1e-5
+    )
+
+
+def test_reward_read_before_the_end_token_in_the_actors_rows_equals_separate_rows_without_it():
+    """Step 3 scores each rollout in the actor's packed rows (end tokens in place) at its last token
+    before the end token: the values of separate rows whose mask stops before it."""
+    from dschat.data.packing import pack_rollouts, read_at
+    from dschat.rlhf.rewards import RewardModelSource
+
+    model = _tiny("llama")
+    end = 9
+    seq = torch.tensor([[0, 5, 6, 7, 10, 11, end], [0, 5, 6, 7, end, 0, 0], [1, 2, 3, 4, 20, 21, 22]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    reward_mask = mask * (seq != end).long()  # row 1's answer is its end token alone: read at the prompt
+    source = RewardModelSource(model)
+    plain = source.score([""] * 3, [""] * 3, seq, reward_mask)
+    rows = read_at(pack_rollouts(seq, mask, prompt_len=4, pad_id=0), reward_mask[:, 4:].sum(1))
+    assert source.score([""] * 3, [""] * 3, seq, mask, rows).tolist() == pytest.approx(
         plain.tolist(), abs=1e-5
     )

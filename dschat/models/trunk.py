@@ -1,0 +1,141 @@
+"""A frozen trunk shared by several models: their common bottom layers computed once.
+
+With ``--trainable_layers K`` a model trains only its top ``K`` decoder blocks; its embeddings and the
+blocks below never change. In step 3 of the main job the actor (top 8 of SmolLM2's 30 blocks trained),
+the reference (the step-1 model the actor starts from) and the reward model (trained from the step-1
+model with its own top 8) therefore hold the same bottom 22 blocks, and the experience pass feeds all
+three the same rows. The hidden states after block 22 are one tensor: the actor computes them
+(:func:`capture`), the others start from them (:func:`replay`) and run only their own top blocks.
+
+Which blocks are shared is read off the weights (:func:`shared_depth`: frozen everywhere, equal in
+every model); a caller still compares the first batch against the full computation, as the shared
+prompt does, since a model may compute more than its blocks between the embeddings and the head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dschat.models.layers import decoder_layers
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module that holds the blocks: a DeepSpeed engine's module, else the model itself."""
+    return getattr(model, "module", model)
+
+
+def _embeddings(model: nn.Module) -> list[nn.Module]:
+    """Every embedding outside the decoder blocks (token, position): what runs before block 0."""
+    name, _ = decoder_layers(model)
+    return [
+        m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(name + ".")
+    ]
+
+
+def _frozen_equal(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    """Same parameter shapes and values, none of them trainable, on both sides."""
+    pa = [p for m in a for p in m.parameters()]
+    pb = [p for m in b for p in m.parameters()]
+    if (
+        len(pa) != len(pb)
+        or any(p.requires_grad for p in pa + pb)
+        or any(hasattr(p, "ds_id") for p in pa + pb)
+    ):
+        return False  # ZeRO-3 partitions hold no local values to compare or reuse
+    return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+def shared_depth(models: list[nn.Module]) -> int:
+    """How many bottom decoder blocks (with the embeddings below them) every model shares: frozen and
+    equal in all; 0 where they share none, the embeddings differ or a model is partitioned."""
+    mods = [_unwrap(m) for m in models]
+    try:
+        blocks = [decoder_layers(m)[1] for m in mods]
+    except ValueError:
+        return 0
+    first = mods[0]
+    if not all(_frozen_equal(_embeddings(first), _embeddings(m)) for m in mods[1:]):
+        return 0
+    depth = 0
+    while depth < min(len(b) for b in blocks) - 1:  # the top block always runs in each model
+        if not all(_frozen_equal([blocks[0][depth]], [b[depth]]) for b in blocks[1:]):
+            break
+        depth += 1
+    return depth
+
+
+@dataclass
+class Trunk:
+    """The hidden states ``(B, L, H)`` after the shared blocks, for one batch of rows (None until
+    captured, or when the blocks return something else than a tensor)."""
+
+    depth: int
+    hidden: torch.Tensor | None = None
+    _ok: bool = field(default=True, repr=False)
+
+
+@contextlib.contextmanager
+def capture(model: nn.Module, depths: Collection[int]) -> Iterator[dict[int, Trunk]]:
+    """Record the output of block ``d - 1`` for each depth ``d`` during the forward passes inside the
+    block (the last pass wins): ``{d: Trunk}``. No depths: records nothing."""
+    trunks = {d: Trunk(d) for d in depths if d > 0}
+    blocks = decoder_layers(_unwrap(model))[1] if trunks else []
+    handles = []
+
+    def keeper(trunk: Trunk):
+        def keep(_module, _args, output) -> None:
+            if isinstance(output, torch.Tensor):
+                trunk.hidden = output.detach()
+            else:  # a block returning a tuple (older architectures): not replayed
+                trunk._ok, trunk.hidden = False, None
+
+        return keep
+
+    for d, trunk in trunks.items():
+        handles.append(blocks[d - 1].register_forward_hook(keeper(trunk)))
+    try:
+        yield trunks
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _Replay(nn.Module):
+    """Stands in for the shared blocks: returns the captured hidden states, whatever it is given."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if hidden_states.shape != self.hidden.shape:
+            raise RuntimeError(
+                f"replayed trunk {tuple(self.hidden.shape)} for rows {tuple(hidden_states.shape)}"
+            )
+        return self.hidden
+
+
+@contextlib.contextmanager
+def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
+    """Inside the block, ``model``'s forward starts at block ``trunk.depth`` from ``trunk.hidden`` (its
+    embeddings' output is discarded); a no-op without a captured trunk. The model's own blocks are
+    put back on exit."""
+    if trunk is None or trunk.hidden is None or not trunk._ok:
+        yield
+        return
+    module = _unwrap(model)
+    name, blocks = decoder_layers(module)
+    parent_name, _, attr = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    # One stand-in for the first block, then the model's own blocks from ``depth`` on: a model's loop over
+    # ``layers[:num_hidden_layers]`` runs the shorter list as it is.
+    setattr(parent, attr, nn.ModuleList([_Replay(trunk.hidden), *list(blocks)[trunk.depth :]]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, blocks)

@@ -1,0 +1,118 @@
+"""dschat.models.trunk and --share_frozen_trunk: the bottom blocks that the actor shares with the
+reference and the reward model, computed once in the experience pass, with the values of separate passes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dschat.models import trunk as T
+from dschat.models.layers import freeze_below
+from dschat.models.reward import ScalarHeadModel
+from dschat.rlhf.rewards import RewardModelSource
+from tests.unit.test_ppo_trainer import Engine, micro_llama, prompts, trainer
+
+
+def reward_model_on(actor, vocab: int, seed: int = 3) -> ScalarHeadModel:
+    """A frozen reward model with the actor's embeddings and bottom block and its own top block and head."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = copy.deepcopy(actor.config)
+    cfg.num_labels, cfg.pad_token_id = 1, 0
+    rm = LlamaForSequenceClassification(cfg).eval()
+    rm.model.embed_tokens.load_state_dict(actor.model.embed_tokens.state_dict())
+    rm.model.layers[0].load_state_dict(actor.model.layers[0].state_dict())
+    return ScalarHeadModel(rm).requires_grad_(False)
+
+
+def models(tokenizer):
+    """The step-3 trio of the main job in small: an actor training its top block only, the reference it
+    started from, a reward model trained on the same bottom."""
+    actor = micro_llama(len(tokenizer), seed=0)
+    reference = copy.deepcopy(actor).requires_grad_(False)
+    freeze_below(actor, 1)
+    return actor, reference, reward_model_on(actor, len(tokenizer))
+
+
+def counting(model) -> list[int]:
+    """How many times the model's first block runs (a list holding one count)."""
+    calls = [0]
+    model.model.layers[0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_shared_depth_is_read_off_the_weights(tokenizer):
+    actor, reference, rm = models(tokenizer)
+    assert len(actor.model.layers) == 2
+    assert T.shared_depth([actor, reference]) == 1  # the top block always runs in each model
+    assert T.shared_depth([Engine(actor), rm]) == 1  # through an engine and a value-head wrapper
+    assert T.shared_depth([actor, micro_llama(len(tokenizer), seed=1).requires_grad_(False)]) == 0
+    # a trainable block, or different embeddings, is not shared
+    assert T.shared_depth([micro_llama(len(tokenizer), seed=0), reference]) == 0
+    other = copy.deepcopy(reference)
+    with torch.no_grad():
+        other.model.embed_tokens.weight[0] += 1
+    assert T.shared_depth([actor, other]) == 0
+
+
+def test_a_replayed_trunk_gives_the_full_forward(tokenizer):
+    actor, reference, _ = models(tokenizer)
+    ids = torch.randint(5, len(tokenizer), (3, 7))
+    with torch.no_grad():
+        full = reference(input_ids=ids).logits
+        with T.capture(actor, {1}) as trunks:
+            actor(input_ids=ids)
+        runs = counting(reference)
+        with T.replay(reference, trunks[1]):
+            replayed = reference(input_ids=ids).logits
+    assert runs == [0] and torch.equal(replayed, full)
+    assert len(reference.model.layers) == 2  # the blocks are back
+    with pytest.raises(RuntimeError, match="replayed trunk"), torch.no_grad(), T.replay(reference, trunks[1]):
+        reference(input_ids=ids[:2])
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_experience_with_a_shared_trunk_equals_separate_passes(tokenizer, share_prompt):
+    """Reference log-probs and reward scores equal with and without sharing; after the first batch
+    (checked against full passes) neither the reference nor, with packed rows, the reward model runs its
+    own bottom block."""
+    runs = {}
+    for share in (True, False):
+        actor, reference, rm = models(tokenizer)
+        ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=share_prompt,
+                      scores=RewardModelSource(Engine(rm)), share_frozen_trunk=share)  # fmt: skip
+        ref_runs, rm_runs = counting(reference), counting(rm.model)
+        out = []
+        for seed in (5, 6):
+            torch.manual_seed(seed)
+            out.append(ppo.make_experience(*prompts(tokenizer))[0])
+        runs[share] = (out, ppo, ref_runs, rm_runs)
+    (shared, ppo, ref_runs, rm_runs), (separate, _, _, _) = runs[True], runs[False]
+    for a, b in zip(shared, separate):
+        assert torch.equal(a.sequences, b.sequences)
+        assert torch.equal(a.ref_logprobs, b.ref_logprobs)
+        assert torch.equal(a.scores, b.scores)
+    assert ppo.trunk_depths == {"reference": 1, "reward": 1}
+    assert ref_runs == [1]  # the first batch's check only
+    assert rm_runs == [1 if share_prompt else 2]  # separate rows: the reward model reads other rows
+
+
+def test_a_trunk_that_does_not_reproduce_the_model_falls_back_with_a_warning(tokenizer, monkeypatch, caplog):
+    actor, reference, rm = models(tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
+                  scores=RewardModelSource(Engine(rm)), share_frozen_trunk=True)  # fmt: skip
+    real = T._Replay.forward
+    monkeypatch.setattr(T._Replay, "forward", lambda self, h, *a, **k: 2 * real(self, h, *a, **k))
+    torch.manual_seed(5)
+    with caplog.at_level("WARNING", logger="dschat"):
+        exp, _ = ppo.make_experience(*prompts(tokenizer))
+    assert "differs from its own pass" in caplog.text
+    assert ppo.trunk_depths == {"reference": 0, "reward": 0}
+    plain = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
+                    scores=RewardModelSource(Engine(rm)))  # fmt: skip
+    torch.manual_seed(5)
+    want, _ = plain.make_experience(*prompts(tokenizer))
+    assert torch.equal(exp.ref_logprobs, want.ref_logprobs) and torch.equal(exp.scores, want.scores)
