@@ -154,6 +154,26 @@ def pack_rollouts(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_
     return PackedRollouts(packed, torch.tensor(group, dtype=torch.long), source, valid, last)
 
 
+def rollout_rows(pr: PackedRollouts, start: int, end: int) -> tuple[PackedRollouts, int, int] | None:
+    """Rollouts ``start:end`` with their packed rows ``(packed, g0, g1)``: the groups they fill, at the
+    same width; None where the range splits a prompt's group (the caller packs the rows anew)."""
+    group = pr.group
+    r = len(group)
+    if not 0 <= start < end <= r:
+        return None
+    g0, g1 = int(group[start]), int(group[end - 1]) + 1
+    if (start > 0 and int(group[start - 1]) == g0) or (end < r and int(group[end]) == g1 - 1):
+        return None
+    p = pr.packed
+    sub = Packed(
+        p.input_ids[g0:g1], p.position_ids[g0:g1], p.segments[g0:g1], p.prompt_len[g0:g1], p.starts[g0:g1]
+    )
+    rows = PackedRollouts(
+        sub, group[start:end] - g0, pr.source[start:end], pr.valid[start:end], pr.last[start:end]
+    )
+    return rows, g0, g1
+
+
 def read_at(pr: PackedRollouts, lengths: torch.Tensor) -> PackedRollouts:
     """The same packed rows, read at each rollout's token ``lengths[r] - 1`` (R,) of its response instead
     of its last one: ``lengths`` at most the packed responses' (the prompt's last token where 0).

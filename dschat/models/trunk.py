@@ -52,18 +52,19 @@ def _frozen_equal(a: list[nn.Module], b: list[nn.Module]) -> bool:
 
 def shared_depth(models: list[nn.Module]) -> int:
     """How many bottom decoder blocks (with the embeddings below them) every model shares: frozen and
-    equal in all; 0 where they share none, the embeddings differ or a model is partitioned."""
+    equal in all; 0 where they share none, the embeddings differ or a model is partitioned. One model:
+    its own frozen bottom (what its training forward can start above)."""
     mods = [_unwrap(m) for m in models]
     try:
         blocks = [decoder_layers(m)[1] for m in mods]
     except ValueError:
         return 0
     first = mods[0]
-    if not all(_frozen_equal(_embeddings(first), _embeddings(m)) for m in mods[1:]):
+    if not all(_frozen_equal(_embeddings(first), _embeddings(m)) for m in mods):
         return 0
     depth = 0
     while depth < min(len(b) for b in blocks) - 1:  # the top block always runs in each model
-        if not all(_frozen_equal([blocks[0][depth]], [b[depth]]) for b in blocks[1:]):
+        if not all(_frozen_equal([blocks[0][depth]], [b[depth]]) for b in blocks):
             break
         depth += 1
     return depth
@@ -77,6 +78,10 @@ class Trunk:
     depth: int
     hidden: torch.Tensor | None = None
     _ok: bool = field(default=True, repr=False)
+
+    def rows(self, start: int, end: int) -> Trunk:
+        """The hidden states of rows ``start:end`` (packed rows: groups)."""
+        return Trunk(self.depth, None if self.hidden is None else self.hidden[start:end], self._ok)
 
 
 @contextlib.contextmanager

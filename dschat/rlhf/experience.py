@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+from dschat.data.packing import PackedRollouts, rollout_rows
+from dschat.models.trunk import Trunk
 
 
 @dataclass
@@ -26,14 +29,27 @@ class Experience:
     returns: torch.Tensor  # (B, T-1) advantages + values: the critic's regression target
     scores: torch.Tensor  # (B,) reward score of each full sequence (before clipping)
     prompt_len: int  # width of the left-padded prompt block
+    # The rows as the actor's experience pass ran them, kept for the update: packed by prompt (None:
+    # separate rows), and the hidden states after the actor's frozen bottom blocks over those rows
+    # ((G, L, H) packed, (B, T, H) separate; None without frozen blocks). Dropped by cat.
+    packed: PackedRollouts | None = None
+    trunk: Trunk | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
     def slice(self, start: int, end: int) -> Experience:
-        """Rows ``start:end`` (a PPO minibatch)."""
+        """Rows ``start:end`` (a PPO minibatch); its packed rows and trunk where the range keeps whole
+        prompt groups, else none (the update packs and computes them anew)."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Experience(**{k: (v[start:end] if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+        out = Experience(**{k: (v[start:end] if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+        if self.packed is None:
+            return replace(out, trunk=self.trunk.rows(start, end) if self.trunk is not None else None)
+        whole = rollout_rows(self.packed, start, end)
+        if whole is None:
+            return replace(out, packed=None, trunk=None)
+        packed, g0, g1 = whole
+        return replace(out, packed=packed, trunk=self.trunk.rows(g0, g1) if self.trunk is not None else None)
 
     @staticmethod
     def cat(parts: list[Experience], pad_id: int) -> Experience:
@@ -46,6 +62,8 @@ class Experience:
         much. Padding is masked out of every loss, and positions come from the attention mask
         (``position_ids_from_mask``), so the extra left padding changes no log-prob either.
         """
+        if len(parts) == 1:  # one round: as it is, with its packed rows and trunk
+            return parts[0]
         prompt_len = max(p.prompt_len for p in parts)
         t = max(prompt_len - p.prompt_len + p.sequences.shape[1] for p in parts)
 
@@ -61,6 +79,8 @@ class Experience:
         for f in fields(Experience):
             if f.name == "prompt_len":
                 out[f.name] = prompt_len
+                continue
+            if f.name in ("packed", "trunk"):  # rounds packed apart: the update packs them anew
                 continue
             vals = []
             for p in parts:

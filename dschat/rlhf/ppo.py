@@ -90,7 +90,8 @@ class PPOTrainer:
         self.generated_tokens = 0.0
         self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
         self.packing_checked = False
-        # {"reference" | "reward" | "judge": shared depth}, settled on the first experience batch
+        # {"actor" (its own frozen bottom, for the update) | "reference" | "reward" | "judge": shared depth},
+        # settled on the first experience batch
         self.trunk_depths: dict[str, int] | None = None if hyper.share_frozen_trunk else {}
 
     def log_row(self, w: dict[str, float]) -> dict[str, float]:
@@ -172,12 +173,54 @@ class PPOTrainer:
         return full
 
     def _settle_trunk_depths(self) -> None:
-        """Once: how many bottom blocks each consumer shares with the actor (frozen and equal)."""
+        """Once: how many bottom blocks each consumer shares with the actor (frozen and equal), and how
+        many of the actor's own are frozen (its update starts above them)."""
         self.trunk_checked: set[str] = set()
         self.trunk_depths = {
             name: trunk_sharing.shared_depth([self.actor, engine])
             for name, engine in self._trunk_consumers().items()
         }
+        self.trunk_depths["actor"] = trunk_sharing.shared_depth([self.actor])
+
+    def _update_logprobs(self, exp: Experience) -> torch.Tensor:
+        """The actor's log-probs (B, T-1) for the update, with gradients, on the experience's own rows.
+        Above its frozen bottom where the experience kept the hidden states there: the frozen blocks
+        give those values again and pass no gradient. Checked on the first update (the weights that made
+        the experience, so the log-probs must be the old ones), else computed in full from then on."""
+        packed = (
+            exp.packed
+            if exp.packed is not None
+            else self.pack(exp.sequences, exp.attention_mask, exp.prompt_len)
+        )
+
+        def run() -> torch.Tensor:
+            return self.action_logprobs(
+                self.actor, exp.sequences, exp.attention_mask, exp.prompt_len, packed=packed
+            )[0]
+
+        if not (self.trunk_depths or {}).get("actor"):
+            return run()
+        first = "update" not in self.trunk_checked
+        self.trunk_checked.add("update")
+        if exp.trunk is None or exp.trunk.hidden is None:
+            if first:  # only the first update can be checked against the experience: no sharing then
+                self.trunk_depths["actor"] = 0
+            return run()
+        with trunk_sharing.replay(self.actor, exp.trunk):
+            logprobs = run()
+        if not first:
+            return logprobs
+        m = exp.action_mask
+        diff = float(((logprobs.detach() - exp.logprobs).abs() * m).max()) if m.numel() else 0.0
+        tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
+        if diff <= tol:
+            LOG.info("--share_frozen_trunk: the update starts above the actor's frozen bottom %d blocks (max "
+                     "difference %.1e against the experience)", exp.trunk.depth, diff)  # fmt: skip
+            return logprobs
+        LOG.warning("--share_frozen_trunk: the update from the kept hidden states differs from the experience by "
+                    "%.3g; computing the whole actor", diff)  # fmt: skip
+        self.trunk_depths["actor"] = 0
+        return run()
 
     def pack(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
@@ -282,7 +325,9 @@ class PPOTrainer:
                 self._settle_trunk_depths()
             packed = self.pack(sequences, attention_mask, prompt_len)
             depths = {d for d in self.trunk_depths.values() if d}
-            with trunk_sharing.capture(self.actor, depths) as trunks:  # the rows the others read
+            with trunk_sharing.capture(
+                self.actor, depths
+            ) as trunks:  # the rows the others (and the update) read
                 logprobs, per_token_entropy = self.action_logprobs(
                     self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
                 )
@@ -344,7 +389,7 @@ class PPOTrainer:
         exp = Experience(
             sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
-            scores=scores, prompt_len=prompt_len,
+            scores=scores, prompt_len=prompt_len, packed=packed, trunk=trunks.get(self.trunk_depths.get("actor", 0)),
         )  # fmt: skip
         lengths = action_mask.sum(1)
         stats = {
@@ -399,10 +444,7 @@ class PPOTrainer:
         # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)
         h = self.hyper
         self.actor.train()
-        packed = self.pack(exp.sequences, exp.attention_mask, exp.prompt_len)
-        logprobs, _ = self.action_logprobs(
-            self.actor, exp.sequences, exp.attention_mask, exp.prompt_len, packed=packed
-        )
+        logprobs = self._update_logprobs(exp)
         pg_loss, pg_stats = M.policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange,
                                           cliprange_high=h.cliprange_high, agg=h.loss_agg, norm_len=h.max_answer_len)  # fmt: skip
         actor_loss = pg_loss

@@ -49,6 +49,8 @@ def test_shared_depth_is_read_off_the_weights(tokenizer):
     assert len(actor.model.layers) == 2
     assert T.shared_depth([actor, reference]) == 1  # the top block always runs in each model
     assert T.shared_depth([Engine(actor), rm]) == 1  # through an engine and a value-head wrapper
+    # one model: its own frozen bottom
+    assert T.shared_depth([actor]) == 1 and T.shared_depth([micro_llama(len(tokenizer))]) == 0
     assert T.shared_depth([actor, micro_llama(len(tokenizer), seed=1).requires_grad_(False)]) == 0
     # a trainable block, or different embeddings, is not shared
     assert T.shared_depth([micro_llama(len(tokenizer), seed=0), reference]) == 0
@@ -95,7 +97,7 @@ def test_experience_with_a_shared_trunk_equals_separate_passes(tokenizer, share_
         assert torch.equal(a.sequences, b.sequences)
         assert torch.equal(a.ref_logprobs, b.ref_logprobs)
         assert torch.equal(a.scores, b.scores)
-    assert ppo.trunk_depths == {"reference": 1, "reward": 1}
+    assert ppo.trunk_depths == {"reference": 1, "reward": 1, "actor": 1}
     assert ref_runs == [1]  # the first batch's check only
     assert rm_runs == [1 if share_prompt else 2]  # separate rows: the reward model reads other rows
 
@@ -110,9 +112,48 @@ def test_a_trunk_that_does_not_reproduce_the_model_falls_back_with_a_warning(tok
     with caplog.at_level("WARNING", logger="dschat"):
         exp, _ = ppo.make_experience(*prompts(tokenizer))
     assert "differs from its own pass" in caplog.text
-    assert ppo.trunk_depths == {"reference": 0, "reward": 0}
+    assert ppo.trunk_depths == {"reference": 0, "reward": 0, "actor": 1}
     plain = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
                     scores=RewardModelSource(Engine(rm)))  # fmt: skip
     torch.manual_seed(5)
     want, _ = plain.make_experience(*prompts(tokenizer))
     assert torch.equal(exp.ref_logprobs, want.ref_logprobs) and torch.equal(exp.scores, want.scores)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_the_update_starts_above_the_frozen_bottom_and_learns_the_same(tokenizer, share_prompt):
+    """Two minibatches of whole prompt groups: the update's log-probs and the trained weights equal those
+    of full passes, and the actor's bottom block runs in the experience pass only."""
+    weights, counts = {}, {}
+    for share in (True, False):
+        actor, reference, rm = models(tokenizer)
+        ppo = trainer(Engine(actor, lr=0.5), Engine(reference), tokenizer, temperature=1.0,
+                      share_prompt=share_prompt, scores=RewardModelSource(Engine(rm)), share_frozen_trunk=share)  # fmt: skip
+        torch.manual_seed(5)
+        exp, _ = ppo.make_experience(*prompts(tokenizer))
+        assert (exp.trunk is not None) == share and (exp.packed is not None) == share_prompt
+        runs = counting(actor)
+        for s in (0, 2):  # the groups of prompts 0 and 1 (2 answers each)
+            ppo.train(exp.slice(s, s + 2))
+        counts[share] = runs[0]
+        weights[share] = {k: v.clone() for k, v in actor.state_dict().items()}
+    assert counts == {True: 0, False: 2}
+    for k, v in weights[False].items():
+        assert torch.allclose(weights[True][k], v, atol=1e-6), k
+    assert not torch.equal(weights[True]["model.layers.1.mlp.up_proj.weight"],
+                           models(tokenizer)[0].state_dict()["model.layers.1.mlp.up_proj.weight"])  # fmt: skip
+
+
+def test_a_minibatch_that_splits_a_prompts_group_is_packed_anew(tokenizer):
+    actor, reference, rm = models(tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
+                  scores=RewardModelSource(Engine(rm)), share_frozen_trunk=True)  # fmt: skip
+    torch.manual_seed(5)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    whole, split = exp.slice(2, 4), exp.slice(1, 3)
+    assert whole.packed.group.tolist() == [0, 0] and whole.trunk.hidden.shape[0] == 1
+    assert torch.equal(whole.packed.packed.input_ids[0], exp.packed.packed.input_ids[1])
+    assert split.packed is None and split.trunk is None
+    # the first update cannot be checked against the experience from a split group: no sharing then
+    ppo.train(split)
+    assert ppo.trunk_depths["actor"] == 0
