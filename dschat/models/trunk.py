@@ -29,18 +29,19 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def _embeddings(model: nn.Module) -> list[nn.Module]:
-    """Every embedding outside the decoder blocks (token, position): what runs before block 0."""
-    name, _ = decoder_layers(model)
-    return [
-        m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(name + ".")
-    ]
+def _body(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """``(body, blocks)``: the module holding the decoder blocks (a ``LlamaModel``, an OPT decoder) and
+    the blocks. What runs before block 0 is named relative to the body, the same in a causal LM and in a
+    value-head model of the same architecture."""
+    name, blocks = decoder_layers(model)
+    parent = name.rpartition(".")[0]
+    return (model.get_submodule(parent) if parent else model), blocks
 
 
-def _frozen_equal(a: list[nn.Module], b: list[nn.Module]) -> bool:
+def _frozen_equal(a: list[nn.Module], b: list[nn.Module], *, recurse: bool = True) -> bool:
     """Same parameter shapes and values, none of them trainable, on both sides."""
-    pa = [p for m in a for p in m.parameters()]
-    pb = [p for m in b for p in m.parameters()]
+    pa = [p for m in a for p in m.parameters(recurse=recurse)]
+    pb = [p for m in b for p in m.parameters(recurse=recurse)]
     if (
         len(pa) != len(pb)
         or any(p.requires_grad for p in pa + pb)
@@ -50,18 +51,58 @@ def _frozen_equal(a: list[nn.Module], b: list[nn.Module]) -> bool:
     return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(pa, pb))
 
 
+@torch.no_grad()
+def _before_blocks(model: nn.Module) -> list[str] | None:
+    """Names (relative to the body) of the modules with parameters that run before block 0, traced on
+    a one-token forward of the causal LM ``model``: the embeddings, and whatever else the architecture
+    computes there (OPT-350m's ``project_in``). None where the forward cannot be traced that way."""
+    body, blocks = _body(model)
+    names = {id(m): n for n, m in body.named_modules()}
+    seen: list[str | None] = []
+    entered = [False]
+
+    def note(module: nn.Module, _args) -> None:
+        if module is blocks[0]:
+            entered[0] = True
+        elif not entered[0] and next(module.parameters(recurse=False), None) is not None:
+            seen.append(names.get(id(module)))  # None: outside the body
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        device = next(model.parameters()).device
+        model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
+    except Exception:
+        return None
+    finally:
+        handle.remove()
+    return None if not entered[0] or None in seen else list(dict.fromkeys(seen))
+
+
 def shared_depth(models: list[nn.Module]) -> int:
-    """How many bottom decoder blocks (with the embeddings below them) every model shares: frozen and
-    equal in all; 0 where they share none, the embeddings differ or a model is partitioned. One model:
-    its own frozen bottom (what its training forward can start above)."""
+    """How many bottom decoder blocks every model shares, with everything that runs before them: frozen
+    and equal in all. 0 where they share none, where something before the blocks trains or differs
+    (traced on the first model, a causal LM), or where a model is partitioned (ZeRO-3) or may skip blocks
+    (layerdrop). One model: its own frozen bottom (what its training forward can start above)."""
     mods = [_unwrap(m) for m in models]
     try:
-        blocks = [decoder_layers(m)[1] for m in mods]
+        bodies = [_body(m) for m in mods]
     except ValueError:
         return 0
-    first = mods[0]
-    if not all(_frozen_equal(_embeddings(first), _embeddings(m)) for m in mods):
+    if any(hasattr(p, "ds_id") for m in mods for p in m.parameters()):
         return 0
+    if any(getattr(getattr(m, "config", None), "layerdrop", 0) for m in mods):
+        return 0
+    before = _before_blocks(mods[0])
+    if before is None:
+        return 0
+    for name in before:
+        try:
+            first, *others = [body.get_submodule(name) for body, _ in bodies]
+        except AttributeError:
+            return 0
+        if not all(_frozen_equal([first], [o], recurse=False) for o in [first, *others]):
+            return 0
+    blocks = [b for _, b in bodies]
     depth = 0
     while depth < min(len(b) for b in blocks) - 1:  # the top block always runs in each model
         if not all(_frozen_equal([blocks[0][depth]], [b[depth]]) for b in blocks):
@@ -111,7 +152,8 @@ def capture(model: nn.Module, depths: Collection[int]) -> Iterator[dict[int, Tru
 
 
 class _Replay(nn.Module):
-    """Stands in for the shared blocks: returns the captured hidden states, whatever it is given."""
+    """Stands in for the last shared block: returns (a copy of) the captured hidden states, whatever it
+    is given."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__()
@@ -122,14 +164,23 @@ class _Replay(nn.Module):
             raise RuntimeError(
                 f"replayed trunk {tuple(self.hidden.shape)} for rows {tuple(hidden_states.shape)}"
             )
-        return self.hidden
+        return self.hidden.clone()  # the kept tensor stays intact whatever the next block does in place
+
+
+class _Pass(nn.Module):
+    """Stands in for a shared block below the last one: hands its input on (no computation)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
 
 
 @contextlib.contextmanager
 def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
     """Inside the block, ``model``'s forward starts at block ``trunk.depth`` from ``trunk.hidden`` (its
-    embeddings' output is discarded); a no-op without a captured trunk. The model's own blocks are
-    put back on exit."""
+    embeddings' output is discarded); a no-op without a captured trunk. The list of blocks keeps its
+    length, so a model that picks each layer's attention type or rotary embedding by its position in
+    the loop (Gemma 2 and 3, Qwen 2 with a sliding window) picks the same ones. The model's own blocks
+    are put back on exit."""
     if trunk is None or trunk.hidden is None or not trunk._ok:
         yield
         return
@@ -137,9 +188,8 @@ def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
     name, blocks = decoder_layers(module)
     parent_name, _, attr = name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
-    # One stand-in for the first block, then the model's own blocks from ``depth`` on: a model's loop over
-    # ``layers[:num_hidden_layers]`` runs the shorter list as it is.
-    setattr(parent, attr, nn.ModuleList([_Replay(trunk.hidden), *list(blocks)[trunk.depth :]]))
+    stand_ins = [_Pass() for _ in range(trunk.depth - 1)] + [_Replay(trunk.hidden)]
+    setattr(parent, attr, nn.ModuleList([*stand_ins, *list(blocks)[trunk.depth :]]))
     try:
         yield
     finally:

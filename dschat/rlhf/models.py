@@ -224,6 +224,7 @@ def make_trainer(o: RLHFOptions, m: Models, generator, tokenizer) -> PPOTrainer:
                      temperature=ppo.temperature, filter_uniform_groups=ppo.filter_uniform_groups,
                      cliprange_high=ppo.cliprange_high, loss_agg=ppo.loss_agg, max_answer_len=ppo.max_answer_seq_len,
                      kl_estimator=ppo.kl_estimator, kl_in=ppo.kl_in, truncation_penalty=ppo.truncation_penalty,
-                     share_prompt=ppo.share_prompt, share_frozen_trunk=ppo.share_frozen_trunk)  # fmt: skip
+                     share_prompt=ppo.share_prompt, share_frozen_trunk=ppo.share_frozen_trunk,
+                     generation_batches=ppo.generation_batches)  # fmt: skip
     return PPOTrainer(actor=m.actor, reference=m.reference, critic=m.critic, reward_source=m.reward,
                       generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=m.judge)  # fmt: skip

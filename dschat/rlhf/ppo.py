@@ -59,6 +59,9 @@ class PPOHyper:
     # The frozen bottom blocks that the actor shares with the reference and reward model computed once in
     # the experience pass (--share_frozen_trunk; dschat.models.trunk); checked on the first batch.
     share_frozen_trunk: bool = False
+    # Rounds collected before an update (--generation_batches): with more than one, the rounds are
+    # concatenated and packed anew, so a round's rows and trunk are not kept for the update.
+    generation_batches: int = 1
 
 
 class PPOTrainer:
@@ -155,7 +158,11 @@ class PPOTrainer:
         depth = (self.trunk_depths or {}).get(name, 0)
         if not depth or not same_rows:
             return run()
-        with trunk_sharing.replay(self._trunk_consumers()[name], trunks.get(depth)):
+        trunk = trunks.get(depth)
+        if trunk is None or trunk.hidden is None:  # blocks that return tuples: nothing to start from
+            self.trunk_depths[name] = 0
+            return run()
+        with trunk_sharing.replay(self._trunk_consumers()[name], trunk):
             out = run()
         if name in self.trunk_checked:
             return out
@@ -187,11 +194,9 @@ class PPOTrainer:
         Above its frozen bottom where the experience kept the hidden states there: the frozen blocks
         give those values again and pass no gradient. Checked on the first update (the weights that made
         the experience, so the log-probs must be the old ones), else computed in full from then on."""
-        packed = (
-            exp.packed
-            if exp.packed is not None
-            else self.pack(exp.sequences, exp.attention_mask, exp.prompt_len)
-        )
+        # The rows the experience pass ran (and its trunk covers), packed or separate; else packed anew
+        kept = exp.packed is not None or exp.trunk is not None
+        packed = exp.packed if kept else self.pack(exp.sequences, exp.attention_mask, exp.prompt_len)
 
         def run() -> torch.Tensor:
             return self.action_logprobs(
@@ -210,7 +215,9 @@ class PPOTrainer:
             logprobs = run()
         if not first:
             return logprobs
-        m = exp.action_mask
+        # every response position (the update's mask may drop rows: --filter_uniform_groups)
+        m = exp.attention_mask[:, 1:].float()
+        m[:, : exp.prompt_len - 1] = 0.0
         diff = float(((logprobs.detach() - exp.logprobs).abs() * m).max()) if m.numel() else 0.0
         tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
         if diff <= tol:
@@ -389,7 +396,8 @@ class PPOTrainer:
         exp = Experience(
             sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
-            scores=scores, prompt_len=prompt_len, packed=packed, trunk=trunks.get(self.trunk_depths.get("actor", 0)),
+            scores=scores, prompt_len=prompt_len, packed=packed,
+            trunk=trunks.get(self.trunk_depths.get("actor", 0)) if h.generation_batches == 1 else None,
         )  # fmt: skip
         lengths = action_mask.sum(1)
         stats = {

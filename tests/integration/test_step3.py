@@ -270,6 +270,35 @@ def test_lora_actor_shares_the_reference(models, tmp_path):
     assert not any("lora" in k for k in load_file(out / "actor" / "model.safetensors"))
 
 
+def test_a_shared_frozen_trunk_changes_no_number(models, tmp_path):
+    """The main job's setting in small: the actor trains its top block only, the reference is the model it
+    starts from, the reward model was trained from it with its top block only. With --share_frozen_trunk
+    (the default) all three and the update start from the actor's bottom block; every logged number equals
+    a run that computes each model in full."""
+    actor, _ = models
+    rm = tmp_path / "rm"
+    assert_ok(run_cmd([str(STEP2), "--output_dir", str(rm), "--model_name_or_path", "builtin:micro-llama",
+                       "--trainable_layers", "1", "--max_steps", "5", "--max_eval_samples", "32",
+                       "--eval_interval", "0"]))  # fmt: skip
+    rows, logs = {}, {}
+    for flag in ("--share_frozen_trunk", "--no_share_frozen_trunk"):
+        out = tmp_path / flag.strip("-")
+        proc = step3(out, actor, rm, "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4",
+                     "--actor_trainable_layers", "1", "--max_steps", "3", "--log_interval", "1", flag)  # fmt: skip
+        assert_ok(proc)
+        rows[flag], logs[flag] = train_rows(out), proc.stdout + proc.stderr
+    shared, full = rows["--share_frozen_trunk"], rows["--no_share_frozen_trunk"]
+    for said in ("the reference starts from the actor's bottom 1 blocks",
+                 "the reward starts from the actor's bottom 1 blocks",
+                 "the update starts above the actor's frozen bottom 1 blocks"):  # fmt: skip
+        assert said in logs["--share_frozen_trunk"], said
+        assert said not in logs["--no_share_frozen_trunk"]
+    assert len(shared) == len(full) == 3
+    for a, b in zip(shared, full):
+        for key in ("score_mean", "reward_mean", "kl_to_reference", "entropy", "policy_loss", "approx_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+
+
 def test_bad_inputs(models, tmp_path):
     actor, rm = models
     # the reward model must have a trained value head

@@ -157,3 +157,72 @@ def test_a_minibatch_that_splits_a_prompts_group_is_packed_anew(tokenizer):
     # the first update cannot be checked against the experience from a split group: no sharing then
     ppo.train(split)
     assert ppo.trunk_depths["actor"] == 0
+
+
+def tiny(kind: str, vocab: int, layers: int = 4):
+    """A frozen small model of ``kind``: llama; gemma2 with sliding and full attention alternating and a
+    window (2) shorter than the rows; opt with a projection between its embeddings and its blocks."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, OPTConfig
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=2, hidden_size=32)
+    if kind == "llama":
+        cfg = LlamaConfig(intermediate_size=64, num_key_value_heads=2, **common)
+    elif kind == "gemma2":
+        types = ["sliding_attention", "full_attention"] * (layers // 2)
+        cfg = Gemma2Config(intermediate_size=64, num_key_value_heads=1, head_dim=16, sliding_window=2,
+                           layer_types=types, **common)  # fmt: skip
+    else:
+        cfg = OPTConfig(ffn_dim=64, word_embed_proj_dim=16, max_position_embeddings=64, **common)
+    return AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_a_deeper_trunk_replays_the_full_forward_whatever_the_layer_types(tokenizer, kind):
+    """Depth 2 of 4 blocks: Gemma 2 picks each layer's attention (sliding or full) by its position in
+    the loop, so the stand-ins keep the list's length; rows of 7 tokens go past the window."""
+    reference = tiny(kind, len(tokenizer))
+    actor = copy.deepcopy(reference).requires_grad_(True)
+    freeze_below(actor, 2)
+    assert T.shared_depth([actor, reference]) == 2 and T.shared_depth([actor]) == 2
+    ids = torch.randint(5, len(tokenizer), (3, 7))
+    with torch.no_grad():
+        full = reference(input_ids=ids).logits
+        with T.capture(actor, {2}) as trunks:
+            actor(input_ids=ids)
+        with T.replay(reference, trunks[2]):
+            replayed = reference(input_ids=ids).logits
+    assert torch.equal(replayed, full)
+
+
+def test_something_trainable_before_the_blocks_shares_nothing(tokenizer):
+    """OPT-350m's shape: a projection between the embeddings and the blocks, which --trainable_layers
+    leaves trainable. Traced on a one-token forward; frozen, it is compared like the embeddings."""
+    reference = tiny("opt", len(tokenizer))
+    actor = copy.deepcopy(reference).requires_grad_(True)
+    freeze_below(actor, 1)
+    assert actor.model.decoder.project_in.weight.requires_grad
+    assert T.shared_depth([actor, reference]) == 0 and T.shared_depth([actor]) == 0
+    actor.model.decoder.project_in.requires_grad_(False)
+    assert T.shared_depth([actor, reference]) == 3
+    with torch.no_grad():
+        actor.model.decoder.project_in.weight[0, 0] += 1
+    assert T.shared_depth([actor, reference]) == 0
+
+
+def test_the_first_update_is_checked_on_every_answer_even_when_none_trains(tokenizer, monkeypatch, caplog):
+    """All answers score alike and --filter_uniform_groups drops them all from the update: the check
+    against the experience still compares every answer's log-probs, and catches a wrong trunk."""
+    from tests.unit.test_ppo_trainer import FixedScores
+
+    actor, reference, _ = models(tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
+                  scores=FixedScores([1.0] * 4), filter_uniform_groups=True, share_frozen_trunk=True)  # fmt: skip
+    torch.manual_seed(5)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    assert exp.action_mask.sum() == 0
+    real = T._Replay.forward
+    monkeypatch.setattr(T._Replay, "forward", lambda self, h, *a, **k: 2 * real(self, h, *a, **k))
+    with caplog.at_level("WARNING", logger="dschat"):
+        ppo.train(exp.slice(0, 2))
+    assert "computing the whole actor" in caplog.text and ppo.trunk_depths["actor"] == 0
