@@ -7,9 +7,11 @@ model with its own top 8) therefore hold the same bottom 22 blocks, and the expe
 three the same rows. The hidden states after block 22 are one tensor: the actor computes them
 (:func:`capture`), the others start from them (:func:`replay`) and run only their own top blocks.
 
-Which blocks are shared is read off the weights (:func:`shared_depth`: frozen everywhere, equal in
-every model); a caller still compares the first batch against the full computation, as the shared
-prompt does, since a model may compute more than its blocks between the embeddings and the head.
+Which blocks are shared is read off the weights (:func:`shared_depth`: frozen everywhere and equal in
+every model, and so must be whatever runs before block 0, traced once). The stand-ins keep the block
+list's length, so a model that picks a layer's attention by its position runs as it does in full. A
+caller still compares the first batch against the full computation, as the shared prompt does: a model
+may do what no weight comparison sees.
 """
 
 from __future__ import annotations
