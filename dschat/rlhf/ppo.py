@@ -332,9 +332,8 @@ class PPOTrainer:
                 self._settle_trunk_depths()
             packed = self.pack(sequences, attention_mask, prompt_len)
             depths = {d for d in self.trunk_depths.values() if d}
-            with trunk_sharing.capture(
-                self.actor, depths
-            ) as trunks:  # the rows the others (and the update) read
+            # the actor's pass keeps the hidden states the others (and the update) start from
+            with trunk_sharing.capture(self.actor, depths) as trunks:
                 logprobs, per_token_entropy = self.action_logprobs(
                     self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
                 )
