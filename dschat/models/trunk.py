@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,25 +31,21 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def _body(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """``(body, blocks)``: the module holding the decoder blocks (a ``LlamaModel``, an OPT decoder) and
-    the blocks. What runs before block 0 is named relative to the body, the same in a causal LM and in a
-    value-head model of the same architecture."""
+def _body(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """``(body, attribute, blocks)``: the module holding the decoder blocks (a ``LlamaModel``, an OPT
+    decoder), the blocks' attribute on it, and the blocks. What runs before block 0 is named relative to
+    the body, the same in a causal LM and in a value-head model of the same architecture."""
     name, blocks = decoder_layers(model)
-    parent = name.rpartition(".")[0]
-    return (model.get_submodule(parent) if parent else model), blocks
+    parent, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), attr, blocks
 
 
 def _frozen_equal(a: list[nn.Module], b: list[nn.Module], *, recurse: bool = True) -> bool:
     """Same parameter shapes and values, none of them trainable, on both sides."""
     pa = [p for m in a for p in m.parameters(recurse=recurse)]
     pb = [p for m in b for p in m.parameters(recurse=recurse)]
-    if (
-        len(pa) != len(pb)
-        or any(p.requires_grad for p in pa + pb)
-        or any(hasattr(p, "ds_id") for p in pa + pb)
-    ):
-        return False  # ZeRO-3 partitions hold no local values to compare or reuse
+    if len(pa) != len(pb) or any(p.requires_grad for p in pa + pb):
+        return False
     return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(pa, pb))
 
 
@@ -58,7 +54,7 @@ def _before_blocks(model: nn.Module) -> list[str] | None:
     """Names (relative to the body) of the modules with parameters that run before block 0, traced on
     a one-token forward of the causal LM ``model``: the embeddings, and whatever else the architecture
     computes there (OPT-350m's ``project_in``). None where the forward cannot be traced that way."""
-    body, blocks = _body(model)
+    body, _, blocks = _body(model)
     names = {id(m): n for n, m in body.named_modules()}
     seen: list[str | None] = []
     entered = [False]
@@ -91,7 +87,7 @@ def shared_depth(models: list[nn.Module]) -> int:
     except ValueError:
         return 0
     if any(hasattr(p, "ds_id") for m in mods for p in m.parameters()):
-        return 0
+        return 0  # ZeRO-3 partitions hold no local values to compare or reuse
     if any(getattr(getattr(m, "config", None), "layerdrop", 0) for m in mods):
         return 0
     before = _before_blocks(mods[0])
@@ -99,12 +95,12 @@ def shared_depth(models: list[nn.Module]) -> int:
         return 0
     for name in before:
         try:
-            first, *others = [body.get_submodule(name) for body, _ in bodies]
+            first, *others = [body.get_submodule(name) for body, _, _ in bodies]
         except AttributeError:
             return 0
         if not all(_frozen_equal([first], [o], recurse=False) for o in [first, *others]):
             return 0
-    blocks = [b for _, b in bodies]
+    blocks = [b for _, _, b in bodies]
     depth = 0
     while depth < min(len(b) for b in blocks) - 1:  # the top block always runs in each model
         if not all(_frozen_equal([blocks[0][depth]], [b[depth]]) for b in blocks):
@@ -120,11 +116,10 @@ class Trunk:
 
     depth: int
     hidden: torch.Tensor | None = None
-    _ok: bool = field(default=True, repr=False)
 
     def rows(self, start: int, end: int) -> Trunk:
         """The hidden states of rows ``start:end`` (packed rows: groups)."""
-        return Trunk(self.depth, None if self.hidden is None else self.hidden[start:end], self._ok)
+        return Trunk(self.depth, None if self.hidden is None else self.hidden[start:end])
 
 
 @contextlib.contextmanager
@@ -137,10 +132,8 @@ def capture(model: nn.Module, depths: Collection[int]) -> Iterator[dict[int, Tru
 
     def keeper(trunk: Trunk):
         def keep(_module, _args, output) -> None:
-            if isinstance(output, torch.Tensor):
-                trunk.hidden = output.detach()
-            else:  # a block returning a tuple (older architectures): not replayed
-                trunk._ok, trunk.hidden = False, None
+            # a block returning a tuple (older architectures): nothing to replay
+            trunk.hidden = output.detach() if isinstance(output, torch.Tensor) else None
 
         return keep
 
@@ -183,13 +176,10 @@ def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
     length, so a model that picks each layer's attention type or rotary embedding by its position in
     the loop (Gemma 2 and 3, Qwen 2 with a sliding window) picks the same ones. The model's own blocks
     are put back on exit."""
-    if trunk is None or trunk.hidden is None or not trunk._ok:
+    if trunk is None or trunk.hidden is None:
         yield
         return
-    module = _unwrap(model)
-    name, blocks = decoder_layers(module)
-    parent_name, _, attr = name.rpartition(".")
-    parent = module.get_submodule(parent_name) if parent_name else module
+    parent, attr, blocks = _body(_unwrap(model))
     stand_ins = [_Pass() for _ in range(trunk.depth - 1)] + [_Replay(trunk.hidden)]
     setattr(parent, attr, nn.ModuleList([*stand_ins, *list(blocks)[trunk.depth :]]))
     try:
