@@ -17,8 +17,9 @@ import torch
 
 from dschat.config import DPOArgs
 from dschat.data.packing import CUSTOM_MASK_ATTENTION, drop_packed, stop_packing
-from dschat.lm import eval_batches, logprob_packing_tolerance, packed_token_logprobs, target_logits
+from dschat.lm import eval_batches, packed_token_logprobs, target_logits, within_rounding
 from dschat.losses import DPOLoss, dpo_loss, token_nll
+from dschat.models.layers import unwrap
 from dschat.ranking import ranking_metrics, ranking_sums
 from dschat.utils import dist
 from dschat.utils.io import atomic_save_tensors
@@ -65,11 +66,11 @@ def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLog
 def settle_share_prompt(model, collate, train: list[dict], evals: list, device) -> None:
     """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PreferenceLMCollator` that packs) only where
     packed pairs give the unpacked log-probs on this model: the answers of two ``train`` pairs, compared
-    per token against :func:`dschat.lm.logprob_packing_tolerance` (the first two with a prompt: a batch
+    per token against :func:`dschat.lm.within_rounding` (the first two with a prompt: a batch
     packs only when all its pairs have one). Otherwise the collator stops packing
     and the already collated ``evals`` (a list of (batch, weight)) lose their packed rows, with a warning.
     ``model``: the policy (or its engine), checked in eval mode before its first update."""
-    module = getattr(model, "module", model)
+    module = unwrap(model)
     attn = getattr(module.config, "_attn_implementation", None)
     batch = collate([f for f in train if f["prompt_len"] > 0][:2] or train[:2])
     why = None
@@ -86,8 +87,8 @@ def settle_share_prompt(model, collate, train: list[dict], evals: list, device) 
         # the answers' summed log-probs, their difference spread over the answers' tokens
         tokens = packed.chosen_tokens.sum() + packed.rejected_tokens.sum()
         gap = (packed.chosen - plain.chosen).abs().sum() + (packed.rejected - plain.rejected).abs().sum()
-        diff = float(gap / tokens)
-        if diff > logprob_packing_tolerance(next(module.parameters()).dtype):
+        ok, diff = within_rounding(float(gap / tokens), next(module.parameters()).dtype)
+        if not ok:
             why = f"packed pairs' log-probs differ from separate rows by {diff:.3f} nats per token on this model"
         else:
             LOG.info(

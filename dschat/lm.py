@@ -13,6 +13,7 @@ from dschat.data.collate import IGNORE_INDEX
 from dschat.data.packing import custom_mask, shared_prompt_mask
 from dschat.data.sampler import ResumableDistributedSampler
 from dschat.losses import linear_cross_entropy, mean_token_nll, picked_token_logprobs, token_nll
+from dschat.models.layers import unwrap
 from dschat.utils import dist
 
 
@@ -21,7 +22,7 @@ def accepts(model: torch.nn.Module, name: str) -> bool:
     itself) takes keyword ``name`` in its forward."""
     import inspect
 
-    inner = getattr(model, "module", model)
+    inner = unwrap(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     try:
         return name in inspect.signature(inner.forward).parameters
@@ -71,7 +72,7 @@ def packed_token_logprobs(
     form its attention implementation takes, and its LM head only from the earliest predicting position
     on (``logits_to_keep``). ``model``: a causal LM, a peft wrapper or the DeepSpeed engine around one.
     """
-    module = getattr(model, "module", model)
+    module = unwrap(model)
     dev = input_ids.device
     width = input_ids.shape[1]
     keep = width - int(source.min())
@@ -91,6 +92,15 @@ def logprob_packing_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 0.15
 
 
+def within_rounding(diff: float, dtype: torch.dtype) -> tuple[bool, float]:
+    """Whether a log-prob difference measured on this rank (a shortcut such as packing against the plain
+    pass) is rounding (:func:`logprob_packing_tolerance`) on every rank, and the largest difference. Each
+    rank measures its own rows; deciding on the largest keeps or drops the shortcut on all ranks together
+    (a rank computing otherwise than its peers would break "2 ranks == 1 rank"). Collective."""
+    worst = dist.all_reduce_max([diff])[0]
+    return worst <= logprob_packing_tolerance(dtype), worst
+
+
 # Architectures whose logits are exactly ``get_output_embeddings()(body(...).last_hidden_state)``: no
 # soft-capping, logit scaling or bias (Gemma 2, Cohere, Granite and others scale their logits), so the
 # fused loss below may stand in for the head.
@@ -103,7 +113,7 @@ def plain_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     head's weight is whole on this rank, in fp32 or bf16; ``None`` otherwise: another architecture, a
     LoRA-wrapped head, ZeRO-3 (which partitions the weight and gathers it only inside the head's own
     forward), or fp16 (whose loss scaling the head's gradients, formed in the forward, would escape)."""
-    inner = getattr(model, "module", model)
+    inner = unwrap(model)
     hf = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     if getattr(getattr(hf, "config", None), "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None

@@ -131,6 +131,8 @@ def decode(
     are copied (K answers per prompt then cost one prompt forward, not K), where the cache is a dynamic
     one of key/value layers; linear-attention or convolution layers and a ``StaticCache`` prefill every
     row.
+    Where the cache's rows can be copied, a row that has stopped leaves the batch: later steps compute
+    only the rows still generating (answers of mixed lengths cost their own length, not the longest).
     Positions skip left padding exactly as the training forward computes them. A row stops at its
     EOS (any of them, where ``eos_token_id`` is a list: a chat template's end of turn and the EOS, as
     ``generate`` takes them) and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process
@@ -166,6 +168,10 @@ def decode(
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
     pos = positions[:, -1:]
+    # Rows that have stopped leave the batch (their cache rows are dropped), so each step computes only
+    # the rows still generating; ``rows`` (A,) are the rows the cache holds, None while it holds all B.
+    compact = _rows_copyable(cache)
+    rows: torch.Tensor | None = None
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     stops = None
     if eos_token_id is not None:
@@ -201,11 +207,23 @@ def decode(
         if this_done:  # a peer still generates: run the (collective) forward on a dummy token, no cache
             model(input_ids=input_ids[:1, -1:], use_cache=False)
             continue
-        mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         pos = pos + 1
-        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+        held = unfinished if rows is None else unfinished[rows]  # (A,)
+        if compact and not bool(held.all()):
+            keep = held.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows = keep if rows is None else rows[keep]
+            mask, pos = mask[keep], pos[keep]
+        step = tokens[-1] if rows is None else tokens[-1][rows]
+        out = model(input_ids=step[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True)  # fmt: skip
         logits = out.logits[:, -1, :].float()
+        if rows is not None:
+            # Back to (B, V): a stopped row's logits are zeros. Its draw is discarded (it gets the pad), and
+            # ``torch.multinomial`` draws one exponential per entry whatever the row holds, so the rows
+            # still generating draw exactly what they would in the full batch (``generate``'s tokens).
+            logits = logits.new_zeros(b, logits.shape[-1]).index_copy_(0, rows, logits)
     new = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
     return DecodeOutput(
         sequences=torch.cat([input_ids, new.to(input_ids.dtype)], dim=1),

@@ -16,6 +16,11 @@ from torch import nn
 from dschat.utils.errors import UserError
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DeepSpeed engine (``engine.module``), else the model itself."""
+    return getattr(model, "module", model)
+
+
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(name, blocks)``: the ``ModuleList`` of decoder blocks (``model.layers``, ``model.decoder.layers``,
     ``transformer.h``, ...), found as the list with one entry per hidden layer of the config; works on

@@ -23,12 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dschat.models.layers import decoder_layers
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module that holds the blocks: a DeepSpeed engine's module, else the model itself."""
-    return getattr(model, "module", model)
+from dschat.models.layers import decoder_layers, unwrap
 
 
 def _body(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
@@ -81,7 +76,7 @@ def shared_depth(models: list[nn.Module]) -> int:
     and equal in all. 0 where they share none, where something before the blocks trains or differs
     (traced on the first model, a causal LM), or where a model is partitioned (ZeRO-3) or may skip blocks
     (layerdrop). One model: its own frozen bottom (what its training forward can start above)."""
-    mods = [_unwrap(m) for m in models]
+    mods = [unwrap(m) for m in models]
     try:
         bodies = [_body(m) for m in mods]
     except ValueError:
@@ -127,7 +122,7 @@ def capture(model: nn.Module, depths: Collection[int]) -> Iterator[dict[int, Tru
     """Record the output of block ``d - 1`` for each depth ``d`` during the forward passes inside the
     block (the last pass wins): ``{d: Trunk}``. No depths: records nothing."""
     trunks = {d: Trunk(d) for d in depths if d > 0}
-    blocks = decoder_layers(_unwrap(model))[1] if trunks else []
+    blocks = decoder_layers(unwrap(model))[1] if trunks else []
     handles = []
 
     def keeper(trunk: Trunk):
@@ -179,7 +174,7 @@ def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
     if trunk is None or trunk.hidden is None:
         yield
         return
-    parent, attr, blocks = _body(_unwrap(model))
+    parent, attr, blocks = _body(unwrap(model))
     stand_ins = [_Pass() for _ in range(trunk.depth - 1)] + [_Replay(trunk.hidden)]
     setattr(parent, attr, nn.ModuleList([*stand_ins, *list(blocks)[trunk.depth :]]))
     try:

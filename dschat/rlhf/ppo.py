@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from dschat.data.packing import PackedRollouts, pack_rollouts, read_at
 from dschat.generation.kv_decode import position_ids_from_mask
 from dschat.generation.stops import is_stop
-from dschat.lm import accepts, logprob_packing_tolerance, packed_token_logprobs, sft_loss
+from dschat.lm import accepts, packed_token_logprobs, sft_loss, within_rounding
 from dschat.losses import token_logprobs
 from dschat.models import trunk as trunk_sharing
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
+from dschat.utils import dist
 
 LOG = logging.getLogger("dschat")
 
@@ -168,9 +169,10 @@ class PPOTrainer:
             return out
         self.trunk_checked.add(name)
         full = run()
-        diff = float((out.float() - full.float()).abs().max()) if out.numel() else 0.0
-        tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
-        if diff <= tol:
+        ok, diff = self._within_rounding(
+            float((out.float() - full.float()).abs().max()) if out.numel() else 0.0
+        )
+        if ok:
             LOG.info("--share_frozen_trunk: the %s starts from the actor's bottom %d blocks (max difference "
                      "%.1e against its own)", name, depth, diff)  # fmt: skip
             return out
@@ -178,6 +180,10 @@ class PPOTrainer:
                     "%.3g; computing its own", name, depth, diff)  # fmt: skip
         self.trunk_depths[name] = 0
         return full
+
+    def _within_rounding(self, diff: float) -> tuple[bool, float]:
+        """A shortcut's check (packing, the shared trunk): decided on every rank's largest difference."""
+        return within_rounding(diff, next(self.actor.module.parameters()).dtype)
 
     def _settle_trunk_depths(self) -> None:
         """Once: how many bottom blocks each consumer shares with the actor (frozen and equal), and how
@@ -218,9 +224,10 @@ class PPOTrainer:
         # every response position (the update's mask may drop rows: --filter_uniform_groups)
         m = exp.attention_mask[:, 1:].float()
         m[:, : exp.prompt_len - 1] = 0.0
-        diff = float(((logprobs.detach() - exp.logprobs).abs() * m).max()) if m.numel() else 0.0
-        tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
-        if diff <= tol:
+        ok, diff = self._within_rounding(
+            float(((logprobs.detach() - exp.logprobs).abs() * m).max()) if m.numel() else 0.0
+        )
+        if ok:
             LOG.info("--share_frozen_trunk: the update starts above the actor's frozen bottom %d blocks (max "
                      "difference %.1e against the experience)", exp.trunk.depth, diff)  # fmt: skip
             return logprobs
@@ -229,12 +236,18 @@ class PPOTrainer:
         self.trunk_depths["actor"] = 0
         return run()
 
+    @property
+    def pack_wanted(self) -> bool:
+        """Whether rollouts are packed (``--share_prompt``, several answers per prompt); rows that cannot be
+        packed (an empty prompt) are then scored unpacked on every rank."""
+        return self.share_prompt and self.hyper.n_samples_per_prompt > 1
+
     def pack(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
     ) -> PackedRollouts | None:
         """The rollouts packed by prompt for :meth:`action_logprobs`, or None (``--no_share_prompt``, one
         answer per prompt, or rows that cannot be packed)."""
-        if not self.share_prompt or self.hyper.n_samples_per_prompt < 2:
+        if not self.pack_wanted:
             return None
         return pack_rollouts(sequences, attention_mask, prompt_len, self.tokenizer.pad_token_id)
 
@@ -284,13 +297,14 @@ class PPOTrainer:
     def _check_packing(self, sequences, attention_mask, prompt_len, packed, logprobs, action_mask) -> None:
         """Once, on the first experience batch: the actor's log-probs from packed rows against separate
         rows. A model that ignores the custom mask or the position ids differs by far more than rounding
-        (:func:`dschat.lm.logprob_packing_tolerance`); then packing is switched off for the rest of the
+        (:func:`dschat.lm.within_rounding`, all ranks together); then packing is switched off for the rest of the
         run, with a warning."""
         self.packing_checked = True
         plain, _ = self.action_logprobs(self.actor, sequences, attention_mask, prompt_len)
-        diff = float(((plain - logprobs).abs() * action_mask).sum() / action_mask.sum().clamp_min(1.0))
-        tol = logprob_packing_tolerance(next(self.actor.module.parameters()).dtype)
-        if diff <= tol:
+        ok, diff = self._within_rounding(
+            float(((plain - logprobs).abs() * action_mask).sum() / action_mask.sum().clamp_min(1.0))
+        )
+        if ok:
             LOG.info(
                 "--share_prompt: packed answers match separate rows (mean |log-prob difference| %.1e)", diff
             )
@@ -331,6 +345,8 @@ class PPOTrainer:
             if self.trunk_depths is None:
                 self._settle_trunk_depths()
             packed = self.pack(sequences, attention_mask, prompt_len)
+            if self.pack_wanted and dist.any_rank(packed is None):  # the checks below are collective
+                packed = None
             depths = {d for d in self.trunk_depths.values() if d}
             # the actor's pass keeps the hidden states the others (and the update) start from
             with trunk_sharing.capture(self.actor, depths) as trunks:

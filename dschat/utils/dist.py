@@ -68,6 +68,20 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """The largest of each of a few Python floats over all ranks (unchanged on one process)."""
+    if not is_initialized() or world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=default_device())
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank: a decision every rank then takes together. Collective."""
+    return all_reduce_max([float(flag)])[0] > 0
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank())

@@ -160,7 +160,7 @@ def test_rows_that_repeat_a_prompt_share_one_prefill_and_draw_generate_s_tokens(
     torch.manual_seed(5)
     ours = decode(model, ids, mask, s, eos_token_id=2, pad_token_id=0).sequences
     hook.remove()
-    assert seen[0] == 3 and set(seen[1:]) == {6}
+    assert seen[0] == 3 and seen[1] == 6 and seen == seen[:1] + sorted(seen[1:], reverse=True)
     kw = dict(temperature=0.9, top_k=20) if do_sample else {}
     torch.manual_seed(5)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
@@ -168,6 +168,35 @@ def test_rows_that_repeat_a_prompt_share_one_prefill_and_draw_generate_s_tokens(
     assert torch.equal(ours, ref)
     if do_sample:  # the copies are independent draws, not one answer repeated
         assert len({tuple(r) for r in ours[[0, 1, 3], 5:].tolist()}) > 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_rows_that_have_stopped_leave_the_batch_and_the_rest_draw_generate_s_tokens(do_sample):
+    """Each step computes only the rows still generating (the forward's batch shrinks as rows reach
+    EOS), and every row's tokens are still ``generate``'s, which computes every row to the end: greedy,
+    and sampled from the same seed (the rows still generating draw what they would in the full batch)."""
+    model = tiny_llama()
+    ids = torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2], [0, 4, 4, 6, 1], [9, 9, 1, 3, 5]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [1], [0]])).long()
+    kw = dict(temperature=0.9, top_k=20) if do_sample else {}
+    torch.manual_seed(11)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample,
+                          pad_token_id=0, **kw)  # fmt: skip
+    eos = int(free[0, 6])  # row 0 stops at its second new token; the others stop at that token or run on
+    s = SamplingConfig(max_new_tokens=8, do_sample=do_sample, temperature=0.9, top_k=20)
+    seen: list[int] = []
+    hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
+    torch.manual_seed(11)
+    ours = decode(model, ids, mask, s, eos_token_id=eos, pad_token_id=0).sequences
+    hook.remove()
+    torch.manual_seed(11)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample,
+                         pad_token_id=0, eos_token_id=eos, **kw)  # fmt: skip
+    assert torch.equal(ours, ref)
+    new = ours[:, 5:]
+    # the rows generating at step t: those with no EOS among their first t tokens
+    running = [int((~(new[:, :t] == eos).any(dim=1)).sum()) for t in range(1, new.shape[1])]
+    assert seen[1:] == running and min(running) < 4  # the prefill ran all 4 rows; then only the unstopped
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "gemma2"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 
+from dschat.lm import within_rounding
 from dschat.utils import dist
 from dschat.utils.dist import free_port
 from dschat.utils.errors import EXIT_USER_ERROR, UserError, run_cli
@@ -49,3 +50,40 @@ def test_a_barrier_names_its_gpu_under_nccl(one_rank_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     dist.barrier()
     assert calls == [{"device_ids": [3]}]
+
+
+def _decide(rank: int, port: int, diffs: list[float], flags: list[bool], out) -> None:
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        out.put((rank, (within_rounding(diffs[rank], torch.bfloat16), dist.any_rank(flags[rank]))))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("diffs", "flags", "want"),
+    [([0.01, 0.5], [False, True], (False, 0.5, True)), ([0.02, 0.01], [False, False], (True, 0.02, False))],
+)
+def test_ranks_that_measure_differently_decide_together(diffs, flags, want):
+    # Each rank checks a shortcut (packing, the shared trunk) on its own rollouts: one rank keeping it
+    # while another drops it would make two ranks compute otherwise than one. Two real gloo ranks.
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_decide, args=(r, port, diffs, flags, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    got = dict(out.get() for _ in range(2))
+    ok, worst, flagged = want
+    for rank in range(2):
+        (rank_ok, rank_worst), rank_flag = got[rank]
+        assert (rank_ok, rank_flag) == (ok, flagged) and rank_worst == pytest.approx(worst)
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_one_process_decides_on_its_own_measurement():
+    assert within_rounding(0.01, torch.bfloat16) == (True, 0.01)
+    assert within_rounding(0.01, torch.float32) == (False, 0.01)  # fp32 rounding is ~1e-6
+    assert dist.any_rank(True) and not dist.any_rank(False)
