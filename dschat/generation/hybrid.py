@@ -219,9 +219,10 @@ class HybridGenerator:
         return cache
 
     def _tp_gather_prompts(
-        self, ids: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """All-gather the group's (B_r, P_r) prompts into one left-padded (sum B, max P) batch."""
+        self, ids: torch.Tensor, mask: torch.Tensor, greedy_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor | None]:
+        """All-gather the group's (B_r, P_r) prompts into one left-padded (sum B, max P) batch, and the
+        rows' greedy flags (B_r,) where given (every rank gives them or none does)."""
         import torch.distributed as tdist
 
         g, k = self.tp.group, self.tp.size
@@ -243,7 +244,14 @@ class HybridGenerator:
         tdist.all_gather(parts_mask, padded(mask, 0), group=g)
         all_ids = torch.cat([p[: s[0]] for p, s in zip(parts_ids, sizes)])
         all_mask = torch.cat([p[: s[0]] for p, s in zip(parts_mask, sizes)])
-        return all_ids, all_mask, sizes
+        all_greedy = None
+        if greedy_rows is not None:
+            flags = ids.new_zeros(bmax)
+            flags[: ids.shape[0]] = greedy_rows.to(ids.device).long()
+            parts = [torch.empty_like(flags) for _ in range(k)]
+            tdist.all_gather(parts, flags, group=g)
+            all_greedy = torch.cat([p[: s[0]] for p, s in zip(parts, sizes)]).bool()
+        return all_ids, all_mask, sizes, all_greedy
 
     def _tp_generator(self, device: torch.device) -> torch.Generator:
         """One sampling RNG shared by the group: the leader draws a seed from its global RNG."""
@@ -261,9 +269,14 @@ class HybridGenerator:
 
     @torch.no_grad()
     def generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sampling: SamplingConfig | None = None,
+        greedy_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their EOS)."""
+        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their EOS);
+        ``greedy_rows`` (B,) bool: rows decoded greedily, the rest by ``sampling``."""
         if not self._active or self._model is None:
             raise RuntimeError("HybridGenerator.generate() is only valid inside generation_mode()")
         s = sampling or self.sampling
@@ -271,7 +284,7 @@ class HybridGenerator:
         ids, mask, sizes = input_ids, attention_mask, None
         generator = None
         if self.tp.size > 1:
-            ids, mask, sizes = self._tp_gather_prompts(input_ids, attention_mask)
+            ids, mask, sizes, greedy_rows = self._tp_gather_prompts(input_ids, attention_mask, greedy_rows)
             if s.do_sample:
                 generator = self._tp_generator(ids.device)
         # ranks step together only when each forward is collective (the unpinned ZeRO-3 module)
@@ -279,7 +292,7 @@ class HybridGenerator:
         out = decode(
             self._model, ids, mask, s, eos_token_id=list(self.stop_ids), pad_token_id=tok.pad_token_id,
             cache=self._cache(self._model, ids.shape[0], ids.shape[1] + s.max_new_tokens),
-            generator=generator, lockstep=lockstep, return_logprobs=self._measure_pending,
+            generator=generator, lockstep=lockstep, return_logprobs=self._measure_pending, greedy_rows=greedy_rows,
         )  # fmt: skip
         seq, logprobs = out.sequences, out.logprobs
         if sizes is not None:  # hand this rank its own rows, without the group's extra left padding

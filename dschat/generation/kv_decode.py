@@ -54,13 +54,18 @@ def filter_logits(
 
 
 def next_tokens(
-    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    greedy_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, V) float logits -> (B,) token ids: argmax, or one draw from the filtered distribution."""
+    """(B, V) float logits -> (B,) token ids: argmax, or one draw from the filtered distribution;
+    ``greedy_rows`` (B,) bool: those rows take the argmax whatever ``sampling`` says."""
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    drawn = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return drawn if greedy_rows is None else torch.where(greedy_rows, logits.argmax(dim=-1), drawn)
 
 
 def shared_prompts(
@@ -123,6 +128,7 @@ def decode(
     generator: torch.Generator | None = None,
     lockstep=None,
     return_logprobs: bool = False,
+    greedy_rows: torch.Tensor | None = None,
 ) -> DecodeOutput:
     """Generate up to ``sampling.max_new_tokens`` tokens for (B, P) left-padded prompts.
 
@@ -140,10 +146,14 @@ def decode(
     are done (needed when each forward is collective, e.g. a ZeRO-3 module); a rank that is done
     keeps running forwards on a dummy token without appending, like ``generate(synced_gpus=True)``.
     ``sampling.min_new_tokens`` forbids EOS before that many tokens (Hugging Face's ``min_new_tokens``).
+    ``greedy_rows`` (B,) bool: those rows are decoded greedily, the others by ``sampling`` (a greedy and a
+    sampled answer to one prompt then share its prefill).
     """
     import torch.distributed as tdist
 
     b = input_ids.shape[0]
+    if greedy_rows is not None:
+        greedy_rows = greedy_rows.to(device=input_ids.device, dtype=torch.bool)
     if sampling.max_new_tokens < 1:
         return DecodeOutput(input_ids, None, 0)
     device = input_ids.device
@@ -188,7 +198,7 @@ def decode(
             if stops is not None and len(tokens) < sampling.min_new_tokens:
                 step_logits = logits.clone()
                 step_logits[:, stops] = float("-inf")
-            tok = next_tokens(step_logits, sampling, generator)
+            tok = next_tokens(step_logits, sampling, generator, greedy_rows)
             if return_logprobs:
                 lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None]).squeeze(1)
                 scores.append(torch.where(unfinished, lp, torch.zeros_like(lp)))

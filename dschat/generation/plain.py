@@ -55,11 +55,16 @@ class PlainGenerator:
 
     @torch.no_grad()
     def generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sampling: SamplingConfig | None = None,
+        greedy_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their stop token)."""
+        """(B, P) left-padded prompts -> (B, P + n) sequences (rows padded after their stop token);
+        ``greedy_rows`` (B,) bool: rows decoded greedily, the rest by ``sampling``."""
         # ZeRO-3 forwards are collective: ranks step together until every rank's rows are done
         lockstep = True if self.zero3 and dist.world_size() > 1 else None
         out = decode(self.engine.module, input_ids, attention_mask, sampling or self.sampling,
-                     eos_token_id=list(self.stop_ids), pad_token_id=self.tokenizer.pad_token_id, lockstep=lockstep)  # fmt: skip
+                     eos_token_id=list(self.stop_ids), pad_token_id=self.tokenizer.pad_token_id, lockstep=lockstep, greedy_rows=greedy_rows)  # fmt: skip
         return out.sequences

@@ -24,6 +24,7 @@ def generate_texts(
     generator=None,
     sampling: SamplingConfig | None = None,
     fmt: PromptFormat | None = None,
+    greedy_rows: list[bool] | None = None,
 ) -> list[str]:
     """Greedy completions (text after the prompt) for ``prompts`` (dialogue text or bare questions,
     rendered by ``fmt``: default the tokenizer's own format, as in training), left-padded batches;
@@ -35,6 +36,7 @@ def generate_texts(
     ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all of them are done. ``generator``
     (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of
     the decoder on ``model``. Rows that repeat a prompt (K samples each) share its prefill.
+    ``greedy_rows`` (one flag per prompt): those are answered greedily, the others by ``sampling``.
     """
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -50,15 +52,34 @@ def generate_texts(
                 texts, return_tensors="pt", padding=True, add_special_tokens=fmt.add_special_tokens
             )
             enc = enc.to(device)
+            greedy = None if greedy_rows is None else torch.tensor(greedy_rows[s : s + batch_size])
             if generator is not None:
-                seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg)
+                seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg, greedy_rows=greedy)
             else:
                 seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(fmt.stop_ids),
-                             pad_token_id=tokenizer.pad_token_id,
-                             lockstep=True if synced_gpus else None).sequences  # fmt: skip
+                             pad_token_id=tokenizer.pad_token_id, lockstep=True if synced_gpus else None,
+                             greedy_rows=greedy).sequences  # fmt: skip
             out.extend(tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     finally:
         tokenizer.padding_side = side
         if was_training:
             model.train()
     return out
+
+
+def greedy_and_sampled_texts(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    sampling: SamplingConfig,
+    *,
+    batch_size: int = 32,
+    **kw,
+) -> tuple[list[str], list[str]]:
+    """For each prompt its greedy answer and one answer drawn by ``sampling`` (whose ``max_new_tokens`` is
+    both budgets), generated in the same batches so that the two rows of a prompt share its prefill.
+    Returns ``(greedy, sampled)``; ``kw`` as for :func:`generate_texts`."""
+    rows = [p for p in prompts for _ in range(2)]
+    out = generate_texts(model, tokenizer, rows, batch_size=2 * batch_size, sampling=sampling,
+                         greedy_rows=[True, False] * len(prompts), **kw)  # fmt: skip
+    return out[0::2], out[1::2]

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from dschat import tasks
 from dschat.data.collate import pad_right
 from dschat.data.prompt_format import PromptFormat
 from dschat.generation.sampling import SamplingConfig
-from dschat.generation.texts import generate_texts
-from dschat.tasks.accuracy import rank_slice, task_accuracy, verifier_accuracy
+from dschat.generation.texts import generate_texts, greedy_and_sampled_texts
+from dschat.tasks.accuracy import rank_slice, verifier_accuracy
 from dschat.utils import dist
 
 LOG = logging.getLogger("dschat")
@@ -50,23 +51,26 @@ class HeldOutEval:
         with self.timer("eval"):
             actor, tok, fmt = self.actor, self.tokenizer, self.fmt
             mine, weights = rank_slice(self.prompts)  # this rank's slice of the held-out prompts
+            kw = dict(device=actor.device, synced_gpus=self.zero3, fmt=fmt)
             # the hybrid engine's fast path, or the plain generator
             with self.generator.generation_mode() as gen:
-                answers = generate_texts(actor.module, tok, mine, device=actor.device, synced_gpus=self.zero3,
-                                         max_new_tokens=self.sampling.max_new_tokens, generator=gen, fmt=fmt)  # fmt: skip
-                acc = verifier_accuracy(mine, answers, weights)
-                if acc:
+                if any(tasks.task_of(p) for p in self.prompts):  # truth known: sampled answers too
                     # The same seed at every evaluation (start and end compare like with like), in a forked
-                    # RNG so that evaluating never changes the training run's samples.
+                    # RNG so that evaluating never changes the training run's samples. A prompt's greedy
+                    # and sampled answers share its prefill.
                     with torch.random.fork_rng(devices=[actor.device] if actor.device.type == "cuda" else []):
                         torch.manual_seed(self.seed + 1 + dist.rank())
-                        sampled = task_accuracy(actor.module, tok, self.prompts, device=actor.device,
-                                                synced_gpus=self.zero3, generator=gen, sampling=self.sampling,
-                                                fmt=fmt)  # fmt: skip
+                        answers, sampled = greedy_and_sampled_texts(actor.module, tok, mine, self.sampling,
+                                                                    generator=gen, **kw)  # fmt: skip
+                    acc = verifier_accuracy(mine, answers, weights)
+                    drawn = verifier_accuracy(mine, sampled, weights)
                     out.update({f"true_{k}": v for k, v in acc.items()})
                     out.update(
-                        {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in sampled.items()}
+                        {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in drawn.items()}
                     )
+                else:
+                    answers = generate_texts(actor.module, tok, mine, max_new_tokens=self.sampling.max_new_tokens,
+                                             generator=gen, **kw)  # fmt: skip
             out.update(self.scores(mine, answers, weights))
         self.metrics.log(out, step=step, split="eval")
         LOG.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in out.items()))

@@ -4,6 +4,8 @@ No deepspeed: the copy is filled with ``no_gather`` (the weights are already who
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -197,6 +199,30 @@ def test_rows_that_have_stopped_leave_the_batch_and_the_rest_draw_generate_s_tok
     # the rows generating at step t: those with no EOS among their first t tokens
     running = [int((~(new[:, :t] == eos).any(dim=1)).sum()) for t in range(1, new.shape[1])]
     assert seen[1:] == running and min(running) < 4  # the prefill ran all 4 rows; then only the unstopped
+
+
+def test_greedy_rows_beside_sampled_rows_decode_as_each_would_alone():
+    """The held-out evaluation's greedy and sampled answer to one prompt, in one batch: the greedy rows
+    get greedy decoding's tokens, the sampled rows the tokens of an all-sampled batch drawn from the same
+    seed, and the two rows of a prompt share its prefill (2 prompts prefilled, not 4)."""
+    model = tiny_llama()
+    a, b = [0, 0, 5, 9, 11], [7, 3, 8, 8, 2]
+    ids, mask = torch.tensor([a, a, b, b]), (torch.arange(5) >= torch.tensor([[2], [2], [0], [0]])).long()
+    greedy_rows = torch.tensor([True, False, True, False])
+    s = SamplingConfig(max_new_tokens=8, do_sample=True, temperature=1.5)
+    seen: list[int] = []
+    hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
+    torch.manual_seed(2)
+    mixed = decode(model, ids, mask, s, eos_token_id=3, pad_token_id=0, greedy_rows=greedy_rows).sequences
+    hook.remove()
+    greedy = decode(model, ids, mask, replace(s, do_sample=False), eos_token_id=3, pad_token_id=0).sequences
+    torch.manual_seed(2)
+    drawn = decode(model, ids, mask, s, eos_token_id=3, pad_token_id=0).sequences
+    n = min(mixed.shape[1], greedy.shape[1], drawn.shape[1])  # each batch stops when its own rows are done
+    assert seen[0] == 2
+    assert torch.equal(mixed[greedy_rows, :n], greedy[greedy_rows, :n])
+    assert torch.equal(mixed[~greedy_rows, :n], drawn[~greedy_rows, :n])
+    assert not torch.equal(mixed[1], mixed[0])  # at temperature 1.5 the draw leaves the greedy path
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "gemma2"])
