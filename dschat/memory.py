@@ -26,7 +26,8 @@ What is counted (bytes; ``P`` parameters, ``N`` devices in all, ``w`` bytes of t
   copy for the loss and its gradient (``b s V 8`` in fp32).
 * Step 3: the four models' states, plus the largest of generation (KV cache ``2 L b (p + a) kv w``),
   the experience pass (forward-only logits ``b (p + a) V (w + 8)``) and the actor's or the critic's
-  training activations.
+  training activations. With the frozen trunk shared (below ZeRO-3, the actor's bottom frozen), the
+  experience pass also keeps ``w b (p + a) h`` per model that starts from it, the update one of them.
 * A fixed runtime overhead per process: the CUDA context and allocator slack on a GPU
   (:data:`GPU_RUNTIME_BYTES`, assumed), the Python + torch + transformers + DeepSpeed process on a CPU
   (:data:`CPU_RUNTIME_BYTES`, the measured peak RSS of a step-1 run of a model with almost no weights).
@@ -324,6 +325,7 @@ class RLHFWorkload:
     samples_per_prompt: int = 1  # --n_samples_per_prompt: generation_batch x this sequences per round
     inference_copy: bool = False  # the hybrid engine's copy of the actor in the training dtype
     inference_tp_size: int = 1  # the copy's matrices are split over this many ranks
+    share_frozen_trunk: bool = False  # --share_frozen_trunk: hidden states kept at the actor's frozen depth
 
 
 def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
@@ -359,6 +361,14 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
             work.actor, work.training_batch, s, w, gc, "lm", work.actor_trainable_layers
         ),
     }
+    if work.share_frozen_trunk and work.actor_trainable_layers and choice.zero_stage < 3:
+        # The experience pass keeps the hidden states (rows, p + a, h) where each model starts from the
+        # actor's frozen bottom (at most one depth per model: the reference, the reward models, the
+        # actor's update), and the update holds the actor's own while it trains.
+        one = rows * s * work.actor.hidden_size * w
+        kept = 1 + work.reference + work.reward_model + (work.judge is not None)
+        phases["experience (forward passes)"] += kept * one
+        phases["actor training"] += one
     if work.critic_trained:
         phases["critic training"] = activation_bytes(work.critic, work.training_batch, s, w, gc, "score",
                                                      work.critic_trainable_layers)  # fmt: skip

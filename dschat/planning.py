@@ -214,7 +214,7 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             reward_model=held.reward_model, offload_reference=eng.offload_reference_model,
             offload_reward=eng.offload_reward_model, critic_trained=held.critic, judge=judge[2] if judge else None,
             samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy,
-            inference_tp_size=held.inference_tp_size,
+            inference_tp_size=held.inference_tp_size, share_frozen_trunk=ppo.share_frozen_trunk,
         )  # fmt: skip
         models = [actor, critic, *([judge] if judge else [])]
     fixed = fixed_choice(step, argv)

@@ -217,6 +217,23 @@ def test_rlhf_estimate_follows_what_step3_holds(small):
     judged = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, judge=small), zero0, hw)
     assert judged.parts["judge"] == 2 * 2000
 
+    # --share_frozen_trunk with a frozen bottom: the experience pass keeps (4 rows, 3 tokens, h 8) bf16
+    # hidden states for the update, the reference and the reward model; the update holds one
+    def rlhf(choice: M.Choice, **kw) -> M.Estimate:
+        work = M.RLHFWorkload(
+            small, small, 4, 4, 2, 1, 2, actor_trainable_layers=1, critic_trained=False, **kw
+        )
+        return M.estimate_rlhf(work, choice, hw)
+
+    plain, kept = rlhf(zero0), rlhf(zero0, share_frozen_trunk=True)
+    one = 4 * 3 * 8 * 2
+    [(name, before)] = [(k, v) for k, v in plain.parts.items() if k.startswith("activations")]
+    [after] = [v for k, v in kept.parts.items() if k.startswith("activations")]
+    assert after == before + (3 * one if "experience" in name else one)
+    # nothing kept under ZeRO-3 (the sharing needs whole blocks)
+    z3 = M.Choice(3, False, False)
+    assert rlhf(z3, share_frozen_trunk=True).device == rlhf(z3).device
+
 
 def test_step3_models_read_the_options():
     from dschat.config import PPOArgs, RLHFEngineArgs, step3_models
