@@ -97,7 +97,8 @@ def within_rounding(diff: float, dtype: torch.dtype) -> tuple[bool, float]:
     pass) is rounding (:func:`logprob_packing_tolerance`) on every rank, and the largest difference. Each
     rank measures its own rows; deciding on the largest keeps or drops the shortcut on all ranks together
     (a rank computing otherwise than its peers would break "2 ranks == 1 rank"). Collective."""
-    worst = dist.all_reduce_max([diff])[0]
+    # NaN (nothing comparable, or a broken pass) fails, and must not be lost in the reduction
+    worst = dist.all_reduce_max([diff if math.isfinite(diff) else math.inf])[0]
     return worst <= logprob_packing_tolerance(dtype), worst
 
 

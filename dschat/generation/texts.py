@@ -76,10 +76,11 @@ def greedy_and_sampled_texts(
     batch_size: int = 32,
     **kw,
 ) -> tuple[list[str], list[str]]:
-    """For each prompt its greedy answer and one answer drawn by ``sampling`` (whose ``max_new_tokens`` is
-    both budgets), generated in the same batches so that the two rows of a prompt share its prefill.
-    Returns ``(greedy, sampled)``; ``kw`` as for :func:`generate_texts`."""
+    """For each prompt its greedy answer and one answer drawn by ``sampling`` (whose ``max_new_tokens``
+    and ``min_new_tokens`` hold for both), generated in the same batches of ``batch_size`` rows (half as
+    many prompts) so that the two rows of a prompt share its prefill where the decoder's cache allows
+    (not a ``StaticCache``). Returns ``(greedy, sampled)``; ``kw`` as for :func:`generate_texts`."""
     rows = [p for p in prompts for _ in range(2)]
-    out = generate_texts(model, tokenizer, rows, batch_size=2 * batch_size, sampling=sampling,
-                         greedy_rows=[True, False] * len(prompts), **kw)  # fmt: skip
+    out = generate_texts(model, tokenizer, rows, batch_size=max(2, batch_size - batch_size % 2),
+                         sampling=sampling, greedy_rows=[True, False] * len(prompts), **kw)  # fmt: skip
     return out[0::2], out[1::2]

@@ -213,9 +213,13 @@ class PPOTrainer:
             return run()
         first = "update" not in self.trunk_checked
         self.trunk_checked.add("update")
-        if exp.trunk is None or exp.trunk.hidden is None:
-            if first:  # only the first update can be checked against the experience: no sharing then
-                self.trunk_depths["actor"] = 0
+        missing = exp.trunk is None or exp.trunk.hidden is None  # e.g. a minibatch that splits a group
+        # Only the first update can be checked against the experience, and the check is collective: where
+        # any rank's minibatch kept no hidden states, no rank shares (every rank reaches this call).
+        if first and dist.any_rank(missing):
+            self.trunk_depths["actor"] = 0
+            return run()
+        if missing:
             return run()
         with trunk_sharing.replay(self.actor, exp.trunk):
             logprobs = run()

@@ -86,4 +86,5 @@ def test_ranks_that_measure_differently_decide_together(diffs, flags, want):
 def test_one_process_decides_on_its_own_measurement():
     assert within_rounding(0.01, torch.bfloat16) == (True, 0.01)
     assert within_rounding(0.01, torch.float32) == (False, 0.01)  # fp32 rounding is ~1e-6
+    assert within_rounding(float("nan"), torch.bfloat16) == (False, float("inf"))  # never passes
     assert dist.any_rank(True) and not dist.any_rank(False)
