@@ -17,13 +17,18 @@ may do what no weight comparison sees.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from dschat.lm import within_rounding
 from dschat.models.layers import decoder_layers, unwrap
+
+LOG = logging.getLogger("dschat")
 
 
 def _body(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
@@ -63,7 +68,8 @@ def _before_blocks(model: nn.Module) -> list[str] | None:
     handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
     try:
         device = next(model.parameters()).device
-        model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
+        ids = torch.ones((1, 1), dtype=torch.long, device=device)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))  # a value-head model needs the mask
     except Exception:
         return None
     finally:
@@ -181,3 +187,67 @@ def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
         yield
     finally:
         setattr(parent, attr, blocks)
+
+
+class EvalMemo:
+    """``model`` (an engine or a module) for evaluations that score the same batches again and again: the
+    first forward of a batch records the hidden states above the model's frozen bottom (its own
+    :func:`shared_depth`), and every later forward of that batch starts there and runs only the trained top
+    blocks. Keyed by the content of the call's tensors; everything else is ``model``'s (``memo.eval()``,
+    ``memo.device``). The first replay is also run in full and compared (:func:`dschat.lm.within_rounding`,
+    collective: every rank evaluates its first repeated batch at the same point); where they differ the
+    memo stops, with a warning. No frozen bottom (or ZeRO-3): every forward runs in full.
+
+    Memory: one ``(rows, T, hidden)`` tensor per distinct batch, in the model's dtype."""
+
+    def __init__(self, model, what: str) -> None:
+        self.model, self.what = model, what
+        self.depth = shared_depth([model])
+        self.kept: dict[bytes, Trunk] = {}
+        self.checked = False
+
+    def __getattr__(self, name: str):  # only for names not set in __init__
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @staticmethod
+    def _key(args: tuple, kwargs: dict) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for v in [*args, *(kwargs[k] for k in sorted(kwargs))]:
+            if isinstance(v, torch.Tensor):
+                h.update(repr((v.shape, v.dtype)).encode())
+                h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+        return h.digest()
+
+    def __call__(self, *args, **kwargs):
+        if not self.depth:
+            return self.model(*args, **kwargs)
+        key = self._key(args, kwargs)
+        trunk = self.kept.get(key)
+        if trunk is None:
+            with capture(self.model, [self.depth]) as trunks:
+                out = self.model(*args, **kwargs)
+            if trunks[self.depth].hidden is not None:
+                self.kept[key] = trunks[self.depth]
+            return out
+        with replay(self.model, trunk):
+            out = self.model(*args, **kwargs)
+        if not self.checked:
+            self.checked = True
+            return self._check(out, self.model(*args, **kwargs))
+        return out
+
+    def _check(self, replayed: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        diff = float((replayed.float() - full.float()).abs().max()) if full.numel() else 0.0
+        ok, diff = within_rounding(diff, next(unwrap(self.model).parameters()).dtype)
+        if ok:
+            LOG.info("%s: repeated batches start above the frozen bottom %d blocks (max difference %.1e)",
+                     self.what, self.depth, diff)  # fmt: skip
+            return replayed
+        LOG.warning("%s: the kept hidden states differ from the full pass by %.3g; computing it in full",
+                    self.what, diff)  # fmt: skip
+        self.depth, self.kept = 0, {}
+        return full

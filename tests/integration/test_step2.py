@@ -241,9 +241,10 @@ def test_missing_rejected_field_is_one_clear_line(tmp_path):
 def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
     out = tmp_path / "step2"
     # An untrained policy answers (almost) everything wrong: each of its distinct answers becomes a pair.
+    # (the top block alone trains: the end's evaluation starts its repeated batches above the bottom one)
     proc = step2(out, *FAST, "--max_steps", "3", "--policy_negatives_from", "builtin:micro-llama",
                  "--policy_negatives_max_prompts", "16", "--policy_negatives_per_prompt", "2",
-                 "--policy_negatives_max_new_tokens", "6")  # fmt: skip
+                 "--policy_negatives_max_new_tokens", "6", "--trainable_layers", "1")  # fmt: skip
     assert_ok(proc)
     s = json.loads((out / "summary.json").read_text())
     train, held_out = s["policy_negatives"]["train"], s["policy_negatives"]["eval"]
@@ -260,6 +261,10 @@ def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
     assert (
         "on the policy's own mistakes" in proc.stderr + proc.stdout
         and "its pick of the policy's 2" in proc.stderr + proc.stdout
+    )
+    assert (
+        "step 2's evaluation: repeated batches start above the frozen bottom 1 blocks"
+        in proc.stdout + proc.stderr
     )
     rows = [json.loads(x) for x in (out / "policy_negatives_train.jsonl").read_text().splitlines()]
     assert len(rows) == train["pairs"] and all(r["chosen"] != r["rejected"] for r in rows)

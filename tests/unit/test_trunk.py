@@ -267,3 +267,40 @@ def test_the_first_updates_check_is_taken_by_every_rank_together():
             if p.is_alive():
                 p.kill()
     assert got == {0: 0, 1: 0}
+
+
+def test_an_evaluation_memo_runs_a_repeated_batch_above_the_frozen_bottom_only(tokenizer, caplog):
+    """The same held-out batch scored again (step 2's evaluations): the first time in full, recording the
+    hidden states above the frozen bottom; the second time from them, checked once against the full pass;
+    then from them alone. The trained top block still runs every time, so a changed top changes the
+    scores; a new batch, or a model with nothing frozen, runs in full."""
+    _, _, rm = models(tokenizer)
+    ids, mask, _ = prompts(tokenizer)
+    memo = T.EvalMemo(Engine(rm), "test")
+    calls = counting(rm.model)
+    assert memo.depth == 1 and memo.device == torch.device("cpu")  # the engine's attributes show through
+    first = memo(ids, mask)
+    assert calls[0] == 1
+    with caplog.at_level("INFO", logger="dschat"):
+        again = memo(ids, mask)  # replayed, and once in full for the check
+    assert calls[0] == 2 and torch.equal(again, first) and "above the frozen bottom 1 blocks" in caplog.text
+    assert torch.equal(memo(ids, mask), first) and calls[0] == 2  # replayed alone
+    with torch.no_grad():
+        rm.model.model.layers[1].mlp.up_proj.weight.mul_(1.5)  # the top block trains between evaluations
+    assert torch.equal(memo(ids, mask), rm(ids, mask)) and calls[0] == 3  # replayed; then the full pass
+    memo(ids.flip(0), mask)
+    assert calls[0] == 4  # a batch not seen before runs in full
+    free = T.EvalMemo(Engine(micro_llama(len(tokenizer))), "test")
+    assert free.depth == 0 and torch.equal(free(input_ids=ids).logits, free.model(input_ids=ids).logits)
+
+
+def test_an_evaluation_memo_that_does_not_reproduce_the_model_stops_with_a_warning(tokenizer, caplog):
+    _, _, rm = models(tokenizer)
+    ids, mask, _ = prompts(tokenizer)
+    memo = T.EvalMemo(Engine(rm), "test")
+    full = memo(ids, mask)
+    [kept] = memo.kept.values()
+    kept.hidden += 1.0  # what a model that does more than its blocks say would look like
+    with caplog.at_level("WARNING", logger="dschat"):
+        assert torch.equal(memo(ids, mask), full)  # the full pass's values, not the replayed ones
+    assert "computing it in full" in caplog.text and memo.depth == 0 and not memo.kept

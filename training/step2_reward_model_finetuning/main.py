@@ -42,6 +42,7 @@ from dschat.losses import (
     pairwise_loss,
 )
 from dschat.models.reward import ScalarHeadModel, load_reward_model, pair_values, settle_share_prompt
+from dschat.models.trunk import EvalMemo
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
 from dschat.utils.errors import run_cli
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     state, start_step, metrics = T.open_run(engine, run, global_batch, resolved)
     sw = Stopwatch()
 
-    evaluate = RankingEval(engine, tokenizer, setup.fmt, evals, policy_evals, policy_samples, optim, data_args,
+    # every evaluation scores the same batches: their frozen bottom is computed once (trunk.EvalMemo)
+    memo = EvalMemo(engine, "step 2's evaluation")
+    evaluate = RankingEval(memo, tokenizer, setup.fmt, evals, policy_evals, policy_samples, optim, data_args,
                            pairs_args, metrics, sw)  # fmt: skip
     eval_start = evaluate(state.step)
 
