@@ -201,6 +201,30 @@ def test_rows_that_have_stopped_leave_the_batch_and_the_rest_draw_generate_s_tok
     assert seen[1:] == running and min(running) < 4  # the prefill ran all 4 rows; then only the unstopped
 
 
+def test_log_probs_of_the_chosen_tokens_survive_rows_leaving_the_batch():
+    """``return_logprobs`` after stopped rows have left the batch: each generated token's log-prob equals
+    the full sequence's forward at that position (0 after the row's EOS)."""
+    model = tiny_llama()
+    ids = torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2], [0, 4, 4, 6, 1], [9, 9, 1, 3, 5]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [1], [0]])).long()
+    free = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
+    eos = int(free[0, 6])  # row 0 stops at its second new token
+    out = decode(model, ids, mask, SamplingConfig(max_new_tokens=8, do_sample=False), eos_token_id=eos,
+                 pad_token_id=0, return_logprobs=True)  # fmt: skip
+    new = out.sequences[:, 5:]
+    stopped = (new == eos).cumsum(1) - (new == eos).long()  # > 0 after the row's EOS
+    assert bool((stopped > 0).any())  # some row did stop before the end
+    full_mask = torch.cat([mask, (stopped == 0).long()], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=out.sequences, attention_mask=full_mask,
+                       position_ids=(full_mask.cumsum(1) - 1).clamp_min(0)).logits.float()  # fmt: skip
+    want = torch.log_softmax(logits[:, 4:-1], dim=-1).gather(-1, new[:, :, None]).squeeze(-1)
+    want = torch.where(stopped == 0, want, torch.zeros_like(want))
+    assert torch.allclose(out.logprobs, want, atol=1e-4)
+
+
 def test_greedy_rows_beside_sampled_rows_decode_as_each_would_alone():
     """The held-out evaluation's greedy and sampled answer to one prompt, in one batch: the greedy rows
     get greedy decoding's tokens, the sampled rows the tokens of an all-sampled batch drawn from the same
@@ -454,3 +478,48 @@ def test_hybrid_greedy_on_an_unplanned_architecture_equals_generate(arch):
     want = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, eos_token_id=2,
                           pad_token_id=0)  # fmt: skip
     assert torch.equal(ours, want[:, : ours.shape[1]]) and (want[:, ours.shape[1] :] == 0).all()
+
+
+def _lockstep_decode(rank: int, port: int, out) -> None:
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = tiny_llama()
+        ids = (
+            torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2]])
+            if rank == 0
+            else torch.tensor([[9, 9, 1, 3, 5]])
+        )
+        mask = (ids != 0).long()
+        s = SamplingConfig(max_new_tokens=8, do_sample=False)
+        eos = int(decode(model, ids[:1], mask[:1], s, eos_token_id=None, pad_token_id=0).sequences[0, 6])
+        eos = torch.tensor([eos if rank == 0 else 0])
+        torch_dist.broadcast(eos, src=0)  # one EOS for both ranks: rank 0's first row stops early
+        alone = decode(model, ids, mask, s, eos_token_id=int(eos), pad_token_id=0).sequences
+        together = decode(model, ids, mask, s, eos_token_id=int(eos), pad_token_id=0, lockstep=True).sequences
+        n = alone.shape[1]
+        out.put((rank, torch.equal(together[:, :n], alone) and bool((together[:, n:] == 0).all())))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_ranks_in_lockstep_drop_their_stopped_rows_and_decode_as_alone():
+    """ZeRO-3 ranks step together until every rank is done (a done rank runs dummy forwards): with rows
+    leaving each rank's batch at different steps, each rank's tokens are those it decodes alone (padded
+    while a peer runs on). Two real gloo ranks."""
+    from dschat.utils.dist import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_lockstep_decode, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: True, 1: True}
