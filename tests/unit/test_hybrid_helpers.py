@@ -27,6 +27,7 @@ from dschat.generation.kv_decode import decode, filter_logits, next_tokens, shar
 from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import build_config
 from dschat.utils.errors import UserError
+from tests.unit.gloo import on_two_ranks
 
 NEG = float("-inf")
 
@@ -480,46 +481,24 @@ def test_hybrid_greedy_on_an_unplanned_architecture_equals_generate(arch):
     assert torch.equal(ours, want[:, : ours.shape[1]]) and (want[:, ours.shape[1] :] == 0).all()
 
 
-def _lockstep_decode(rank: int, port: int, out) -> None:
+def _lockstep_decode(rank: int) -> bool:
     import torch.distributed as torch_dist
 
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        model = tiny_llama()
-        ids = (
-            torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2]])
-            if rank == 0
-            else torch.tensor([[9, 9, 1, 3, 5]])
-        )
-        mask = (ids != 0).long()
-        s = SamplingConfig(max_new_tokens=8, do_sample=False)
-        eos = int(decode(model, ids[:1], mask[:1], s, eos_token_id=None, pad_token_id=0).sequences[0, 6])
-        eos = torch.tensor([eos if rank == 0 else 0])
-        torch_dist.broadcast(eos, src=0)  # one EOS for both ranks: rank 0's first row stops early
-        alone = decode(model, ids, mask, s, eos_token_id=int(eos), pad_token_id=0).sequences
-        together = decode(model, ids, mask, s, eos_token_id=int(eos), pad_token_id=0, lockstep=True).sequences
-        n = alone.shape[1]
-        out.put((rank, torch.equal(together[:, :n], alone) and bool((together[:, n:] == 0).all())))
-    finally:
-        torch_dist.destroy_process_group()
+    model = tiny_llama()
+    ids = torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2]]) if rank == 0 else torch.tensor([[9, 9, 1, 3, 5]])
+    mask = (ids != 0).long()
+    s = SamplingConfig(max_new_tokens=8, do_sample=False)
+    eos = int(decode(model, ids[:1], mask[:1], s, eos_token_id=None, pad_token_id=0).sequences[0, 6])
+    eos = torch.tensor([eos if rank == 0 else 0])
+    torch_dist.broadcast(eos, src=0)  # one EOS for both ranks: rank 0's first row stops early
+    alone = decode(model, ids, mask, s, eos_token_id=int(eos), pad_token_id=0).sequences
+    together = decode(model, ids, mask, s, eos_token_id=int(eos), pad_token_id=0, lockstep=True).sequences
+    n = alone.shape[1]
+    return torch.equal(together[:, :n], alone) and bool((together[:, n:] == 0).all())
 
 
 def test_ranks_in_lockstep_drop_their_stopped_rows_and_decode_as_alone():
     """ZeRO-3 ranks step together until every rank is done (a done rank runs dummy forwards): with rows
     leaving each rank's batch at different steps, each rank's tokens are those it decodes alone (padded
     while a peer runs on). Two real gloo ranks."""
-    from dschat.utils.dist import free_port
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_lockstep_decode, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(out.get(timeout=120) for _ in range(2))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    assert got == {0: True, 1: True}
+    assert on_two_ranks(_lockstep_decode) == {0: True, 1: True}

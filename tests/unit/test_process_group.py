@@ -11,6 +11,7 @@ from dschat.lm import within_rounding
 from dschat.utils import dist
 from dschat.utils.dist import free_port
 from dschat.utils.errors import EXIT_USER_ERROR, UserError, run_cli
+from tests.unit.gloo import on_two_ranks
 
 
 @pytest.fixture
@@ -52,12 +53,8 @@ def test_a_barrier_names_its_gpu_under_nccl(one_rank_group, monkeypatch):
     assert calls == [{"device_ids": [3]}]
 
 
-def _decide(rank: int, port: int, diffs: list[float], flags: list[bool], out) -> None:
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        out.put((rank, (within_rounding(diffs[rank], torch.bfloat16), dist.any_rank(flags[rank]))))
-    finally:
-        torch_dist.destroy_process_group()
+def _decide(rank: int, diffs: list[float], flags: list[bool]):
+    return within_rounding(diffs[rank], torch.bfloat16), dist.any_rank(flags[rank])
 
 
 @pytest.mark.parametrize(
@@ -67,20 +64,11 @@ def _decide(rank: int, port: int, diffs: list[float], flags: list[bool], out) ->
 def test_ranks_that_measure_differently_decide_together(diffs, flags, want):
     # Each rank checks a shortcut (packing, the shared trunk) on its own rollouts: one rank keeping it
     # while another drops it would make two ranks compute otherwise than one. Two real gloo ranks.
-    ctx = torch.multiprocessing.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_decide, args=(r, port, diffs, flags, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    got = dict(out.get() for _ in range(2))
+    got = on_two_ranks(_decide, diffs, flags)
     ok, worst, flagged = want
     for rank in range(2):
         (rank_ok, rank_worst), rank_flag = got[rank]
         assert (rank_ok, rank_flag) == (ok, flagged) and rank_worst == pytest.approx(worst)
-    assert all(p.exitcode == 0 for p in procs)
 
 
 def test_one_process_decides_on_its_own_measurement():

@@ -12,6 +12,7 @@ from dschat.models import trunk as T
 from dschat.models.layers import freeze_below
 from dschat.models.reward import ScalarHeadModel
 from dschat.rlhf.rewards import RewardModelSource
+from tests.unit.gloo import on_two_ranks
 from tests.unit.test_ppo_trainer import Engine, micro_llama, prompts, trainer
 
 
@@ -228,45 +229,25 @@ def test_the_first_update_is_checked_on_every_answer_even_when_none_trains(token
     assert "computing the whole actor" in caplog.text and ppo.trunk_depths["actor"] == 0
 
 
-def _first_update(rank: int, port: int, out) -> None:
-    import torch.distributed as torch_dist
-
+def _first_update(rank: int) -> int:
     from dschat.models.builtin import build_tokenizer
 
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        tokenizer = build_tokenizer()
-        actor, reference, rm = models(tokenizer)
-        ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
-                      scores=RewardModelSource(Engine(rm)), share_frozen_trunk=True)  # fmt: skip
-        torch.manual_seed(5)
-        exp, _ = ppo.make_experience(*prompts(tokenizer))
-        # rank 0's minibatch holds a whole group (hidden states kept), rank 1's splits one (none kept)
-        ppo.train(exp.slice(2, 4) if rank == 0 else exp.slice(1, 3))
-        out.put((rank, ppo.trunk_depths["actor"]))
-    finally:
-        torch_dist.destroy_process_group()
+    tokenizer = build_tokenizer()
+    actor, reference, rm = models(tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
+                  scores=RewardModelSource(Engine(rm)), share_frozen_trunk=True)  # fmt: skip
+    torch.manual_seed(5)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    # rank 0's minibatch holds a whole group (hidden states kept), rank 1's splits one (none kept)
+    ppo.train(exp.slice(2, 4) if rank == 0 else exp.slice(1, 3))
+    return ppo.trunk_depths["actor"]
 
 
 def test_the_first_updates_check_is_taken_by_every_rank_together():
     """The first update's check against the experience is collective: a rank whose minibatch kept no
     hidden states (a split group) must still take part, and then no rank shares (else the ranks with
     kept states wait in the reduction for a peer that never comes). Two real gloo ranks."""
-    from dschat.utils.dist import free_port
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_first_update, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(out.get(timeout=120) for _ in range(2))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    assert got == {0: 0, 1: 0}
+    assert on_two_ranks(_first_update) == {0: 0, 1: 0}
 
 
 def test_an_evaluation_memo_runs_a_repeated_batch_above_the_frozen_bottom_only(tokenizer, caplog):
