@@ -189,6 +189,13 @@ def replay(model: nn.Module, trunk: Trunk | None) -> Iterator[None]:
         setattr(parent, attr, blocks)
 
 
+def replay_agrees(replayed: torch.Tensor, full: torch.Tensor, model: nn.Module) -> tuple[bool, float]:
+    """Whether values computed from a replayed trunk equal the full pass's within ``model``'s rounding on
+    every rank (:func:`dschat.lm.within_rounding`, collective), and the largest difference."""
+    diff = float((replayed.float() - full.float()).abs().max()) if full.numel() else 0.0
+    return within_rounding(diff, next(unwrap(model).parameters()).dtype)
+
+
 class EvalMemo:
     """``model`` (an engine or a module) for evaluations that score the same batches again and again: the
     first forward of a batch records the hidden states above the model's frozen bottom (its own
@@ -241,8 +248,7 @@ class EvalMemo:
         return out
 
     def _check(self, replayed: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        diff = float((replayed.float() - full.float()).abs().max()) if full.numel() else 0.0
-        ok, diff = within_rounding(diff, next(unwrap(self.model).parameters()).dtype)
+        ok, diff = replay_agrees(replayed, full, self.model)
         if ok:
             LOG.info("%s: repeated batches start above the frozen bottom %d blocks (max difference %.1e)",
                      self.what, self.depth, diff)  # fmt: skip

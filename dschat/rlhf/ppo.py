@@ -169,9 +169,7 @@ class PPOTrainer:
             return out
         self.trunk_checked.add(name)
         full = run()
-        ok, diff = self._within_rounding(
-            float((out.float() - full.float()).abs().max()) if out.numel() else 0.0
-        )
+        ok, diff = trunk_sharing.replay_agrees(out, full, self.actor)
         if ok:
             LOG.info("--share_frozen_trunk: the %s starts from the actor's bottom %d blocks (max difference "
                      "%.1e against its own)", name, depth, diff)  # fmt: skip

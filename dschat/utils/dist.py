@@ -59,22 +59,22 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few Python floats over all ranks (returns them unchanged on one process)."""
+def _all_reduce(values: list[float], op) -> list[float]:
     if not is_initialized() or world_size() == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=default_device())
-    torch_dist.all_reduce(t)
+    torch_dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few Python floats over all ranks (returns them unchanged on one process)."""
+    return _all_reduce(values, torch_dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: list[float]) -> list[float]:
     """The largest of each of a few Python floats over all ranks (unchanged on one process)."""
-    if not is_initialized() or world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=default_device())
-    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
-    return t.tolist()
+    return _all_reduce(values, torch_dist.ReduceOp.MAX)
 
 
 def any_rank(flag: bool) -> bool:
