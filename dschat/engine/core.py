@@ -46,9 +46,37 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():
+        if backend == "gloo" and dist.world_size() > 1:
+            clear_stale_build_lock("deepspeed_shm_comm")  # DeepSpeed JIT-builds it for CPU ranks
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
         if backend == "gloo":
             _unlink_shared_memory_names()
+
+
+STALE_BUILD_LOCK_SECONDS = 600
+
+
+def clear_stale_build_lock(op_name: str) -> None:
+    """Remove the lock of a killed JIT build of a DeepSpeed C++ op, so that the next build runs.
+
+    torch's extension builder holds ``<build dir>/lock`` while it compiles and removes it when done; a
+    build that was killed (out of memory, Ctrl-C) leaves it, and every later build of that op waits for it
+    to go away, for ever and without a word: a run with ``--offload`` hung at its optimizer (seen here
+    after the compiler was killed for want of memory). A build takes one to two minutes on 2 CPU cores, so
+    a lock older than ten minutes belongs to a dead build.
+    """
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(op_name, verbose=False), "lock")
+    with contextlib.suppress(FileNotFoundError):
+        age = time.time() - os.path.getmtime(lock)
+        if age > STALE_BUILD_LOCK_SECONDS:
+            LOG.warning(
+                "removing %s, left %.0f min ago by a build of %s that never finished", lock, age / 60, op_name
+            )
+            os.unlink(lock)
 
 
 def _unlink_shared_memory_names() -> None:
@@ -155,7 +183,9 @@ def make_optimizer(groups: list[dict], *, lr: float, betas: tuple[float, float],
     a 6M-parameter model on one CPU core, measured, and without DeepSpeed's JIT-built FusedAdam)."""
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
 
+        clear_stale_build_lock(CPUAdamBuilder.NAME)
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
