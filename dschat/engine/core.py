@@ -46,8 +46,8 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():
-        if backend == "gloo" and dist.world_size() > 1:
-            clear_stale_build_lock("deepspeed_shm_comm")  # DeepSpeed JIT-builds it for CPU ranks
+        if backend == "gloo":  # DeepSpeed's CPU backend JIT-builds its shared-memory op, one rank or many
+            clear_stale_build_lock("deepspeed_shm_comm")
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
         if backend == "gloo":
             _unlink_shared_memory_names()
