@@ -47,7 +47,9 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():
         if backend == "gloo":  # DeepSpeed's CPU backend JIT-builds its shared-memory op, one rank or many
-            clear_stale_build_lock("deepspeed_shm_comm")
+            from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+            clear_stale_build_lock(ShareMemCommBuilder.NAME)
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
         if backend == "gloo":
             _unlink_shared_memory_names()
@@ -57,40 +59,69 @@ STALE_BUILD_LOCK_SECONDS = 600
 
 
 def clear_stale_build_lock(op_name: str) -> None:
-    """Remove the lock of a killed JIT build of a DeepSpeed C++ op, so that the next build runs.
+    """Remove the lock of a dead JIT build of a DeepSpeed C++ op, so that the next build runs.
 
-    torch's extension builder holds ``<build dir>/lock`` while it compiles and removes it when done; a
-    build that was killed (out of memory, Ctrl-C) leaves it, and every later build of that op waits for it
-    to go away, for ever and without a word: a run with ``--offload`` hung at its optimizer (seen here
-    after the compiler was killed for want of memory). A build takes one to two minutes on 2 CPU cores, so
-    a lock older than ten minutes belongs to a dead build.
+    torch's extension builder creates ``<build dir>/lock``, keeps it open while it compiles and removes it
+    when done; a build whose process was killed (the OOM killer, a harness's timeout) leaves it, and every
+    later build of that op waits for it to go away, for ever and without a word: a run with ``--offload``
+    hung at its optimizer (seen here after a build died for want of memory). A lock is dead when it is
+    older than ten minutes (a build takes one to two on 2 CPU cores) and no process on this machine holds
+    it open. The check and the removal hold an exclusive ``flock`` on the build directory, so ranks that
+    start together cannot remove the fresh lock of the one that already began to build. Best effort: a
+    cache directory that cannot be read or written is left to torch's own error.
     """
+    import fcntl
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = os.path.join(_get_build_directory(op_name, verbose=False), "lock")
-    with contextlib.suppress(FileNotFoundError):
-        age = time.time() - os.path.getmtime(lock)
-        if age > STALE_BUILD_LOCK_SECONDS:
-            LOG.warning(
-                "removing %s, left %.0f min ago by a build of %s that never finished", lock, age / 60, op_name
-            )
-            os.unlink(lock)
+    with contextlib.suppress(OSError):
+        build_dir = _get_build_directory(op_name, verbose=False)
+        lock = os.path.join(build_dir, "lock")
+        if not os.path.exists(lock):
+            return
+        guard = os.open(build_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            age = time.time() - os.path.getmtime(lock)
+            if age > STALE_BUILD_LOCK_SECONDS and not _held_open(lock):
+                LOG.warning(
+                    "removing %s, left %.0f min ago by a build of %s that never finished",
+                    lock,
+                    age / 60,
+                    op_name,
+                )
+                os.unlink(lock)
+        finally:
+            os.close(guard)  # releases the flock
+
+
+def _held_open(path: str) -> bool:
+    """Whether a process on this machine has ``path`` open (Linux's /proc; elsewhere: no)."""
+    import glob
+
+    target = os.path.realpath(path)
+    for fds in glob.glob("/proc/[0-9]*/fd"):
+        with contextlib.suppress(OSError):  # processes come and go, others' fds may be unreadable
+            for fd in os.listdir(fds):
+                with contextlib.suppress(OSError):
+                    if os.readlink(os.path.join(fds, fd)) == target:
+                        return True
+    return False
 
 
 def _unlink_shared_memory_names() -> None:
     """Give back DeepSpeed's shared-memory all-reduce buffers when the run ends, not at reboot.
 
-    On CPU, when every rank is on one machine (the DeepSpeed launcher sets ``LOCAL_SIZE``), DeepSpeed maps
-    one /dev/shm segment per rank, 66 MB each, and never unlinks it: every such run left its segments in
-    RAM until reboot (20 GB after a day of test runs, measured, and the next C++ build was killed for
-    want of memory). Each rank has mapped every peer's segment before its init returns, so after a barrier
-    each rank unlinks its own name; the mappings stay valid and the memory is freed when the ranks exit.
+    On CPU, when every rank is on one machine (the DeepSpeed launcher sets ``LOCAL_SIZE``, also for one
+    rank), DeepSpeed maps one /dev/shm segment per rank, 66 MB each, and never unlinks it: every such run
+    left its segments in RAM until reboot (20 GB after a day of test runs, measured, and the next C++ build
+    died for want of memory). Each rank has mapped every peer's segment before its init returns, so after a
+    barrier each rank unlinks its own name; the mappings stay valid and the memory is freed when the ranks
+    exit. The name is DeepSpeed's: uid, ``MASTER_ADDR``, ``MASTER_PORT``, global rank.
     """
-    if dist.world_size() < 2:
-        return
-    dist.barrier()
+    if dist.world_size() > 1:
+        dist.barrier()
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.rank()
     )

@@ -13,10 +13,10 @@ import torch
 from dschat.utils.dist import free_port
 
 
-def _rank(rank: int, port: int, out) -> None:
+def _rank(rank: int, world: int, port: int, out) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     import deepspeed.comm as ds_comm
 
@@ -31,16 +31,18 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 @pytest.mark.slow
-def test_a_two_rank_cpu_run_leaves_no_shared_memory_behind():
+@pytest.mark.parametrize("world", [1, 2])  # the DeepSpeed launcher sets LOCAL_SIZE for one rank too
+def test_a_cpu_run_leaves_no_shared_memory_behind(monkeypatch, world):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned ranks inherit it: gloo, as on a CPU machine
     port = free_port()
     leftovers = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, port, out)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank, args=(rank, world, port, out)) for rank in range(world)]
     for p in procs:
         p.start()
     try:
-        got = dict(out.get(timeout=300) for _ in range(2))
+        got = dict(out.get(timeout=300) for _ in range(world))
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -49,6 +51,7 @@ def test_a_two_rank_cpu_run_leaves_no_shared_memory_behind():
         found = glob.glob(leftovers)
         for path in found:  # never leak, even when the test fails
             os.unlink(path)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert got == {0: [3.0] * 4, 1: [3.0] * 4}
+    assert [p.exitcode for p in procs] == [0] * world
+    total = float(sum(range(1, world + 1)))
+    assert got == {rank: [total] * 4 for rank in range(world)}
     assert found == []
