@@ -8,6 +8,8 @@ import socket
 import torch
 import torch.distributed as torch_dist
 
+from dschat.utils.errors import UserError
+
 
 def is_initialized() -> bool:
     return torch_dist.is_available() and torch_dist.is_initialized()
@@ -94,9 +96,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# World sizes that MPI-style launchers set instead of RANK: OpenMPI, MVAPICH, MPICH / Intel MPI (PMI and
+# PMIx), srun. Under them DeepSpeed finds each rank through MPI, which it skips when RANK is already set.
+_LAUNCHER_WORLD_SIZES = (
+    "OMPI_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_SIZE",
+    "SLURM_NTASKS",
+)
+
+
+def launched_by_mpi() -> bool:
+    """Whether an MPI-style launcher started this process as one of several ranks (no RANK of its own)."""
+    return any(int(os.environ.get(var, "1") or 1) > 1 for var in _LAUNCHER_WORLD_SIZES)
+
+
 def ensure_single_process_env() -> None:
-    """Fill in the rendezvous variables for a plain ``python main.py`` run (no launcher set them)."""
+    """Fill in the rendezvous variables for a plain ``python main.py`` run (no launcher set them).
+
+    Not under an MPI-style launcher (``--launcher openmpi``, ``mvapich``, ``slurm``, ...): filling them
+    in there made every process rank 0 of a world of one, N separate runs in one output directory."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    if launched_by_mpi():
+        import importlib.util
+
+        if importlib.util.find_spec("mpi4py") is None:
+            size = next(f"{v}={os.environ[v]}" for v in _LAUNCHER_WORLD_SIZES if v in os.environ)
+            raise UserError(
+                f"started by an MPI launcher ({size}) that sets no RANK: DeepSpeed finds the ranks through "
+                "mpi4py, which is not installed (pip install mpi4py)"
+            )
         return
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -3,6 +3,9 @@ before exit (exit codes kept), so that NCCL adds no warning lines to a run's out
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.distributed as torch_dist
@@ -76,3 +79,56 @@ def test_one_process_decides_on_its_own_measurement():
     assert within_rounding(0.01, torch.float32) == (False, 0.01)  # fp32 rounding is ~1e-6
     assert within_rounding(float("nan"), torch.bfloat16) == (False, float("inf"))  # never passes
     assert dist.any_rank(True) and not dist.any_rank(False)
+
+
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    """Sets a launcher's variables; every rendezvous variable the call under test sets is undone after."""
+    for var in (
+        *_MPI_VARS,
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        monkeypatch.setenv(var, "")  # recorded, so that monkeypatch restores it
+        monkeypatch.delenv(var)
+
+    def set_env(env: dict[str, str], mpi4py: bool = True) -> None:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if mpi4py else None) if name == "mpi4py" else real(name, *a))  # fmt: skip
+
+    return set_env
+
+
+@pytest.mark.parametrize(
+    ("env", "filled"),
+    [
+        ({}, True),  # plain `python main.py`
+        ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, True),  # one task inside an allocation
+        ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"}, False),  # deepspeed --launcher openmpi
+        ({"MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_RANK": "2"}, False),  # mvapich
+        ({"PMI_SIZE": "4", "PMI_RANK": "2"}, False),  # mpich / Intel MPI
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, False),  # deepspeed --launcher slurm (srun)
+    ],
+)
+def test_an_mpi_launched_rank_is_not_made_a_world_of_one(launcher_env, env, filled):
+    # These launchers set no RANK: DeepSpeed finds the ranks through MPI, unless RANK and WORLD_SIZE are
+    # already there, and filling them in made every process rank 0 of a world of 1 (N separate runs).
+    launcher_env(env)
+    dist.ensure_single_process_env()
+    assert ("RANK" in os.environ and os.environ.get("WORLD_SIZE") == "1") == filled
+
+
+def test_an_mpi_launch_without_mpi4py_is_one_clear_line(launcher_env):
+    launcher_env({"OMPI_COMM_WORLD_SIZE": "4"}, mpi4py=False)
+    with pytest.raises(UserError, match=r"OMPI_COMM_WORLD_SIZE=4.*pip install mpi4py"):
+        dist.ensure_single_process_env()
