@@ -337,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )  # fmt: skip
             return code if 0 < code < 128 else 1
+        if not node and not (out_dir / "summary.json").is_file():
+            # Some launchers report success for a failed rank (the MPICH helper exits 0 whatever its
+            # child did; the DeepSpeed runner turns a rank killed by a signal into 0): the summary a
+            # finished step writes last is the proof, and step 3 must not start on a missing step 1.
+            print(
+                f"error: step {n} ({step.name}) exited 0 but wrote no {out_dir / 'summary.json'} (a rank "
+                f"failed without the launcher saying so); log: {log}",
+                file=sys.stderr,
+            )
+            return 1
         print(f"==> step {n} done: {out_dir}", flush=True)
     if not getattr(args, "dry_run", False):
         for line in next_commands(args, steps, preset):

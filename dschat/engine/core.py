@@ -32,7 +32,8 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
 
     dist.ensure_single_process_env()
     if torch.cuda.is_available():
-        torch.cuda.set_device(dist.local_rank())
+        if "LOCAL_RANK" in os.environ:  # set by the DeepSpeed launcher and torchrun; MPI ones: see below
+            torch.cuda.set_device(dist.local_rank())
         backend = "nccl"
     else:
         backend = "gloo"
@@ -42,7 +43,7 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         # torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         if local > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+            torch.set_num_threads(max(1, dist.cpu_cores() // local))
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():
@@ -50,7 +51,14 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
             from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
             clear_stale_build_lock(ShareMemCommBuilder.NAME)
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        # Under MPI-style launchers DeepSpeed finds the ranks itself and sets MASTER_PORT to this port
+        # (its default, 29500, would ignore train.py's --master-port), and LOCAL_RANK only now.
+        port = int(os.environ.get("MASTER_PORT") or 29500)
+        deepspeed.init_distributed(
+            dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes), distributed_port=port
+        )
+        if backend == "nccl":
+            torch.cuda.set_device(dist.local_rank())
         if backend == "gloo":
             _unlink_shared_memory_names()
 

@@ -10,10 +10,16 @@ import re
 import sys
 from pathlib import Path
 
+from dschat.utils.dist import cpu_cores
 from dschat.utils.errors import UserError
 
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "torchrun")
+
+
+# DeepSpeed launcher backends that take the processes per node from the hostfile's slots and refuse
+# --num_gpus (their runners raise "does not support limiting num nodes/gpus")
+NO_NUM_GPUS = ("openmpi", "mvapich", "mpich", "impi")
 
 
 def visible_devices() -> tuple[int, str]:
@@ -21,7 +27,31 @@ def visible_devices() -> tuple[int, str]:
 
     if torch.cuda.is_available():
         return torch.cuda.device_count(), "GPU"
-    return os.cpu_count() or 1, "CPU core"
+    return cpu_cores(), "CPU core"
+
+
+def visible_gpu_ids() -> list[str] | None:
+    """The ids in ``CUDA_VISIBLE_DEVICES`` when it is set and names GPUs, else None."""
+    ids = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return ids or None
+
+
+def single_node_devices(n: int) -> list[str]:
+    """The DeepSpeed launcher's device flags for ``n`` processes on this node. Given ``--num_gpus`` it
+    drops ``CUDA_VISIBLE_DEVICES`` and uses GPUs 0 .. n-1, which may be someone else's: where the
+    variable is set, its first ``n`` ids go to ``--include`` instead (all of them: no flag, and the
+    launcher turns the variable into ``--include`` itself)."""
+    import torch
+
+    ids = visible_gpu_ids() if torch.cuda.is_available() else None
+    if ids is None:
+        return ["--num_gpus", str(n)]
+    if not all(x.isdigit() for x in ids):
+        raise UserError(
+            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}: the DeepSpeed launcher takes GPU "
+            "indices (0,1,...), not UUIDs or MIG names; give indices, or use --launcher torchrun"
+        )
+    return [] if n == len(ids) else ["--include", "localhost:" + ",".join(ids[:n])]
 
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:
@@ -31,9 +61,11 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        m = re.fullmatch(r"(\S+)\s+slots=(\d+)", line)  # DeepSpeed's own pattern: no spaces around '='
         if not m:
             raise UserError(f"--hostfile {path} line {i}: expected 'hostname slots=N', got {line!r}")
+        if any(host == m[1] for host, _ in hosts):
+            raise UserError(f"--hostfile {path} line {i}: host {m[1]} is listed twice")
         hosts.append((m[1], int(m[2])))
     if not hosts:
         raise UserError(f"--hostfile {path}: no hosts")
@@ -71,7 +103,7 @@ def launcher(args: argparse.Namespace) -> list[str]:
         n = args.num_gpus or have
         if n > have:
             raise UserError(f"--num-gpus {n}: this machine has only {have} {kind}{'s' if have != 1 else ''}")
-        return [*runner, "--num_gpus", str(n)]
+        return [*runner, *single_node_devices(n)]
     if args.nnodes is not None or args.node_rank is not None:
         raise UserError(
             "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
@@ -83,10 +115,27 @@ def launcher(args: argparse.Namespace) -> list[str]:
         )
     if not Path(args.hostfile).is_file():
         raise UserError(f"--hostfile {args.hostfile}: file not found")
-    read_hostfile(args.hostfile)
-    cmd = [*runner, "--hostfile", args.hostfile, "--launcher", args.launcher or "pdsh"]
-    if args.launcher_args:
-        cmd += ["--launcher_args", args.launcher_args]
+    hosts = read_hostfile(args.hostfile)
+    backend = args.launcher or "pdsh"
+    if args.num_gpus and backend in NO_NUM_GPUS:
+        raise UserError(
+            f"--num-gpus with --launcher {backend}: that launcher starts one process per slot of --hostfile "
+            f"(set slots=N there)"
+        )
+    # --force_multi: a hostfile of one (remote) host still launches there, not on this machine
+    cmd = [*runner, "--hostfile", args.hostfile, "--launcher", backend, "--force_multi"]
+    launcher_args = args.launcher_args or ""
+    if backend != "pdsh":
+        # only pdsh needs ssh; the runner would otherwise ssh to the first host to check and to find
+        # the master's address (MPICH and Intel MPI use it; the others rediscover it through MPI)
+        cmd += ["--no_ssh_check"]
+        if not args.master_addr:
+            cmd += ["--master_addr", hosts[0][0]]
+    if backend == "slurm" and "kill-on-bad-exit" not in launcher_args:
+        # srun's default leaves the other ranks waiting in a collective when one dies
+        launcher_args = f"{launcher_args} --kill-on-bad-exit=1".strip()
+    if launcher_args:
+        cmd += ["--launcher_args", launcher_args]
     if args.num_gpus:
         cmd += ["--num_gpus", str(args.num_gpus)]
     return cmd

@@ -84,6 +84,14 @@ def any_rank(flag: bool) -> bool:
     return all_reduce_max([float(flag)])[0] > 0
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (a container's or cpuset's share, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank())
@@ -96,34 +104,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# World sizes that MPI-style launchers set instead of RANK: OpenMPI, MVAPICH, MPICH / Intel MPI (PMI and
-# PMIx), srun. Under them DeepSpeed finds each rank through MPI, which it skips when RANK is already set.
-_LAUNCHER_WORLD_SIZES = (
-    "OMPI_COMM_WORLD_SIZE",
-    "MV2_COMM_WORLD_SIZE",
-    "PMI_SIZE",
-    "PMIX_SIZE",
-    "SLURM_NTASKS",
+# (rank, world size) variables that MPI-style launchers give each process instead of RANK: OpenMPI,
+# MVAPICH, MPICH / Intel MPI (PMI), a srun step. Under them DeepSpeed finds each rank through MPI, which it
+# skips when RANK is already set. Per-process variables only: SLURM_NTASKS, say, is also set in the
+# shell of an allocation, where a plain `python train.py` is one process.
+_MPI_RANKS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
 )
 
 
-def launched_by_mpi() -> bool:
-    """Whether an MPI-style launcher started this process as one of several ranks (no RANK of its own)."""
-    return any(int(os.environ.get(var, "1") or 1) > 1 for var in _LAUNCHER_WORLD_SIZES)
+def launched_by_mpi() -> str | None:
+    """``NAME=size`` when an MPI-style launcher started this process as one of several ranks, else None."""
+    for rank_var, size_var in _MPI_RANKS:
+        size = os.environ.get(size_var, "")
+        if rank_var in os.environ and size.isdigit() and int(size) > 1:
+            return f"{size_var}={size}"
+    return None
 
 
 def ensure_single_process_env() -> None:
     """Fill in the rendezvous variables for a plain ``python main.py`` run (no launcher set them).
 
-    Not under an MPI-style launcher (``--launcher openmpi``, ``mvapich``, ``slurm``, ...): filling them
+    Not under an MPI-style launcher (``--launcher openmpi``, ``mvapich``, ``slurm``): filling them
     in there made every process rank 0 of a world of one, N separate runs in one output directory."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    if launched_by_mpi():
+    size = launched_by_mpi()
+    if size:
         import importlib.util
 
         if importlib.util.find_spec("mpi4py") is None:
-            size = next(f"{v}={os.environ[v]}" for v in _LAUNCHER_WORLD_SIZES if v in os.environ)
             raise UserError(
                 f"started by an MPI launcher ({size}) that sets no RANK: DeepSpeed finds the ranks through "
                 "mpi4py, which is not installed (pip install mpi4py)"

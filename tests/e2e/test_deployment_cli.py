@@ -208,14 +208,8 @@ def test_multi_node_commands(tmp_path):
     cmd = launch_line(proc.stdout, 1)
     i = cmd.index("deepspeed.launcher.runner")
     assert cmd[i + 1 : i + 3] == ["--master_port", cmd[i + 2]]
-    assert cmd[i + 3 :][:6] == [
-        "--hostfile",
-        str(hosts),
-        "--launcher",
-        "openmpi",
-        "--launcher_args",
-        "-x FOO=1",
-    ]
+    assert cmd[i + 3 :][:10] == ["--hostfile", str(hosts), "--launcher", "openmpi", "--force_multi", "--no_ssh_check",
+                                 "--master_addr", "node-a", "--launcher_args", "-x FOO=1"]  # fmt: skip
     assert "--node_local_storage" in cmd
 
     proc = train_py("--dry-run", "--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type",
@@ -311,3 +305,19 @@ def test_kubernetes_job_runs_train_py_once_per_node_on_a_shared_volume(train):
     assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert Path(container["workingDir"]).name == "dschat"
+
+
+def test_a_step_that_exits_0_without_its_summary_fails_the_job(train, tmp_path, monkeypatch, capsys):
+    # MPICH's rank helper exits 0 whatever its rank did; step 2 must not start on a missing step 1
+    ran = []
+    monkeypatch.setattr(train, "run_step", lambda cmd, log, **kw: ran.append(cmd) or (0, ""))
+    code = train.main(
+        ["--step", "1", "2", "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path)]
+    )
+    assert code == 1 and len(ran) == 1
+    err = capsys.readouterr().err
+    assert (
+        "step 1 (" in err
+        and "exited 0 but wrote no" in err
+        and str(tmp_path / "step1" / "summary.json") in err
+    )

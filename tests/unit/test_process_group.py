@@ -81,7 +81,8 @@ def test_one_process_decides_on_its_own_measurement():
     assert dist.any_rank(True) and not dist.any_rank(False)
 
 
-_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+_MPI_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK",
+             "MV2_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")  # fmt: skip
 
 
 @pytest.fixture
@@ -113,11 +114,12 @@ def launcher_env(monkeypatch):
     ("env", "filled"),
     [
         ({}, True),  # plain `python main.py`
-        ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, True),  # one task inside an allocation
+        ({"SLURM_NTASKS": "8"}, True),  # the shell of an 8-task allocation (salloc, sbatch): one process
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, True),  # srun of one task
         ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"}, False),  # deepspeed --launcher openmpi
         ({"MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_RANK": "2"}, False),  # mvapich
         ({"PMI_SIZE": "4", "PMI_RANK": "2"}, False),  # mpich / Intel MPI
-        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, False),  # deepspeed --launcher slurm (srun)
+        ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4"}, False),  # deepspeed --launcher slurm (srun)
     ],
 )
 def test_an_mpi_launched_rank_is_not_made_a_world_of_one(launcher_env, env, filled):
@@ -129,6 +131,6 @@ def test_an_mpi_launched_rank_is_not_made_a_world_of_one(launcher_env, env, fill
 
 
 def test_an_mpi_launch_without_mpi4py_is_one_clear_line(launcher_env):
-    launcher_env({"OMPI_COMM_WORLD_SIZE": "4"}, mpi4py=False)
+    launcher_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, mpi4py=False)
     with pytest.raises(UserError, match=r"OMPI_COMM_WORLD_SIZE=4.*pip install mpi4py"):
         dist.ensure_single_process_env()

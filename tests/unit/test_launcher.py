@@ -1,0 +1,92 @@
+"""The DeepSpeed launcher's command as train.py builds it (pure: no process starts). Each case is a way the
+launcher itself goes wrong with a naive command line (deepspeed/launcher/runner.py, multinode_runner.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from dschat.launch.launcher import launcher, read_hostfile
+from dschat.utils.errors import UserError
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(deployment_type="single_node", launcher=None, launcher_args=None, nnodes=None, node_rank=None,
+                hostfile=None, num_gpus=None, master_port=29500, master_addr=None)  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def after_runner(cmd: list[str]) -> list[str]:
+    return cmd[cmd.index("deepspeed.launcher.runner") + 3 :]  # after --master_port N
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("visible", "num_gpus", "flags"),
+    [
+        (None, None, ["--num_gpus", "4"]),
+        (None, 2, ["--num_gpus", "2"]),
+        # --num_gpus would make the launcher drop CUDA_VISIBLE_DEVICES and use GPUs 0 and 1
+        ("2,3", None, []),  # all of them: the launcher turns the variable into --include itself
+        ("1,3,5,7", 2, ["--include", "localhost:1,3"]),
+    ],
+)
+def test_single_node_keeps_to_the_visible_gpus(four_gpus, monkeypatch, visible, num_gpus, flags):
+    if visible:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible.split(",")))
+    assert after_runner(launcher(args(num_gpus=num_gpus))) == flags
+
+
+def test_gpu_uuids_in_cuda_visible_devices_are_one_line(four_gpus, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f3a,GPU-77b1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match=r"CUDA_VISIBLE_DEVICES=GPU-8f3a,GPU-77b1.*indices"):
+        launcher(args())
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("node-a slots=2\n")  # one remote host: the runner would launch on this machine
+    return str(path)
+
+
+def test_multi_node_flags_per_backend(hostfile):
+    pdsh = after_runner(launcher(args(deployment_type="multi_node", hostfile=hostfile)))
+    assert pdsh == ["--hostfile", hostfile, "--launcher", "pdsh", "--force_multi"]
+    mpi = after_runner(launcher(args(deployment_type="multi_node", hostfile=hostfile, launcher="openmpi")))
+    # only pdsh needs ssh; without an address the runner would ssh to node-a to ask for one
+    assert mpi == ["--hostfile", hostfile, "--launcher", "openmpi", "--force_multi", "--no_ssh_check",
+                   "--master_addr", "node-a"]  # fmt: skip
+    slurm = after_runner(
+        launcher(
+            args(deployment_type="multi_node", hostfile=hostfile, launcher="slurm", launcher_args="-p gpu")
+        )
+    )
+    assert slurm[-2:] == ["--launcher_args", "-p gpu --kill-on-bad-exit=1"]  # a dead rank ends the job
+
+
+@pytest.mark.parametrize("backend", ["openmpi", "mvapich", "mpich", "impi"])
+def test_num_gpus_with_a_backend_that_refuses_it_is_one_line(hostfile, backend):
+    with pytest.raises(UserError, match=rf"--num-gpus with --launcher {backend}.*slots"):
+        launcher(args(deployment_type="multi_node", hostfile=hostfile, launcher=backend, num_gpus=2))
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("node-a slots = 2\n", "line 1"), ("node-a slots=2\nnode-a slots=2\n", "node-a is listed twice")],
+)
+def test_a_hostfile_deepspeed_would_refuse_is_one_line(tmp_path, text, needle):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(UserError, match=needle):
+        read_hostfile(str(path))
