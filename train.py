@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"DSCHAT_DIST_TIMEOUT": str(args.dist_timeout)} if args.dist_timeout else {}
     # With torchrun every node runs this script: node 0 writes training.log, the others their own file.
     node = f".node{args.node_rank}" if args.launcher == "torchrun" and args.node_rank else ""
+    remote = args.deployment_type == "multi_node" and args.launcher != "torchrun"  # the DeepSpeed runner
     for n, line in lines.items():
         step = line.step
         cmd = [*prefix, str(step.entry), *line.command(memory_plan(line, args, extra, preset))]
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             continue
         log = out_dir / f"training{node}.log"
-        code, failed = run_step(cmd, log, append=args.resume, env=env)
+        code, failed = run_step(cmd, log, append=args.resume, env=env, remote=remote)
         if code != 0:
             print(
                 f"error: step {n} ({step.name}) failed with exit code {code}"

@@ -178,3 +178,26 @@ def processes(args: argparse.Namespace) -> tuple[int, int]:
     if args.nnodes:
         return args.num_gpus or visible_devices()[0], args.nnodes
     raise UserError("--deployment-type multi_node: say how many nodes with --hostfile FILE or --nnodes N")
+
+
+# Variables a step reads from its environment: the DeepSpeed runner passes to other nodes (pdsh, and
+# the MPI launchers' remote ranks) only names with its own prefixes and those in a .deepspeed_env file.
+FORWARDED_PREFIXES = ("DSCHAT_", "HF_", "TRANSFORMERS_", "TORCH_")
+
+
+def deepspeed_env_lines(env: dict[str, str], home: Path, cwd: Path) -> list[str]:
+    """``KEY=VALUE`` lines for the runner's env file: the user's own ``.deepspeed_env`` (the name in
+    ``DS_ENV_FILE``, looked up in ``home`` and ``cwd`` as the runner does) first, then every variable of
+    ``env`` with a prefix in ``FORWARDED_PREFIXES`` (without ``DS_ENV_FILE`` pointing here, train.py's
+    ``--dist-timeout``, its log capture and the user's cache and hub settings never reached the ranks)."""
+    name = env.get("DS_ENV_FILE", ".deepspeed_env")
+    lines: list[str] = []
+    for base in dict.fromkeys((home, cwd)):
+        path = base / name
+        if path.is_file():
+            lines += [x for x in path.read_text().splitlines() if "=" in x]
+    # the runner reads one variable per line: a value holding a newline cannot travel
+    lines += [
+        f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(FORWARDED_PREFIXES) and "\n" not in v
+    ]
+    return lines

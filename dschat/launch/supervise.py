@@ -75,11 +75,28 @@ class RankWatch:
         return ""
 
 
-def run_step(cmd: list[str], log_path: Path, append: bool, env: dict | None = None) -> tuple[int, str]:
+def run_step(
+    cmd: list[str], log_path: Path, append: bool, env: dict | None = None, remote: bool = False
+) -> tuple[int, str]:
     """Run ``cmd``, copying its output byte for byte to the console and ``log_path``; returns the exit
-    code and, on failure, which rank failed first (if known)."""
+    code and, on failure, which rank failed first (if known). ``remote``: the DeepSpeed runner starts
+    ranks on other nodes, which inherit nothing of this environment: the variables a step reads travel
+    in a private ``DS_ENV_FILE`` (the user's ``.deepspeed_env`` merged in), removed afterwards."""
+    import tempfile
+
+    from dschat.launch.launcher import deepspeed_env_lines
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # mode 0700: it may hold HF_TOKEN
+        if remote:
+            env_file = Path(private) / "deepspeed_env"
+            env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
+            env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
+        return _run(cmd, log_path, append, env)
+
+
+def _run(cmd: list[str], log_path: Path, append: bool, env: dict) -> tuple[int, str]:
     watch = RankWatch()
     with open(log_path, "ab" if append else "wb") as log:
         log.write(f"$ {shlex.join(cmd)}\n".encode())

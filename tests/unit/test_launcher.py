@@ -4,11 +4,14 @@ launcher itself goes wrong with a naive command line (deepspeed/launcher/runner.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from dschat.launch.launcher import launcher, read_hostfile
+from dschat.launch.launcher import deepspeed_env_lines, launcher, read_hostfile
+from dschat.launch.supervise import run_step
 from dschat.utils.errors import UserError
 
 
@@ -90,3 +93,32 @@ def test_a_hostfile_deepspeed_would_refuse_is_one_line(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(UserError, match=needle):
         read_hostfile(str(path))
+
+
+def test_the_env_file_for_other_nodes_merges_the_users_and_forwards_the_steps_variables(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    cwd.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\n\n")
+    env = {
+        "DSCHAT_DIST_TIMEOUT": "600",
+        "HF_HUB_OFFLINE": "1",
+        "DSCHAT_X": "a\nb",
+        "HOME": "/root",
+        "PATH": "/bin",
+    }
+    assert deepspeed_env_lines(env, home, cwd) == [
+        "NCCL_IB_DISABLE=1",
+        "DSCHAT_DIST_TIMEOUT=600",
+        "HF_HUB_OFFLINE=1",
+    ]
+
+
+def test_a_remote_step_reads_its_variables_from_a_private_file_that_is_removed_after(tmp_path):
+    # pdsh starts every rank through ssh: only the runner's env file carries train.py's settings there
+    show = "import os; p = os.environ['DS_ENV_FILE']; print(p); print(open(p).read())"
+    code, _ = run_step([sys.executable, "-c", show], tmp_path / "log", append=False,
+                       env={"DSCHAT_DIST_TIMEOUT": "600"}, remote=True)  # fmt: skip
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert code == 0 and "DSCHAT_DIST_TIMEOUT=600" in lines and "DSCHAT_LOG_CAPTURED=1" in lines
+    assert not Path(lines[1]).exists()
