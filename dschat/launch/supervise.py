@@ -3,6 +3,7 @@ log, and, when the step fails, which rank failed first."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -98,11 +99,18 @@ def run_step(
 
 def _run(cmd: list[str], log_path: Path, append: bool, env: dict) -> tuple[int, str]:
     watch = RankWatch()
-    with open(log_path, "ab" if append else "wb") as log:
+    with open(log_path, "ab" if append else "wb") as log, _terminate_as_interrupt():
         log.write(f"$ {shlex.join(cmd)}\n".encode())
-        # the user's working directory: relative --output-dir and data paths mean the same to every step
+        # The user's working directory: relative --output-dir and data paths mean the same to every step.
+        # A session of its own: stopping train.py stops the launcher *and* its ranks (the DeepSpeed
+        # runner forwards no signal on one node, and its ranks kept training after train.py had gone).
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=os.getcwd(),
+            start_new_session=True,
         )
         try:
             while chunk := os.read(proc.stdout.fileno(), 65536):
@@ -113,6 +121,51 @@ def _run(cmd: list[str], log_path: Path, append: bool, env: dict) -> tuple[int, 
             code = proc.wait()
             return code, watch.report() if code else ""
         except KeyboardInterrupt:
-            proc.terminate()
+            stop_group(proc.pid)
             proc.wait()
             raise
+
+
+STOP_GRACE_SECONDS = 10.0
+
+
+def stop_group(pgid: int, grace: float = STOP_GRACE_SECONDS) -> None:
+    """Stop every process of group ``pgid``: SIGINT (a rank's Ctrl-C, so it can clean up), then SIGTERM,
+    then SIGKILL, each after ``grace`` seconds in which some process of the group is still alive."""
+    import signal
+    import time
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return  # the group is empty
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(-pgid, os.WNOHANG)  # reap our own child, or it stays in the group as a zombie
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (``kill``, ``timeout``, a scheduler) stops the step like Ctrl-C does, instead of ending
+    train.py at once and leaving the step's processes running."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -282,6 +282,8 @@ def test_slurm_script_runs_train_py_once_per_node(train):
         args.master_addr == "node-a" and args.num_gpus == 8 and args.output_dir == "/shared/out" and not extra
     )
     assert "--kill-on-bad-exit=1" in text
+    # Slurm 22.05 to 23.02 do not hand sbatch's --cpus-per-task to srun: 8 ranks on one core
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in text
 
 
 def test_kubernetes_job_runs_train_py_once_per_node_on_a_shared_volume(train):

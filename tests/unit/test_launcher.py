@@ -4,9 +4,14 @@ launcher itself goes wrong with a naive command line (deepspeed/launcher/runner.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -122,3 +127,16 @@ def test_a_remote_step_reads_its_variables_from_a_private_file_that_is_removed_a
     lines = (tmp_path / "log").read_text().splitlines()
     assert code == 0 and "DSCHAT_DIST_TIMEOUT=600" in lines and "DSCHAT_LOG_CAPTURED=1" in lines
     assert not Path(lines[1]).exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["kill-INT", "kill-TERM"])
+def test_stopping_train_py_stops_the_steps_whole_process_tree(tmp_path, signum):
+    # The DeepSpeed runner forwards no signal on one node: its ranks kept training after train.py went
+    spawn = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+             " print(c.pid, flush=True); time.sleep(60)")  # fmt: skip
+    threading.Timer(3.0, os.kill, (os.getpid(), signum)).start()  # a signal to train.py alone
+    with pytest.raises(KeyboardInterrupt):
+        run_step([sys.executable, "-c", spawn], tmp_path / "log", append=False)
+    rank = int((tmp_path / "log").read_text().splitlines()[1])  # the grandchild: a rank of the launcher
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone, or dead and waiting to be reaped
+        assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
