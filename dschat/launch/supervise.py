@@ -89,11 +89,12 @@ def run_step(
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if not remote:
+        return _run(cmd, log_path, append, env)
     with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # mode 0700: it may hold HF_TOKEN
-        if remote:
-            env_file = Path(private) / "deepspeed_env"
-            env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
-            env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
+        env_file = Path(private) / "deepspeed_env"
+        env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
+        env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
         return _run(cmd, log_path, append, env)
 
 
