@@ -50,7 +50,7 @@ from dschat.launch.steps import (  # noqa: E402
 )
 from dschat.launch.supervise import run_step  # noqa: E402
 from dschat.utils.errors import UserError, run_cli  # noqa: E402
-from dschat.utils.run import check_output_dir  # noqa: E402
+from dschat.utils.run import check_output_dir, finished  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -305,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     lines: dict[int, StepLine] = {}
     for n in steps:
         for needed in (1, 2) if n == 3 else ():
-            if (
-                needed not in steps
-                and not (Path(args.output_dir) / f"step{needed}" / "summary.json").exists()
-            ):
+            if needed not in steps and not finished(Path(args.output_dir) / f"step{needed}"):
                 if needed == 2 and args.reward_model:
                     continue
                 raise UserError(
@@ -338,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )  # fmt: skip
             return code if 0 < code < 128 else 1
-        if not node and not (out_dir / "summary.json").is_file():
+        if not node and not finished(out_dir):
             # Some launchers report success for a failed rank (the MPICH helper exits 0 whatever its
             # child did; the DeepSpeed runner turns a rank killed by a signal into 0): the summary a
             # finished step writes last is the proof, and step 3 must not start on a missing step 1.
@@ -395,7 +392,7 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
         return []  # step 2 alone made a reward model: nothing to talk to
     if args.algorithm == "dpo":
         reward = None  # no reward model in a DPO run
-    elif (out / "step2" / "summary.json").exists():
+    elif finished(out / "step2"):
         reward = str(out / "step2")
     else:
         reward = args.reward_model if 3 in steps else None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dschat.launch.presets import preset_flags
 from dschat.utils.errors import UserError
+from dschat.utils.run import finished
 
 ROOT = Path(__file__).resolve().parents[2]  # the project: training/ and configs/ live here
 
@@ -133,7 +134,7 @@ def policy_start_model(args: argparse.Namespace, preset: dict | None = None) -> 
     """DPO starts from this run's step-1 model (when step 1 runs or has run), else from --actor-model,
     the preset's model or the embedded default."""
     step1 = Path(args.output_dir) / "step1"
-    if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
+    if finished(step1) or 1 in (args.step or [1]):
         return str(step1)
     from dschat.config import DEFAULT_MODEL
 
@@ -147,7 +148,7 @@ def reward_start_model(args: argparse.Namespace, preset: dict | None = None) -> 
     if args.reward_model or (preset or {}).get("reward_model"):
         return args.reward_model or preset["reward_model"]
     step1 = Path(args.output_dir) / "step1"
-    if (step1 / "summary.json").exists() or 1 in (args.step or [1]):
+    if finished(step1) or 1 in (args.step or [1]):
         return str(step1)
     from dschat.config import DEFAULT_MODEL
 

@@ -19,14 +19,18 @@ SUMMARY = "summary.json"
 RESOLVED_CONFIG = "dschat_config.json"
 
 
+def finished(path: str | Path) -> bool:
+    """Whether the run in ``path`` finished: a step writes its summary last."""
+    return (Path(path) / SUMMARY).exists()
+
+
 def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "--output_dir") -> None:
     """Refuse to silently replace a finished run or clobber an unfinished one's checkpoints."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {path}: exists and is not a directory")
-    finished = (p / SUMMARY).exists()
     ckpt = p / "checkpoints" / "latest"
-    if finished and not overwrite:
+    if finished(p) and not overwrite:
         raise UserError(f"{flag} {path}: holds a finished run ({SUMMARY}); pass --overwrite to replace it")
     if resume and not ckpt.exists():
         raise UserError(f"--resume: no checkpoint to resume from in {p / 'checkpoints'}")
