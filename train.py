@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from dschat.config import check_zero_stage  # noqa: E402
-from dschat.launch.launcher import DEPLOYMENTS, LAUNCHERS, launcher, processes  # noqa: E402
+from dschat.launch.launcher import DEPLOYMENTS, LAUNCHERS, launcher, launcher_env, processes  # noqa: E402
 from dschat.launch.presets import (  # noqa: E402
     load_preset,
 )
@@ -103,7 +103,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--launcher-args", help="extra arguments for the DeepSpeed launcher backend (one string)")
     p.add_argument("--master-addr", help="address of node 0 (torchrun; optional for the DeepSpeed launcher)")
     p.add_argument(
-        "--master-port", type=int, help="rendezvous port (default: a free one; torchrun: required)"
+        "--master-port", type=int, help="rendezvous port (default: a free one, found again for each step; torchrun: required)"
     )
     p.add_argument("--nnodes", type=int, help="number of nodes (torchrun)")
     p.add_argument("--node-rank", type=int, help="this node's rank, 0 .. nnodes-1 (torchrun)")
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in steps:
             memory_plan(StepLine.of(n, args, extra, preset), args, extra, preset)
         return 0
-    prefix = launcher(args)
+    launcher(args)  # every launch flag checked before any step starts
     lines: dict[int, StepLine] = {}
     for n in steps:
         for needed in (1, 2) if n == 3 else ():
@@ -315,13 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite, resume=args.resume,
                          flag="--output-dir")  # fmt: skip
         lines[n] = StepLine.of(n, args, extra, preset)  # every step's flags, before any runs
-    env = {"DSCHAT_DIST_TIMEOUT": str(args.dist_timeout)} if args.dist_timeout else {}
+    env = launcher_env(args)
+    if args.dist_timeout:
+        env["DSCHAT_DIST_TIMEOUT"] = str(args.dist_timeout)
     # With torchrun every node runs this script: node 0 writes training.log, the others their own file.
     node = f".node{args.node_rank}" if args.launcher == "torchrun" and args.node_rank else ""
     remote = args.deployment_type == "multi_node" and args.launcher != "torchrun"  # the DeepSpeed runner
     for n, line in lines.items():
         step = line.step
-        cmd = [*prefix, str(step.entry), *line.command(memory_plan(line, args, extra, preset))]
+        # the launcher again for each step: a port found free now (one found before step 1 may be taken by
+        # the time step 3 starts, an hour later)
+        cmd = [*launcher(args), str(step.entry), *line.command(memory_plan(line, args, extra, preset))]
         out_dir = Path(args.output_dir) / step.dir_name
         print(f"==> step {n} ({step.name}): {shlex.join(cmd)}", flush=True)
         if args.dry_run:

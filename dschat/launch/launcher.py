@@ -103,7 +103,9 @@ def launcher(args: argparse.Namespace) -> list[str]:
         n = args.num_gpus or have
         if n > have:
             raise UserError(f"--num-gpus {n}: this machine has only {have} {kind}{'s' if have != 1 else ''}")
-        return [*runner, *single_node_devices(n)]
+        # An explicit hostfile that is no file: given none, the runner reads /job/hostfile where one exists
+        # (DLTS clusters, some images) and would spread a single_node run over the hosts listed there.
+        return [*runner, "--hostfile", os.devnull, *single_node_devices(n)]
     if args.nnodes is not None or args.node_rank is not None:
         raise UserError(
             "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
@@ -163,6 +165,19 @@ def torchrun(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes), "--nproc_per_node", str(n),
             "--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port",
             str(args.master_port), "--max_restarts", "0"]  # fmt: skip
+
+
+def launcher_env(args: argparse.Namespace) -> dict[str, str]:
+    """Variables the step's launcher needs beside train.py's environment. torchrun sets
+    ``OMP_NUM_THREADS=1`` for every rank when there are several per node and the variable is unset, which
+    on CPU leaves each rank one core however many it has; the cores are split among the ranks instead (the
+    DeepSpeed launcher sets nothing, and the ranks split the cores themselves: engine.core)."""
+    if args.deployment_type != "multi_node" or args.launcher != "torchrun" or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    have, kind = visible_devices()
+    if kind != "CPU core":
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, have // (args.num_gpus or have)))}
 
 
 def processes(args: argparse.Namespace) -> tuple[int, int]:

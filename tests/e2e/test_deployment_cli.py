@@ -323,3 +323,25 @@ def test_a_step_that_exits_0_without_its_summary_fails_the_job(train, tmp_path, 
         and "exited 0 but wrote no" in err
         and str(tmp_path / "step1" / "summary.json") in err
     )
+
+
+def test_each_step_gets_a_port_found_free_when_it_starts(train, tmp_path, monkeypatch):
+    # One port found before step 1 may be taken by the time step 3 starts, hours later.
+    import dschat.utils.dist
+
+    ports = iter(range(41000, 41010))
+    monkeypatch.setattr(dschat.utils.dist, "free_port", lambda: next(ports))
+    ran = []
+
+    def run_step(cmd, log, **kw):
+        ran.append(cmd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        (log.parent / "summary.json").write_text("{}")
+        return 0, ""
+
+    monkeypatch.setattr(train, "run_step", run_step)
+    code = train.main(["--step", "1", "2", "--actor-model", "builtin:micro-llama", "--deployment-type", "single_node",
+                       "--num-gpus", "2", "--output-dir", str(tmp_path)])  # fmt: skip
+    assert code == 0 and len(ran) == 2
+    used = [cmd[cmd.index("--master_port") + 1] for cmd in ran]
+    assert used[0] != used[1] and {int(p) for p in used} <= set(range(41000, 41010))

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from dschat.launch.launcher import deepspeed_env_lines, launcher, read_hostfile
+from dschat.launch.launcher import deepspeed_env_lines, launcher, launcher_env, read_hostfile
 from dschat.launch.supervise import run_step
 from dschat.utils.errors import UserError
 
@@ -51,7 +51,35 @@ def test_single_node_keeps_to_the_visible_gpus(four_gpus, monkeypatch, visible, 
     if visible:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible.split(",")))
-    assert after_runner(launcher(args(num_gpus=num_gpus))) == flags
+    assert after_runner(launcher(args(num_gpus=num_gpus))) == ["--hostfile", os.devnull, *flags]
+
+
+def test_single_node_ignores_a_hostfile_at_the_runners_default_path(four_gpus, monkeypatch, tmp_path):
+    # DeepSpeed's runner reads /job/hostfile when given no --hostfile: where a cluster image has one, a
+    # single_node run would have gone to the hosts listed there.
+    from deepspeed.launcher import runner
+
+    default = tmp_path / "job_hostfile"
+    default.write_text("node-a slots=8\nnode-b slots=8\n")
+    monkeypatch.setattr(runner, "DLTS_HOSTFILE", str(default))
+    parsed = runner.parse_args([*after_runner(launcher(args())), "step.py"])
+    assert runner.fetch_hostfile(parsed.hostfile) is None  # local resources only
+    assert runner.fetch_hostfile(runner.parse_args(["step.py"]).hostfile) is not None  # the trap itself
+
+
+def torchrun_args(**kw) -> argparse.Namespace:
+    return args(deployment_type="multi_node", launcher="torchrun", nnodes=2, node_rank=0, master_addr="n0", **kw)
+
+
+def test_torchrun_cpu_ranks_split_the_cores_instead_of_one_thread_each(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("dschat.launch.launcher.cpu_cores", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launcher_env(torchrun_args(num_gpus=4)) == {"OMP_NUM_THREADS": "4"}
+    assert launcher_env(torchrun_args()) == {"OMP_NUM_THREADS": "1"}  # one rank per core
+    assert launcher_env(args()) == {}  # the DeepSpeed launcher: the ranks split the cores themselves
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    assert launcher_env(torchrun_args(num_gpus=4)) == {}
 
 
 def test_gpu_uuids_in_cuda_visible_devices_are_one_line(four_gpus, monkeypatch):
