@@ -103,7 +103,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--launcher-args", help="extra arguments for the DeepSpeed launcher backend (one string)")
     p.add_argument("--master-addr", help="address of node 0 (torchrun; optional for the DeepSpeed launcher)")
     p.add_argument(
-        "--master-port", type=int, help="rendezvous port (default: a free one, found again for each step; torchrun: required)"
+        "--master-port",
+        type=int,
+        help="rendezvous port (default: a free one, found again for each step; torchrun: required)",
     )
     p.add_argument("--nnodes", type=int, help="number of nodes (torchrun)")
     p.add_argument("--node-rank", type=int, help="this node's rank, 0 .. nnodes-1 (torchrun)")

@@ -68,7 +68,9 @@ def test_single_node_ignores_a_hostfile_at_the_runners_default_path(four_gpus, m
 
 
 def torchrun_args(**kw) -> argparse.Namespace:
-    return args(deployment_type="multi_node", launcher="torchrun", nnodes=2, node_rank=0, master_addr="n0", **kw)
+    return args(
+        deployment_type="multi_node", launcher="torchrun", nnodes=2, node_rank=0, master_addr="n0", **kw
+    )
 
 
 def test_torchrun_cpu_ranks_split_the_cores_instead_of_one_thread_each(monkeypatch):
