@@ -19,7 +19,9 @@ class RankWatch:
     The DeepSpeed launcher logs ``process PID spawned with command: [... '--local_rank=R' ...]`` per
     rank and stops every rank when one exits non-zero, but does not say which one did: a thread polls
     those processes and remembers the first to end. torchrun's own failure report names the rank
-    (``Root Cause ... rank : R``) and is read from the output.
+    (``Root Cause ... rank : R``) and is read from the output. ``local=False`` (the DeepSpeed runner on
+    other nodes): the spawn lines come back through pdsh or MPI with the pids of other machines, which
+    polled here would look ended at once and name a rank that never failed, so none is watched.
     """
 
     SPAWN = re.compile(rb"process (\d+) spawned with command: \[.*?'--local_rank=(\d+)'")
@@ -27,7 +29,8 @@ class RankWatch:
         rb"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S
     )
 
-    def __init__(self) -> None:
+    def __init__(self, local: bool = True) -> None:
+        self.local = local
         self.pids: dict[int, int] = {}  # pid -> local rank
         self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
         self.tail = b""
@@ -37,7 +40,7 @@ class RankWatch:
 
     def feed(self, chunk: bytes) -> None:
         self.tail = (self.tail + chunk)[-65536:]
-        for m in self.SPAWN.finditer(chunk):
+        for m in self.SPAWN.finditer(chunk) if self.local else ():
             self.pids[int(m[1])] = int(m[2])
 
     @property
@@ -90,16 +93,16 @@ def run_step(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if not remote:
-        return _run(cmd, log_path, append, env)
+        return _run(cmd, log_path, append, env, local=True)
     with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # mode 0700: it may hold HF_TOKEN
         env_file = Path(private) / "deepspeed_env"
         env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
         env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
-        return _run(cmd, log_path, append, env)
+        return _run(cmd, log_path, append, env, local=False)
 
 
-def _run(cmd: list[str], log_path: Path, append: bool, env: dict) -> tuple[int, str]:
-    watch = RankWatch()
+def _run(cmd: list[str], log_path: Path, append: bool, env: dict, local: bool) -> tuple[int, str]:
+    watch = RankWatch(local)
     with open(log_path, "ab" if append else "wb") as log, _terminate_as_interrupt():
         log.write(f"$ {shlex.join(cmd)}\n".encode())
         # The user's working directory: relative --output-dir and data paths mean the same to every step.

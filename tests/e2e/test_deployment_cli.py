@@ -245,6 +245,13 @@ def test_rank_watch_names_the_rank_that_ended_first(train):
         alive.kill()
         alive.wait()
         dies.wait()
+    # Other nodes' spawn lines (here through pdsh) carry their machines' pids: none of them is polled here,
+    # where pid 999999999 does not exist and would have been reported as a rank that ended first.
+    remote = RankWatch(local=False)
+    remote.feed(b"node-b: [INFO] [launch.py:256:main] process 999999999 spawned with command: ['python', '-u', "
+                b"'main.py', '--local_rank=1']\n")  # fmt: skip
+    time.sleep(0.2)
+    assert remote.report() == ""
     torchrun = RankWatch()
     torchrun.feed(b"Failures:\n  <NO_OTHER_FAILURES>\n------\nRoot Cause (first observed failure):\n[0]:\n"
                   b"  time      : 2026-01-01_00:00:00\n  host      : node-b\n  rank      : 3 (local_rank: 1)\n"
