@@ -177,7 +177,8 @@ def launcher_env(args: argparse.Namespace) -> dict[str, str]:
     have, kind = visible_devices()
     if kind != "CPU core":
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, have // (args.num_gpus or have)))}
+    ranks = args.num_gpus or have
+    return {"OMP_NUM_THREADS": str(max(1, have // ranks))} if ranks > 1 else {}
 
 
 def processes(args: argparse.Namespace) -> tuple[int, int]:

@@ -20,8 +20,9 @@ class RankWatch:
     rank and stops every rank when one exits non-zero, but does not say which one did: a thread polls
     those processes and remembers the first to end. torchrun's own failure report names the rank
     (``Root Cause ... rank : R``) and is read from the output. ``local=False`` (the DeepSpeed runner on
-    other nodes): the spawn lines come back through pdsh or MPI with the pids of other machines, which
-    polled here would look ended at once and name a rank that never failed, so none is watched.
+    other nodes): the spawn lines come back through pdsh with the pids of other machines, which polled
+    here would look ended at once and name a rank that never failed, so none is watched (this node's
+    own ranks neither: the error line then names no rank).
     """
 
     SPAWN = re.compile(rb"process (\d+) spawned with command: \[.*?'--local_rank=(\d+)'")

@@ -341,14 +341,35 @@ def test_each_step_gets_a_port_found_free_when_it_starts(train, tmp_path, monkey
     ran = []
 
     def run_step(cmd, log, **kw):
-        ran.append(cmd)
+        ran.append((cmd, kw["env"]))
         log.parent.mkdir(parents=True, exist_ok=True)
         (log.parent / "summary.json").write_text("{}")
         return 0, ""
 
     monkeypatch.setattr(train, "run_step", run_step)
     code = train.main(["--step", "1", "2", "--actor-model", "builtin:micro-llama", "--deployment-type", "single_node",
-                       "--num-gpus", "2", "--output-dir", str(tmp_path)])  # fmt: skip
+                       "--num-gpus", "1", "--output-dir", str(tmp_path)])  # fmt: skip
     assert code == 0 and len(ran) == 2
-    used = [cmd[cmd.index("--master_port") + 1] for cmd in ran]
+    used = [cmd[cmd.index("--master_port") + 1] for cmd, _ in ran]
     assert used[0] != used[1] and {int(p) for p in used} <= set(range(41000, 41010))
+
+
+def test_torchrun_cpu_ranks_are_started_with_their_share_of_the_cores(train, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("dschat.launch.launcher.cpu_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    envs = []
+
+    def run_step(cmd, log, **kw):
+        envs.append(kw["env"])
+        log.parent.mkdir(parents=True, exist_ok=True)
+        (log.parent / "summary.json").write_text("{}")
+        return 0, ""
+
+    monkeypatch.setattr(train, "run_step", run_step)
+    code = train.main(["--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type", "multi_node",
+                       "--launcher", "torchrun", "--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                       "--master-port", "29500", "--num-gpus", "2", "--output-dir", str(tmp_path)])  # fmt: skip
+    assert code == 0 and envs[0].get("OMP_NUM_THREADS") == "4"

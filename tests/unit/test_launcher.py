@@ -79,6 +79,7 @@ def test_torchrun_cpu_ranks_split_the_cores_instead_of_one_thread_each(monkeypat
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launcher_env(torchrun_args(num_gpus=4)) == {"OMP_NUM_THREADS": "4"}
     assert launcher_env(torchrun_args()) == {"OMP_NUM_THREADS": "1"}  # one rank per core
+    assert launcher_env(torchrun_args(num_gpus=1)) == {}  # one rank: torchrun sets nothing, torch decides
     assert launcher_env(args()) == {}  # the DeepSpeed launcher: the ranks split the cores themselves
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
     assert launcher_env(torchrun_args(num_gpus=4)) == {}
@@ -157,6 +158,15 @@ def test_a_remote_step_reads_its_variables_from_a_private_file_that_is_removed_a
     lines = (tmp_path / "log").read_text().splitlines()
     assert code == 0 and "DSCHAT_DIST_TIMEOUT=600" in lines and "DSCHAT_LOG_CAPTURED=1" in lines
     assert not Path(lines[1]).exists()
+
+
+@pytest.mark.parametrize(("remote", "report"), [(True, ""), (False, "rank 1 (pid 999999999) ended first")])
+def test_a_remote_steps_spawn_lines_name_no_rank(tmp_path, remote, report):
+    # pdsh brings back other nodes' spawn lines: their pids, absent here, looked like ranks that had ended
+    spawn = "node-b: process 999999999 spawned with command: ['python', 'main.py', '--local_rank=1']"
+    code, failed = run_step([sys.executable, "-c", f"import time; print({spawn!r}, flush=True); time.sleep(1); "
+                             "raise SystemExit(1)"], tmp_path / "log", append=False, remote=remote)  # fmt: skip
+    assert code == 1 and failed.startswith(report)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["kill-INT", "kill-TERM"])
