@@ -55,7 +55,9 @@ def judge_held_out(
 
     Returns ``score_<name>_step1`` / ``score_<name>_<tag>`` (mean scores), ``win_rate_<name>`` (policy
     over step 1, ties half), ``judge_win_rate`` (the same under ``reward_models[judge]``), the mean answer
-    lengths in tokens and ``length_ratio`` (policy over step 1). With ``sampled``, the same again for
+    lengths in tokens and ``length_ratio`` (policy over step 1); how many answers of each were cut off at
+    ``max_new_tokens`` and the judge's win rate where neither was (``judge_win_rate_both_ended``) and in
+    each other such group (``judge_win_rate_by_cut_off``). With ``sampled``, the same again for
     one answer each sampled at temperature 1 (the distribution RL optimises; seed 0 for both models),
     under keys ending in ``_sampled``: greedy decoding shows only the mode, which a small policy
     update may leave unchanged."""
@@ -107,8 +109,28 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
         result[f"score_{name}_step1"] = mean(s["baseline"])
         result[f"score_{name}_{tag}"] = mean(s["finetune"])
         result[f"win_rate_{name}"] = win_rate(s["finetune"], s["baseline"], same)["win_rate"]
+        if name == judge:
+            judged = s
+    # An answer cut off at max_new_tokens stops mid-sentence, and a judge marks it down whatever it says:
+    # a policy that learns only to finish within the budget wins every prompt where step 1 ran out. So the
+    # judge's win rate per group: both answers ended, both cut off, only one of them cut off.
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(answered):
+        key = {(False, False): "both_ended", (True, True): "both_cut_off", (True, False): "only_step1_cut_off",
+               (False, True): f"only_{tag}_cut_off"}[(r["baseline_cut_off"], r["finetune_cut_off"])]  # fmt: skip
+        groups.setdefault(key, []).append(i)
+
+    def judged_win_rate(ix: list[int]) -> dict:
+        policy, step1 = ([judged[side][i] for i in ix] for side in ("finetune", "baseline"))
+        return {"prompts": len(ix), **win_rate(policy, step1, [same[i] for i in ix])}
+
+    by_cut_off = {key: judged_win_rate(ix) for key, ix in sorted(groups.items())}
     return {
         "judge_win_rate": result[f"win_rate_{judge}"],
+        "judge_win_rate_both_ended": by_cut_off.get("both_ended", {}).get("win_rate"),
+        "judge_win_rate_by_cut_off": by_cut_off,
+        "cut_off_step1": sum(r["baseline_cut_off"] for r in answered),
+        f"cut_off_{tag}": sum(r["finetune_cut_off"] for r in answered),
         **result,
         "length_step1": length("baseline"),
         f"length_{tag}": length("finetune"),

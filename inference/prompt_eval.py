@@ -33,6 +33,7 @@ from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, 
 from dschat.data.prompt_format import as_dialogue, prompt_format
 from dschat.generation.decoding import (
     DecodeOptions,
+    Replies,
     add_decoding_args,
     context_length,
     decode_options,
@@ -89,7 +90,7 @@ def free(*objs) -> None:
         torch.cuda.empty_cache()
 
 
-def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args) -> tuple[list[str], int]:
+def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args) -> tuple[Replies, int]:
     """One model's replies to every question (loaded, used, freed); and how many prompts were cut to fit."""
     where = args.inference
     model, tokenizer = load_for_generation(path, device=where.device, dtype=inference_dtype(where.dtype, where.device),
@@ -144,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
                             "1-label sequence-classification model; pass the step-2 output directory)")  # fmt: skip
     models = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
     replies: dict[str, list[str]] = {}
+    cut_off: dict[str, list[bool]] = {}
     for side in SIDES:
         print(f"==> {side}: {models[side]} ({len(questions)} prompts, {args.decoding})", flush=True)
-        replies[side], cut = answer(models[side], f"--model_name_or_path_{side}", questions, opts, args)
+        (replies[side], cut_off[side]), cut = answer(
+            models[side], f"--model_name_or_path_{side}", questions, opts, args
+        )
         if cut:
             print(f"    {cut} prompt(s) longer than the context kept only their end", flush=True)
     scores = rewards(questions, replies, args) if args.reward_model else None
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"index": i + 1, "prompt": q, "task": compare.task_name(q)}
         for side in SIDES:
             row[side] = replies[side][i]
+            row[f"{side}_cut_off"] = cut_off[side][i]
             row[f"{side}_correct"] = compare.verdict(q, replies[side][i])
             row[f"{side}_reward"] = scores[side][i] if scores else None
         rows.append(row)
@@ -169,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(rows: list[dict], scores: dict[str, list[float]] | None, n: int) -> dict:
     summary: dict = {"prompts": n}
+    for side in SIDES:  # unfinished answers: a reason to raise --max_new_tokens, and a judge's bias
+        summary[f"{side}_cut_off"] = sum(r[f"{side}_cut_off"] for r in rows)
     task_rows = sum(r["task"] is not None for r in rows)
     if task_rows:
         summary["task_prompts"] = task_rows
@@ -205,6 +212,9 @@ def print_side_by_side(rows: list[dict]) -> None:
 
 def print_summary(s: dict) -> None:
     print(f"\n==> {s['prompts']} prompts")
+    if s["baseline_cut_off"] or s["finetune_cut_off"]:
+        print(f"    cut off at --max_new_tokens before they ended: baseline {s['baseline_cut_off']}, "
+              f"fine-tuned {s['finetune_cut_off']}")  # fmt: skip
     if "task_prompts" in s:
         print(f"    verifier accuracy on {s['task_prompts']} built-in task prompts: "
               f"baseline {s['baseline_accuracy']:.3f}, fine-tuned {s['finetune_accuracy']:.3f}")  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,11 @@ def contrastive_search(
     return new
 
 
+class Replies(NamedTuple):
+    texts: list[str]  # one reply per prompt
+    cut_off: list[bool]  # per prompt: the reply ran out of max_new_tokens before it ended
+
+
 @torch.no_grad()
 def generate_replies(
     model: torch.nn.Module,
@@ -187,12 +193,15 @@ def generate_replies(
     batch_size: int = 8,
     stops: tuple[str, ...] = TURN_STOPS,
     stop_ids: tuple[int, ...] = (),
-) -> list[str]:
-    """Replies (text after each prompt, cut at an invented turn, leading space kept) for token-id prompts.
+) -> Replies:
+    """Replies (text after each prompt, cut at an invented turn, leading space kept) for token-id prompts,
+    and which of them were cut off.
 
     Prompts are left-padded into batches of ``batch_size`` for greedy, sampling and beam search, and run
     one at a time for contrastive search. A reply ends at one of ``stop_ids`` (a format's end of turn) or
-    the model's EOS. Special tokens (EOS, padding) are not part of the text.
+    the model's EOS. Special tokens (EOS, padding) are not part of the text. A reply that used all
+    ``opts.max_new_tokens`` without reaching an end (EOS, an end id or a stop string) is cut off: it
+    stops mid-answer, and a judge or reward model scoring it sees an unfinished answer.
     """
     device = next(model.parameters()).device
     model.eval()
@@ -211,4 +220,8 @@ def generate_replies(
                                  eos_token_id=sorted(ends), **opts.generate_kwargs())  # fmt: skip
             replies.extend(seq[:, width:].tolist())
     texts = tokenizer.batch_decode(replies, skip_special_tokens=True)
-    return [cut_reply(t, stops) for t in texts]
+    cut_off = [
+        len(r) >= opts.max_new_tokens and not ends.intersection(r) and not any(s in t for s in stops)
+        for r, t in zip(replies, texts, strict=True)
+    ]
+    return Replies([cut_reply(t, stops) for t in texts], cut_off)

@@ -37,6 +37,7 @@ def test_side_by_side_reports_and_win_rate(tiny, tmp_path):
     assert {r["baseline"] for r in rows} == {" 578"} and {r["finetune"] for r in rows} == {" 579"}
     assert [r["finetune_correct"] for r in rows] == [True, False, None]
     assert [r["baseline_correct"] for r in rows] == [False, False, None]
+    assert not any(r["baseline_cut_off"] or r["finetune_cut_off"] for r in rows)  # both end their answers
     for r in rows:
         assert r["finetune_reward"] == pytest.approx(8.0, abs=1e-4)
         assert r["baseline_reward"] == pytest.approx(-8.0, abs=1e-4)

@@ -91,8 +91,30 @@ def test_batched_replies_equal_one_by_one(lm):
     """Left padding must not change a greedy reply: batch of 3 prompts of different lengths."""
     model, tok = lm
     ids = [tok(p)["input_ids"] for p in PROMPTS]
-    batched = generate_replies(model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=())
+    batched, _ = generate_replies(model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=())
     single = [
         tok.decode(unbatched_greedy(model, tok, p, 6), skip_special_tokens=True).rstrip() for p in PROMPTS
     ]
     assert batched == single
+
+
+def test_a_reply_that_runs_out_of_new_tokens_is_cut_off(lm):
+    """Cut off: all max_new_tokens used and no end id, EOS or stop string reached (an unfinished answer)."""
+    from dschat.generation.decoding import eos_ids
+
+    model, tok = lm
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    greedy = [unbatched_greedy(model, tok, p, 6) for p in PROMPTS]
+    end = greedy[0][2]  # prompt 0's reply ends at its third token
+    ends = eos_ids(model, tok) | {end}
+    out = generate_replies(
+        model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=(), stop_ids=(end,)
+    )
+    assert out.cut_off[0] is False and True in out.cut_off  # both kinds here
+    assert out.cut_off == [not ends.intersection(g) for g in greedy]
+    # a stop string ends a reply too: prompt 1's whole reply as one
+    text = tok.decode(greedy[1], skip_special_tokens=True)
+    stopped = generate_replies(
+        model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=(text,), stop_ids=(end,)
+    )
+    assert text and stopped.cut_off[1] is False and stopped.cut_off[2] == out.cut_off[2]
