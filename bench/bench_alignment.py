@@ -24,7 +24,9 @@ other, both from SmolLM2-135M-Instruct (top layers, grouped batches, chat templa
 from SmolLM2-135M-Instruct itself (already instruction-tuned: its step 1) on the prompts of A's half,
 against A only, with B logged beside it (``--judge_reward_model``). Then both models answer held-out
 HH prompts greedily: the mean score of A and of B for each, the win rate of step 3 over step 1 under B
-(ties half), the answers' mean length (tokens) and the KL. Targets: win rate under B at least 0.60 with
+(ties half), the answers' mean length (tokens), how many answers were cut off at ``--max_new_tokens``
+and B's win rate where neither answer was (B marks an unfinished answer down, so a policy that only
+learns to finish within the budget wins where step 1 ran out), and the KL. Targets: win rate under B at least 0.60 with
 the length ratio at most 1.2.
 """
 
