@@ -112,9 +112,24 @@ def test_a_reply_that_runs_out_of_new_tokens_is_cut_off(lm):
     )
     assert out.cut_off[0] is False and True in out.cut_off  # both kinds here
     assert out.cut_off == [not ends.intersection(g) for g in greedy]
+    assert out.cut_off[1] is True  # so that the stop string below is what ends it
     # a stop string ends a reply too: prompt 1's whole reply as one
     text = tok.decode(greedy[1], skip_special_tokens=True)
     stopped = generate_replies(
         model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=(text,), stop_ids=(end,)
     )
     assert text and stopped.cut_off[1] is False and stopped.cut_off[2] == out.cut_off[2]
+
+
+def test_contrastive_replies_are_cut_off_by_the_same_rule(lm):
+    from dschat.generation.decoding import eos_ids
+
+    model, tok = lm
+    opts = DecodeOptions("contrastive", max_new_tokens=6, top_k=3, penalty_alpha=0.6)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    end = contrastive_search(model, ids[0], opts, set())[1]  # prompt 0's reply ends at its second token
+    ends = eos_ids(model, tok) | {end}
+    found = [contrastive_search(model, i, opts, ends) for i in ids]
+    out = generate_replies(model, tok, ids, opts, stops=(), stop_ids=(end,))
+    assert out.cut_off == [len(f) == 6 and not ends.intersection(f) for f in found]
+    assert out.cut_off[0] is False and True in out.cut_off
