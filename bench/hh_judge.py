@@ -102,6 +102,7 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
         return mean([len(tok(r[side], add_special_tokens=False)["input_ids"]) for r in answered])
 
     result: dict = {}
+    scores: dict[str, dict[str, list[float]]] = {}  # reward model -> side -> one score per prompt
     for name, rm in reward_models.items():
         model = load_reward_model(str(rm), tokenizer=tok, require_trained_head=True)
         s = {side: score_texts(model, tok, questions, [r[side] for r in answered], batch_size=8, device="cpu",
@@ -109,8 +110,7 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
         result[f"score_{name}_step1"] = mean(s["baseline"])
         result[f"score_{name}_{tag}"] = mean(s["finetune"])
         result[f"win_rate_{name}"] = win_rate(s["finetune"], s["baseline"], same)["win_rate"]
-        if name == judge:
-            judged = s
+        scores[name] = s
     # An answer cut off at max_new_tokens stops mid-sentence, and a judge marks it down whatever it says:
     # a policy that learns only to finish within the budget wins every prompt where step 1 ran out. So the
     # judge's win rate per group: both answers ended, both cut off, only one of them cut off.
@@ -121,7 +121,7 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
         groups.setdefault(key, []).append(i)
 
     def judged_win_rate(ix: list[int]) -> dict:
-        policy, step1 = ([judged[side][i] for i in ix] for side in ("finetune", "baseline"))
+        policy, step1 = ([scores[judge][side][i] for i in ix] for side in ("finetune", "baseline"))
         return {"prompts": len(ix), **win_rate(policy, step1, [same[i] for i in ix])}
 
     by_cut_off = {key: judged_win_rate(ix) for key, ix in sorted(groups.items())}

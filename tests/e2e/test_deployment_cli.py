@@ -332,12 +332,9 @@ def test_a_step_that_exits_0_without_its_summary_fails_the_job(train, tmp_path, 
     )
 
 
-def test_each_step_gets_a_port_found_free_when_it_starts(train, tmp_path, monkeypatch):
-    # One port found before step 1 may be taken by the time step 3 starts, hours later.
-    import dschat.utils.dist
-
-    ports = iter(range(41000, 41010))
-    monkeypatch.setattr(dschat.utils.dist, "free_port", lambda: next(ports))
+def steps_that_finish(train, monkeypatch) -> list[tuple[list[str], dict]]:
+    """Replace train.py's step runner by one that starts nothing and writes the step's summary (a finished
+    step); returns the ``(command, environment)`` of each step it was asked to run."""
     ran = []
 
     def run_step(cmd, log, **kw):
@@ -347,6 +344,16 @@ def test_each_step_gets_a_port_found_free_when_it_starts(train, tmp_path, monkey
         return 0, ""
 
     monkeypatch.setattr(train, "run_step", run_step)
+    return ran
+
+
+def test_each_step_gets_a_port_found_free_when_it_starts(train, tmp_path, monkeypatch):
+    # One port found before step 1 may be taken by the time step 3 starts, hours later.
+    import dschat.utils.dist
+
+    ports = iter(range(41000, 41010))
+    monkeypatch.setattr(dschat.utils.dist, "free_port", lambda: next(ports))
+    ran = steps_that_finish(train, monkeypatch)
     code = train.main(["--step", "1", "2", "--actor-model", "builtin:micro-llama", "--deployment-type", "single_node",
                        "--num-gpus", "1", "--output-dir", str(tmp_path)])  # fmt: skip
     assert code == 0 and len(ran) == 2
@@ -360,16 +367,8 @@ def test_torchrun_cpu_ranks_are_started_with_their_share_of_the_cores(train, tmp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("dschat.launch.launcher.cpu_cores", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    envs = []
-
-    def run_step(cmd, log, **kw):
-        envs.append(kw["env"])
-        log.parent.mkdir(parents=True, exist_ok=True)
-        (log.parent / "summary.json").write_text("{}")
-        return 0, ""
-
-    monkeypatch.setattr(train, "run_step", run_step)
+    ran = steps_that_finish(train, monkeypatch)
     code = train.main(["--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type", "multi_node",
                        "--launcher", "torchrun", "--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
                        "--master-port", "29500", "--num-gpus", "2", "--output-dir", str(tmp_path)])  # fmt: skip
-    assert code == 0 and envs[0].get("OMP_NUM_THREADS") == "4"
+    assert code == 0 and ran[0][1].get("OMP_NUM_THREADS") == "4"
