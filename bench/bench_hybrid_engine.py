@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,8 @@ def timed(fn) -> float:
     dist.barrier()
     t = time.perf_counter()
     fn()
-    x = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    # on the process group's device: NCCL reduces CUDA tensors only (a CPU tensor failed on the H100)
+    x = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=dist.default_device())
     tdist.all_reduce(x, op=tdist.ReduceOp.MAX)
     return float(x)
 
@@ -146,6 +148,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+def failure_lines(stderr: str, keep: int = 12) -> list[str]:
+    """The worker's own exception and the lines before it: torchrun ends its stderr with a banner
+    (rank, exit code, "To enable traceback see ...") that names no cause."""
+    lines = stderr.strip().splitlines()
+    cause = [
+        i
+        for i, x in enumerate(lines)
+        if re.search(r"\b\w+(Error|Exception)\b:", x) and "ChildFailedError" not in x
+    ]
+    end = cause[-1] + 1 if cause else len(lines)
+    return lines[max(0, end - keep) : end]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
@@ -164,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                    str(args.repeats), "--dtype", args.dtype]  # fmt: skip
             env = {
                 **os.environ,
-                "PYTHONPATH": str(ROOT),
+                # the project first, the caller's path kept (packages installed with --target live there)
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                 "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
             }
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0 or not out.exists():
-                errors.append({"ranks": ranks, "error": proc.stderr.strip().splitlines()[-5:]})
+                errors.append({"ranks": ranks, "error": failure_lines(proc.stderr)})
                 continue
             results.extend(json.loads(out.read_text()))
     targets = {}

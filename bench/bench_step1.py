@@ -59,6 +59,9 @@ def run_one(
             "--model_name_or_path", model, "--output_dir", out, "--data_path", data,
             "--max_steps", str(steps), "--per_device_train_batch_size", str(batch),
             "--gradient_accumulation_steps", str(accum), "--max_seq_len", str(max_seq_len),
+            # as many epochs as --steps needs: a small data set (HH rows at 512 bytes keep 178 of 570) must
+            # not end the run after a few warm-up steps, which is what an MFU of a few % measured before
+            "--num_train_epochs", "1000",
             "--eval_interval", "0", "--save_steps", "0", "--max_eval_samples", "32",
             "--eval_generation_samples", "0", "--log_interval", str(max(steps // 5, 1)), *extra,
         ]  # fmt: skip
