@@ -142,7 +142,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
          "--n_samples_per_prompt", "4", "--per_device_generation_batch_size", "8", "--per_device_training_batch_size",
          "32", "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.max_new_tokens), "--actor_learning_rate",
          str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
-         "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1"])  # fmt: skip
+         "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1",
+         "--truncation_penalty", str(args.truncation_penalty)])  # fmt: skip
     s3 = json.loads((ppo / "summary.json").read_text())
     judged = judge_held_out(out, ppo / "actor", {"a": rm_a, "b": rm_b}, judge="b", prompts=args.judge_prompts,
                             max_new_tokens=args.max_new_tokens, tag="step3")  # fmt: skip
@@ -155,6 +156,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "score_b_train_start": s3.get("judge_score_start"),
         "score_b_train_end": s3.get("judge_score_end"),
         "ppo_rounds": s3.get("steps"),
+        "truncation_penalty": args.truncation_penalty,
         "ppo_wall_seconds": s3.get("wall_seconds"),
         "target": {"judge_win_rate": 0.60, "length_ratio_at_most": 1.2},
         "target_met": judged["judge_win_rate"] >= 0.60 and judged["length_ratio"] <= 1.2,
@@ -186,6 +188,12 @@ def main() -> None:
     p.add_argument("--kl_coef", type=float, default=0.05, help="hh: KL coefficient")
     p.add_argument("--ppo_rounds", type=int, default=30, help="hh: generation rounds (8 prompts x 4 answers)")
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest answer")
+    p.add_argument(
+        "--truncation_penalty",
+        type=float,
+        default=0.0,
+        help="hh: subtracted from A's score of a training answer cut off at --max_new_tokens",
+    )
     p.add_argument(
         "--judge_prompts", type=int, default=JUDGE_PROMPTS, help="hh: held-out prompts answered and judged"
     )
