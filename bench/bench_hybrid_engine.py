@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from dschat.utils.dist import free_port
+    from dschat.utils.dist import free_port, threads_per_rank
 
     load = os.getloadavg()
     results, errors = [], []
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 **os.environ,
                 # the project first, the caller's path kept (packages installed with --target live there)
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+                "OMP_NUM_THREADS": str(threads_per_rank(ranks)),
             }
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0 or not out.exists():

@@ -43,7 +43,7 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         # torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         if local > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, dist.cpu_cores() // local))
+            torch.set_num_threads(dist.threads_per_rank(local))
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():

@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from dschat.utils.dist import cpu_cores
+from dschat.utils.dist import cpu_cores, threads_per_rank
 from dschat.utils.errors import UserError
 
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
@@ -178,7 +178,7 @@ def launcher_env(args: argparse.Namespace) -> dict[str, str]:
     if kind != "CPU core":
         return {}
     ranks = args.num_gpus or have
-    return {"OMP_NUM_THREADS": str(max(1, have // ranks))} if ranks > 1 else {}
+    return {"OMP_NUM_THREADS": str(threads_per_rank(ranks, cores=have))} if ranks > 1 else {}
 
 
 def processes(args: argparse.Namespace) -> tuple[int, int]:

@@ -36,8 +36,8 @@ class RankWatch:
         self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
         self.tail = b""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
+        if local:  # no pids to watch otherwise (see above): no thread
+            threading.Thread(target=self._poll, daemon=True).start()
 
     def feed(self, chunk: bytes) -> None:
         self.tail = (self.tail + chunk)[-65536:]

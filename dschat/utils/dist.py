@@ -92,6 +92,13 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def threads_per_rank(ranks: int, cores: int | None = None) -> int:
+    """Threads for each of ``ranks`` CPU processes on one machine sharing ``cores`` (default: this process's
+    :func:`cpu_cores`): an even split, at least one. Oversubscribed OpenMP pools spin and run many times
+    slower, so ranks on one node split the cores rather than each taking them all."""
+    return max(1, (cpu_cores() if cores is None else cores) // max(1, ranks))
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank())

@@ -225,6 +225,7 @@ def test_multi_node_commands(tmp_path):
 def test_rank_watch_names_the_rank_that_ended_first(train):
     """The launcher's spawn lines map pids to ranks; the first process to end is the failed rank."""
     import sys
+    import threading
     import time
 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -247,7 +248,9 @@ def test_rank_watch_names_the_rank_that_ended_first(train):
         dies.wait()
     # Other nodes' spawn lines (here through pdsh) carry their machines' pids: none of them is polled here,
     # where pid 999999999 does not exist and would have been reported as a rank that ended first.
+    threads = threading.active_count()
     remote = RankWatch(local=False)
+    assert threading.active_count() == threads  # nothing to poll, so no polling thread
     remote.feed(b"node-b: [INFO] [launch.py:256:main] process 999999999 spawned with command: ['python', '-u', "
                 b"'main.py', '--local_rank=1']\n")  # fmt: skip
     time.sleep(0.2)

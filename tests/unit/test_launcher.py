@@ -17,6 +17,7 @@ import torch
 
 from dschat.launch.launcher import deepspeed_env_lines, launcher, launcher_env, read_hostfile
 from dschat.launch.supervise import run_step
+from dschat.utils.dist import threads_per_rank
 from dschat.utils.errors import UserError
 
 
@@ -83,6 +84,13 @@ def test_torchrun_cpu_ranks_split_the_cores_instead_of_one_thread_each(monkeypat
     assert launcher_env(args()) == {}  # the DeepSpeed launcher: the ranks split the cores themselves
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
     assert launcher_env(torchrun_args(num_gpus=4)) == {}
+
+
+def test_ranks_on_one_machine_split_its_cores_evenly(monkeypatch):
+    assert threads_per_rank(3, cores=16) == 5  # 16 // 3: the remainder stays idle rather than oversubscribed
+    assert threads_per_rank(4, cores=2) == 1  # more ranks than cores: one thread each, never zero
+    monkeypatch.setattr("dschat.utils.dist.cpu_cores", lambda: 12)
+    assert threads_per_rank(2) == 6  # by default this process's own cores
 
 
 def test_gpu_uuids_in_cuda_visible_devices_are_one_line(four_gpus, monkeypatch):
