@@ -148,16 +148,33 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+EXCEPTION = re.compile(r"^(?:\[rank(\d+)\]:\s*)?[\w.]*(?:Error|Exception|Interrupt)\b(?::|$)")
+ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
+
+
 def failure_lines(stderr: str, keep: int = 12) -> list[str]:
-    """The worker's own exception and the lines before it: torchrun ends its stderr with a banner
-    (rank, exit code, "To enable traceback see ...") that names no cause."""
+    """Why a worker failed, from torchrun's stderr: the failing rank's last exception line (with the lines
+    that continue its message) and the traceback lines above it. torchrun ends its stderr with a banner
+    (rank, exit code, "To enable traceback see ...") that names no cause; its "Root Cause" block names the
+    rank that failed first, whose exception is preferred to its peers' knock-on errors."""
     lines = stderr.strip().splitlines()
-    cause = [
-        i
-        for i, x in enumerate(lines)
-        if re.search(r"\b\w+(Error|Exception)\b:", x) and "ChildFailedError" not in x
+    root = ROOT_CAUSE_RANK.search(stderr)
+    found = [
+        (i, m[1]) for i, x in enumerate(lines) if (m := EXCEPTION.match(x)) and "ChildFailedError" not in x
     ]
-    end = cause[-1] + 1 if cause else len(lines)
+    if root:
+        found = [f for f in found if f[1] == root[1]] or found
+    if not found:
+        return lines[-keep:]
+    i, rank = found[-1]
+    end = i + 1
+    prefix = f"[rank{rank}]:" if rank is not None else None
+    # a multi-line message (CUDA and NCCL errors put their detail on the next lines), up to another traceback
+    while prefix and end < len(lines) and lines[end].startswith(prefix):
+        rest = lines[end][len(prefix) :].strip()
+        if EXCEPTION.match(lines[end]) or rest.startswith("Traceback") or not rest:
+            break
+        end += 1
     return lines[max(0, end - keep) : end]
 
 
@@ -166,11 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    import torch
+
     from dschat.utils.dist import free_port, threads_per_rank
 
     load = os.getloadavg()
     results, errors = [], []
     for ranks in args.ranks:
+        if 0 < torch.cuda.device_count() < ranks:  # ranks would share a GPU: not a configuration to time
+            errors.append({"ranks": ranks, "error": [f"skipped: {ranks} ranks need {ranks} GPUs, this machine has "
+                                                     f"{torch.cuda.device_count()}"]})  # fmt: skip
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",

@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--data", default=str(SHARED_SFT) if SHARED_SFT.exists() else "builtin")
     p.add_argument("--dtype", default="auto")
     args, extra = p.parse_known_args()
+    if args.steps < 1:  # 0 would mean "all epochs" to step 1, and the benchmark asks for 1000 of them
+        p.error(f"--steps {args.steps}: must be at least 1")
     dtype = resolve_dtype(args.dtype)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     peak = matmul_peak(torch_dtype)

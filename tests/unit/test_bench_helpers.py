@@ -45,3 +45,31 @@ def test_a_failed_worker_is_reported_by_its_own_exception_not_torchruns_banner()
 
 def test_without_an_exception_line_the_end_of_stderr_is_kept():
     assert bench_hybrid_engine.failure_lines("a\nb\nc\nkilled", keep=2) == ["c", "killed"]
+
+
+def test_a_bare_assertion_and_a_multi_line_message_are_found():
+    stderr = (
+        '[rank0]:   File "bench/bench_hybrid_engine.py", line 101, in run\n'
+        "[rank0]:     assert out.shape[1] == ids.shape[1] + args.new_tokens\n"
+        "[rank0]: AssertionError\n" + TORCHRUN_STDERR.split("[rank0]: RuntimeError", 1)[1].split("\n", 1)[1]
+    )
+    assert bench_hybrid_engine.failure_lines(stderr, keep=2) == [
+        "[rank0]:     assert out.shape[1] == ids.shape[1] + args.new_tokens",
+        "[rank0]: AssertionError",
+    ]
+    cuda = "[rank0]: torch.AcceleratorError: CUDA error: out of memory\n[rank0]: Search for cudaErrorMemory\nbanner"
+    assert bench_hybrid_engine.failure_lines(cuda, keep=2) == [
+        "[rank0]: torch.AcceleratorError: CUDA error: out of memory",
+        "[rank0]: Search for cudaErrorMemory",
+    ]
+
+
+def test_the_rank_torchrun_names_as_the_root_cause_is_reported_not_a_peers_knock_on_error():
+    stderr = (
+        "[rank1]: Traceback (most recent call last):\n"
+        "[rank1]: ValueError: the real cause\n"
+        "[rank0]: Traceback (most recent call last):\n"
+        "[rank0]: torch.distributed.DistBackendError: Connection reset by peer\n"
+        "Root Cause (first observed failure):\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1\n"
+    )
+    assert bench_hybrid_engine.failure_lines(stderr, keep=1) == ["[rank1]: ValueError: the real cause"]
