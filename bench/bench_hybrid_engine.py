@@ -149,7 +149,6 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------- driver
 EXCEPTION = re.compile(r"^(?:\[rank(\d+)\]:\s*)?[\w.]*(?:Error|Exception|Interrupt)\b(?::|$)")
-ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
 
 
 def failure_lines(stderr: str, keep: int = 12) -> list[str]:
@@ -157,13 +156,15 @@ def failure_lines(stderr: str, keep: int = 12) -> list[str]:
     that continue its message) and the traceback lines above it. torchrun ends its stderr with a banner
     (rank, exit code, "To enable traceback see ...") that names no cause; its "Root Cause" block names the
     rank that failed first, whose exception is preferred to its peers' knock-on errors."""
+    from dschat.launch.supervise import RankWatch  # torchrun's "Root Cause" block, read as train.py reads it
+
     lines = stderr.strip().splitlines()
-    root = ROOT_CAUSE_RANK.search(stderr)
+    root = RankWatch.ROOT_CAUSE.search(stderr.encode())
     found = [
         (i, m[1]) for i, x in enumerate(lines) if (m := EXCEPTION.match(x)) and "ChildFailedError" not in x
     ]
     if root:
-        found = [f for f in found if f[1] == root[1]] or found
+        found = [f for f in found if f[1] == root[1].decode()] or found
     if not found:
         return lines[-keep:]
     i, rank = found[-1]
