@@ -1,6 +1,7 @@
 """Token-by-token generation with a KV cache, following :class:`SamplingConfig` the way Hugging Face
-``generate`` does (same filters in the same order, same ``torch.multinomial`` draw, rows padded after
-their EOS), without ``generate``'s per-step machinery. Used by every generator of the training steps
+``generate`` does (same filters in the same order, rows padded after their EOS; with
+``draw="multinomial"`` the same ``torch.multinomial`` draw, so the same tokens from the same seed),
+without ``generate``'s per-step machinery. Used by every generator of the training steps
 (the plain generator, the hybrid engine's inference copy, prompts -> texts); the inference tools keep
 ``generate``. Unlike ``generate`` it applies no processor from a checkpoint's generation config (a
 repetition penalty, say): the steps draw from what :class:`SamplingConfig` says, nothing else.
@@ -53,18 +54,32 @@ def filter_logits(
     return logits
 
 
+def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) one token per row, from one uniform number per row: the first token
+    whose cumulative probability exceeds it. Summed in float64 (49152 fp32 terms would round by up to
+    ~1e-3 of the total), and the uniform is scaled by each row's total, so a token of probability 0 is
+    never drawn. Draws B numbers whatever the rows hold, so a row's token does not depend on the others."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.squeeze(1).clamp_max(probs.shape[-1] - 1)
+
+
 def next_tokens(
     logits: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
     greedy_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, V) float logits -> (B,) token ids: argmax, or one draw from the filtered distribution;
-    ``greedy_rows`` (B,) bool: those rows take the argmax whatever ``sampling`` says."""
+    """(B, V) float logits -> (B,) token ids: argmax, or one draw from the filtered distribution (by
+    ``sampling.draw``); ``greedy_rows`` (B,) bool: those rows take the argmax whatever ``sampling`` says."""
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
-    drawn = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    if sampling.draw == "multinomial":
+        drawn = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    else:
+        drawn = inverse_cdf_draw(probs, generator)
     return drawn if greedy_rows is None else torch.where(greedy_rows, logits.argmax(dim=-1), drawn)
 
 
@@ -139,7 +154,7 @@ def decode(
     row.
     Where the cache's rows can be copied, a row that has stopped leaves the batch: later steps compute
     only the rows still generating (answers of mixed lengths cost their own length, not the longest).
-    The draws stay ``generate``'s; the logits are equal in fp32, while in bf16 (or on a GPU, whose
+    The draws are those of the full batch (with ``multinomial``, ``generate``'s); the logits are equal in fp32, while in bf16 (or on a GPU, whose
     kernels depend on the batch's shape) a smaller batch may round differently.
     Positions skip left padding exactly as the training forward computes them. A row stops at its
     EOS (any of them, where ``eos_token_id`` is a list: a chat template's end of turn and the EOS, as
@@ -233,8 +248,9 @@ def decode(
         logits = out.logits[:, -1, :].float()
         if rows is not None:
             # Back to (B, V): a stopped row's logits are zeros. Its draw is discarded (it gets the pad), and
-            # ``torch.multinomial`` draws one exponential per entry whatever the row holds, so the rows
-            # still generating draw exactly what they would in the full batch (``generate``'s tokens).
+            # both draws take the same random numbers whatever the rows hold (``torch.multinomial`` one
+            # exponential per entry, the inverse CDF one uniform per row), so the rows still generating
+            # draw exactly what they would in the full batch (with ``multinomial``, ``generate``'s tokens).
             logits = logits.new_zeros(b, logits.shape[-1]).index_copy_(0, rows, logits)
     new = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
     return DecodeOutput(

@@ -11,12 +11,21 @@ from dataclasses import dataclass, fields
 
 from dschat.utils.errors import UserError
 
+DRAWS = ("inverse_cdf", "multinomial")
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """Greedy (``do_sample=False``), or one draw from ``softmax(logits / temperature)`` after the top-k
     filter (``top_k``, 0 = off) and then the nucleus filter (``top_p``, 1.0 = off), as Hugging Face
-    ``generate`` applies them."""
+    ``generate`` applies them.
+
+    ``draw`` is how the KV-cache decoder picks a token from that distribution (the same distribution
+    either way): ``inverse_cdf`` takes one uniform number per row and the row's cumulative
+    probabilities; ``multinomial`` is ``torch.multinomial``, ``generate``'s own draw, which gives
+    ``generate``'s very tokens from the same seed but draws one exponential per vocabulary entry and row
+    (SmolLM2, 32 rows: 42 ms a token on 2 CPU cores, against 2 ms).
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -24,6 +33,7 @@ class SamplingConfig:
     top_k: int = 0
     do_sample: bool = True
     min_new_tokens: int = 0  # EOS is forbidden before this many new tokens (benchmarks force full length)
+    draw: str = "inverse_cdf"  # one of DRAWS
 
     def validate(self, flags: dict[str, str] | None = None) -> SamplingConfig:
         """Raise :class:`UserError` naming the flag of the first out-of-range field (``flags`` maps a
@@ -35,6 +45,7 @@ class SamplingConfig:
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
             (0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]"),
+            (self.draw in DRAWS, "draw", f"must be one of {', '.join(DRAWS)}"),
         ]  # fmt: skip
         for ok, name, rule in checks:
             if not ok:

@@ -23,7 +23,7 @@ from dschat.generation.inference_copy import (
     shard,
     shard_spec,
 )
-from dschat.generation.kv_decode import decode, filter_logits, next_tokens, shared_prompts
+from dschat.generation.kv_decode import decode, filter_logits, inverse_cdf_draw, next_tokens, shared_prompts
 from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import build_config
 from dschat.utils.errors import UserError
@@ -78,6 +78,44 @@ def test_next_tokens_greedy_and_sampling_follow_the_config():
     g = torch.Generator().manual_seed(0)
     # top_k=1 leaves one token per row: sampling must pick it
     assert next_tokens(x, SamplingConfig(max_new_tokens=1, top_k=1), g).tolist() == [1, 0]
+
+
+def test_inverse_cdf_draw_picks_the_token_whose_cumulative_probability_first_exceeds_the_uniform():
+    """Probabilities 0.1, 0, 0.6, 0.3 (cumulative 0.1, 0.1, 0.7, 1.0): a uniform below 0.1 picks token 0,
+    one in [0.1, 0.7) token 2, one from 0.7 on token 3; token 1 (probability 0) never. The uniforms are
+    the draw's own (the same generator state, one float64 per row)."""
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(64, 4)
+    g = torch.Generator().manual_seed(7)
+    u = torch.rand(64, 1, generator=torch.Generator().set_state(g.get_state()), dtype=torch.float64)[:, 0]
+    want = torch.where(u < 0.1, 0, torch.where(u < 0.7, 2, 3))
+    assert {0, 2, 3} <= set(want.tolist())  # the seed reaches every bucket
+    assert torch.equal(inverse_cdf_draw(probs, g), want)
+    # a row whose probabilities do not sum to 1 (rounding): the uniform is scaled by the row's total
+    assert inverse_cdf_draw(torch.tensor([[0.0, 0.0, 2.0]])).tolist() == [2]
+
+
+def test_inverse_cdf_draw_follows_the_distribution_and_each_row_draws_alone():
+    """Frequencies over 40000 rows within 0.01 of the probabilities (5 standard errors); a filtered
+    (-inf) token is never drawn through ``next_tokens``; and a row's token does not depend on the other
+    rows' probabilities (one uniform per row, so rows leaving the decoding batch change nothing)."""
+    p = torch.tensor([0.05, 0.25, 0.0, 0.45, 0.25])
+    drawn = inverse_cdf_draw(p.expand(40000, 5), torch.Generator().manual_seed(0))
+    freq = torch.bincount(drawn, minlength=5).double() / 40000
+    assert (freq - p.double()).abs().max() < 0.01 and freq[2] == 0
+    logits = torch.log(p.clamp_min(1e-9)).expand(4000, 5)
+    s = SamplingConfig(max_new_tokens=1, top_k=2)  # keeps tokens 3 and one or both of the 0.25s (ties stay)
+    picked = next_tokens(logits, s, torch.Generator().manual_seed(1))
+    assert set(picked.tolist()) <= {1, 3, 4} and 3 in picked.tolist()
+    a = torch.softmax(torch.randn(6, 50), dim=-1)
+    b = a.clone()
+    b[[1, 4]] = torch.softmax(torch.randn(2, 50), dim=-1)  # other rows, other distributions
+    ta, tb = (inverse_cdf_draw(x, torch.Generator().manual_seed(3)) for x in (a, b))
+    assert torch.equal(ta[[0, 2, 3, 5]], tb[[0, 2, 3, 5]])
+
+
+def test_sampling_draw_is_checked():
+    with pytest.raises(UserError, match="--sampling_draw gumbel: must be one of inverse_cdf, multinomial"):
+        SamplingConfig(max_new_tokens=4, draw="gumbel").validate({"draw": "--sampling_draw"})
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -137,7 +175,9 @@ def test_decode_equals_hugging_face_generate(do_sample):
     model = tiny_llama()
     ids = torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2], [0, 4, 4, 6, 1]])
     mask = (torch.arange(5) >= torch.tensor([[2], [0], [1]])).long()
-    s = SamplingConfig(max_new_tokens=10, do_sample=do_sample, temperature=0.7, top_k=12, top_p=0.9)
+    s = SamplingConfig(
+        max_new_tokens=10, do_sample=do_sample, temperature=0.7, top_k=12, top_p=0.9, draw="multinomial"
+    )
     torch.manual_seed(3)
     ours = decode(model, ids, mask, s, eos_token_id=2, pad_token_id=0).sequences
     kw = dict(temperature=0.7, top_k=12, top_p=0.9) if do_sample else {}
@@ -159,7 +199,7 @@ def test_rows_that_repeat_a_prompt_share_one_prefill_and_draw_generate_s_tokens(
     mask = (torch.arange(5) >= starts).long()
     seen: list[int] = []
     hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
-    s = SamplingConfig(max_new_tokens=6, do_sample=do_sample, temperature=0.9, top_k=20)
+    s = SamplingConfig(max_new_tokens=6, do_sample=do_sample, temperature=0.9, top_k=20, draw="multinomial")
     torch.manual_seed(5)
     ours = decode(model, ids, mask, s, eos_token_id=2, pad_token_id=0).sequences
     hook.remove()
@@ -186,7 +226,7 @@ def test_rows_that_have_stopped_leave_the_batch_and_the_rest_draw_generate_s_tok
     free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample,
                           pad_token_id=0, **kw)  # fmt: skip
     eos = int(free[0, 6])  # row 0 stops at its second new token; the others stop at that token or run on
-    s = SamplingConfig(max_new_tokens=8, do_sample=do_sample, temperature=0.9, top_k=20)
+    s = SamplingConfig(max_new_tokens=8, do_sample=do_sample, temperature=0.9, top_k=20, draw="multinomial")
     seen: list[int] = []
     hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
     torch.manual_seed(11)
@@ -200,6 +240,40 @@ def test_rows_that_have_stopped_leave_the_batch_and_the_rest_draw_generate_s_tok
     # the rows generating at step t: those with no EOS among their first t tokens
     running = [int((~(new[:, :t] == eos).any(dim=1)).sum()) for t in range(1, new.shape[1])]
     assert seen[1:] == running and min(running) < 4  # the prefill ran all 4 rows; then only the unstopped
+
+
+def test_inverse_cdf_decode_equals_a_loop_without_cache_while_rows_leave_the_batch():
+    """The default draw (one uniform per row and step) through the whole decoder: the tokens of a plain
+    loop that runs the full sequences every step, keeps every row and draws from the same seed, while
+    the decoder shares a prefill and drops stopped rows (``generate`` draws otherwise, so it is no
+    reference here)."""
+    model = tiny_llama()
+    ids = torch.tensor([[0, 0, 5, 9, 11], [7, 3, 8, 8, 2], [0, 4, 4, 6, 1], [7, 3, 8, 8, 2]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [1], [0]])).long()
+    s = SamplingConfig(max_new_tokens=8, temperature=0.9, top_k=20)
+    assert s.draw == "inverse_cdf"
+    seq, m = ids.clone(), mask.clone()
+    torch.manual_seed(11)
+    for _ in range(8):  # every row to the end; the stop is applied afterwards (it changes no draw)
+        with torch.no_grad():
+            logits = model(
+                input_ids=seq, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0)
+            ).logits
+        seq = torch.cat([seq, next_tokens(logits[:, -1].float(), s)[:, None]], 1)
+        m = torch.cat([m, torch.ones(4, 1, dtype=m.dtype)], 1)
+    eos = int(seq[0, 6])  # row 0 stops at its second new token
+    want = seq.clone()
+    for row in want[:, 5:]:
+        hit = (row == eos).nonzero()
+        if len(hit):
+            row[int(hit[0]) + 1 :] = 0
+    torch.manual_seed(11)
+    seen: list[int] = []
+    hook = model.register_forward_hook(lambda _m, _a, out: seen.append(out.logits.shape[0]))
+    ours = decode(model, ids, mask, s, eos_token_id=eos, pad_token_id=0).sequences
+    hook.remove()
+    assert torch.equal(ours, want[:, : ours.shape[1]]) and not want[:, ours.shape[1] :].any()
+    assert seen[0] == 3 and min(seen[1:]) < 4  # rows 1 and 3 share a prefill; stopped rows left
 
 
 def test_log_probs_of_the_chosen_tokens_survive_rows_leaving_the_batch():

@@ -136,13 +136,14 @@ def test_plain_generation_ignores_the_checkpoints_generation_settings(tokenizer)
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_plain_generation_draws_the_tokens_of_hugging_face_generate(tokenizer, do_sample):
     """The plain generator runs the KV-cache decoder, not ``generate``, for speed: the rollouts are still
-    ``generate``'s, greedy and sampled from one seed, stopping at either of two stop ids."""
+    ``generate``'s, greedy and sampled from one seed (with ``generate``'s draw), stopping at either of two
+    stop ids."""
     from transformers import GenerationConfig
 
     model = micro_llama(len(tokenizer))
     model.generation_config = GenerationConfig()  # nothing of a checkpoint's own (the test above)
     ids, mask, _ = prompts(tokenizer)
-    s = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=20, do_sample=do_sample)
+    s = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=20, do_sample=do_sample, draw="multinomial")
     torch.manual_seed(5)
     free = model.generate(
         input_ids=ids, attention_mask=mask, **s.generate_kwargs(), pad_token_id=tokenizer.pad_token_id

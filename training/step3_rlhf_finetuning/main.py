@@ -39,7 +39,6 @@ from dschat.data.collate import PromptCollator, SFTCollator
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
-from dschat.generation.sampling import SamplingConfig
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters
 from dschat.rlhf import ppo_math as M
@@ -257,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the four models, the generator and the trainer
     m = build_models(o, paths, tokenizer, dtype, actor_updates=rounds.actor_updates,
                      critic_updates=rounds.critic_updates)  # fmt: skip
-    sampling = SamplingConfig(max_new_tokens=ppo.max_answer_seq_len, temperature=ppo.temperature, top_p=ppo.top_p,
-                              top_k=ppo.top_k)  # fmt: skip
+    sampling = ppo.sampling()
     generator = make_generator(o, m.actor, tokenizer, sampling, fmt)
     trainer = make_trainer(o, m, generator, tokenizer)
     log.info(describe(o, m, paths, dtype))
