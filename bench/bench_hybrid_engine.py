@@ -83,7 +83,9 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
     from dschat.utils import dist
 
     world, rank = dist.world_size(), dist.rank()
-    s = SamplingConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True)
+    # generate's draw, as the unwrapped baseline below: the generators are compared, not the draws
+    s = SamplingConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
+                       draw="multinomial")  # fmt: skip
     path = resolve(model_name)
     tok = load_tokenizer(path, padding_side="left")
     examples = tasks.generate(None, n_per_task=args.prompts * world, seed=0)
@@ -100,7 +102,7 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
     engine.train()
     tokens = world * args.prompts * args.new_tokens
     row: dict = {"model": model_name, "ranks": world, "dtype": dtype, "prompt_batch": list(ids.shape),
-                 "new_tokens": args.new_tokens, "parameters": sum(p.ds_numel for p in engine.module.parameters())}  # fmt: skip
+                 "new_tokens": args.new_tokens, "draw": s.draw, "parameters": sum(p.ds_numel for p in engine.module.parameters())}  # fmt: skip
 
     def run(gen) -> None:
         with gen.generation_mode() as g:

@@ -2,8 +2,8 @@
 
 - :mod:`.sampling`: :class:`SamplingConfig`, what distribution to draw from (validated in one place,
   turned into ``generate`` arguments in one place; no torch, so option parsers use it).
-- :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples exactly as ``generate`` does, and
-  the positions that skip left padding.
+- :mod:`.kv_decode`: the token-by-token KV-cache decoder that samples from ``generate``'s distribution
+  (its very tokens with ``draw="multinomial"``), the draws, and the positions that skip left padding.
 - :mod:`.plain`: :class:`PlainGenerator`, that decoder on the training module.
 - :mod:`.stops`: the stop ids of a rollout and the masks they cut (pure torch; the PPO maths uses them).
 - :mod:`.inference_copy` and :mod:`.hybrid`: the hybrid engine (a plain, optionally tensor-parallel copy

@@ -58,11 +58,15 @@ def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None = No
     """(B, V) probabilities -> (B,) one token per row, from one uniform number per row: the first token
     whose cumulative probability exceeds it. Summed in float64 (49152 fp32 terms would round by up to
     ~1e-3 of the total), and the uniform is scaled by each row's total, so a token of probability 0 is
-    never drawn. Draws B numbers whatever the rows hold, so a row's token does not depend on the others."""
+    never drawn. Draws B numbers whatever the rows hold, so a row's token does not depend on the others.
+    A row with NaN, inf or no mass raises, as ``torch.multinomial`` does (a diverged model must not
+    quietly emit some token)."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError("sampling: the probabilities contain inf or nan, or a row sums to 0")
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return picked.squeeze(1).clamp_max(probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, u * total, right=True).squeeze(1)
 
 
 def next_tokens(

@@ -1,5 +1,5 @@
-"""Text in, text out: completions of rendered prompts with the KV-cache decoder (``generate``'s tokens,
-a shared prefill for repeated prompts) or any generator of this package (the hybrid engine), for
+"""Text in, text out: completions of rendered prompts with the KV-cache decoder (``generate``'s
+distribution, a shared prefill for repeated prompts) or any generator of this package (the hybrid engine), for
 evaluation and on-policy pairs."""
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ def test_ppo_raises_an_easy_rule_based_reward(models, tmp_path):
     cfg = json.loads((out / "dschat_config.json").read_text())
     for key in ("kl_coef", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
         assert key in cfg
+    assert cfg["sampling_draw"] == "inverse_cdf"  # how the rollouts were drawn is saved with them
 
 
 # The RLVR stabilisers all at once: Dr. GRPO's baseline and loss aggregation, DAPO's uniform-group filter,

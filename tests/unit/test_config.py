@@ -307,6 +307,18 @@ def test_valid_edge_values_are_accepted(obj):
     obj.validate()
 
 
+def test_sampling_draw_flag_reaches_the_rollouts_sampling_config():
+    """``--sampling_draw`` is parsed, validated against its choices and carried by ``PPOArgs.sampling()``,
+    the one place the rollouts' SamplingConfig is built (with the answer budget and temperature)."""
+    ppo = C.from_namespace(PPOArgs, make_parser(PPOArgs).parse_args(["--sampling_draw", "multinomial",
+                                                                     "--temperature", "0.7"]))  # fmt: skip
+    s = ppo.sampling()
+    assert (s.draw, s.temperature, s.max_new_tokens) == ("multinomial", 0.7, ppo.max_answer_seq_len)
+    assert PPOArgs().sampling().draw == "inverse_cdf"
+    with pytest.raises(SystemExit):
+        make_parser(PPOArgs).parse_args(["--sampling_draw", "gumbel"])
+
+
 def test_step3_optimizers_one_definition_per_model_with_shared_schedule():
     """Step 3 adds OptimizerArgs under actor_ and critic_ (no copies in PPOArgs): each model has its own
     learning rate and weight decay with DeepSpeed-Chat's defaults, the schedule and Adam are shared, and the

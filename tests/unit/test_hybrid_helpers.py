@@ -90,8 +90,16 @@ def test_inverse_cdf_draw_picks_the_token_whose_cumulative_probability_first_exc
     want = torch.where(u < 0.1, 0, torch.where(u < 0.7, 2, 3))
     assert {0, 2, 3} <= set(want.tolist())  # the seed reaches every bucket
     assert torch.equal(inverse_cdf_draw(probs, g), want)
-    # a row whose probabilities do not sum to 1 (rounding): the uniform is scaled by the row's total
-    assert inverse_cdf_draw(torch.tensor([[0.0, 0.0, 2.0]])).tolist() == [2]
+    # rows whose probabilities do not sum to 1 (rounding): the uniform is scaled by the row's total, so
+    # 0.3 and 0.2 are drawn 0.6 and 0.4 of the time (unscaled, a uniform above 0.5 would pick token 3)
+    drawn = inverse_cdf_draw(
+        torch.tensor([[0.3, 0.2, 0.0, 0.0]]).expand(20000, 4), torch.Generator().manual_seed(1)
+    )
+    assert set(drawn.tolist()) == {0, 1} and abs(float((drawn == 0).double().mean()) - 0.6) < 0.02
+    # a diverged model: NaN, inf or a row without mass is an error, as with torch.multinomial
+    for bad in ([[0.5, float("nan"), 0.5]], [[0.0, float("inf"), 1.0]], [[0.0, 0.0, 0.0]]):
+        with pytest.raises(RuntimeError, match="inf or nan, or a row sums to 0"):
+            inverse_cdf_draw(torch.tensor(bad))
 
 
 def test_inverse_cdf_draw_follows_the_distribution_and_each_row_draws_alone():
