@@ -21,25 +21,25 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's share, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: one worker per usable core. xdist's own count is the host's physical cores (psutil),
-    which is more than a container has and fewer than a hyper-threaded VM's vCPUs."""
-    return usable_cores()
+    """``-n auto``: one worker per usable core (:func:`dschat.utils.dist.cpu_cores`, the affinity). xdist's
+    own count is the host's physical cores (psutil), which is more than a container has and fewer than a
+    hyper-threaded VM's vCPUs."""
+    from dschat.utils.dist import cpu_cores
+
+    return cpu_cores()
 
 
 def pytest_configure(config) -> None:
-    """Under xdist each worker's in-process torch gets its share of the cores, not all of them (two workers
-    on two cores would each start two threads). Subprocesses keep their own split (dschat.utils.dist)."""
+    """Under xdist each worker's in-process torch gets its share of the cores, split as ranks on one node
+    split them (two workers on two cores would each start two threads). Subprocesses keep their own split."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
-        torch.set_num_threads(max(1, usable_cores() // workers))
+        from dschat.utils.dist import threads_per_rank
+
+        torch.set_num_threads(threads_per_rank(workers))
 
 
 def pytest_collection_modifyitems(config, items) -> None:

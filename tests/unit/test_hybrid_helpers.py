@@ -23,7 +23,14 @@ from dschat.generation.inference_copy import (
     shard,
     shard_spec,
 )
-from dschat.generation.kv_decode import decode, filter_logits, inverse_cdf_draw, next_tokens, shared_prompts
+from dschat.generation.kv_decode import (
+    decode,
+    filter_logits,
+    inverse_cdf_draw,
+    next_tokens,
+    position_ids_from_mask,
+    shared_prompts,
+)
 from dschat.generation.sampling import SamplingConfig
 from dschat.models.builtin import build_config
 from dschat.utils.errors import UserError
@@ -264,9 +271,7 @@ def test_inverse_cdf_decode_equals_a_loop_without_cache_while_rows_leave_the_bat
     torch.manual_seed(11)
     for _ in range(8):  # every row to the end; the stop is applied afterwards (it changes no draw)
         with torch.no_grad():
-            logits = model(
-                input_ids=seq, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0)
-            ).logits
+            logits = model(input_ids=seq, attention_mask=m, position_ids=position_ids_from_mask(m)).logits
         seq = torch.cat([seq, next_tokens(logits[:, -1].float(), s)[:, None]], 1)
         m = torch.cat([m, torch.ones(4, 1, dtype=m.dtype)], 1)
     eos = int(seq[0, 6])  # row 0 stops at its second new token
