@@ -25,9 +25,9 @@ from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
-CACHE_VERSION = (
-    5  # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len
-)
+# 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len;
+# 6: token columns stored as flat tensors (_pack_rows)
+CACHE_VERSION = 6
 
 
 @dataclass
@@ -285,9 +285,10 @@ def _write_cache(path: Path, data: PreparedData) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         torch.save(
-            {"train": data.train, "eval": data.eval, "stats": data.stats, "eval_prompts": data.eval_prompts},
+            {"train": _pack_rows(data.train), "eval": _pack_rows(data.eval), "stats": data.stats,
+             "eval_prompts": data.eval_prompts},
             tmp,
-        )
+        )  # fmt: skip
         os.replace(tmp, path)
     except OSError as exc:
         LOG.warning("could not write the tokenized data cache %s (%s); continuing without it", path, exc)
@@ -296,6 +297,44 @@ def _write_cache(path: Path, data: PreparedData) -> None:
 def _read_cache(path: Path) -> PreparedData | None:
     try:
         blob = torch.load(path, weights_only=True)
+        train, evals = _unpack_rows(blob["train"]), _unpack_rows(blob["eval"])
     except Exception:  # a torn or foreign file: rebuild rather than fail
         return None
-    return PreparedData(blob["train"], blob["eval"], blob["stats"], blob["eval_prompts"], cache_hit=True)
+    return PreparedData(train, evals, blob["stats"], blob["eval_prompts"], cache_hit=True)
+
+
+def _pack_rows(rows: list[dict]) -> dict[str, Any]:
+    """Examples -> columns, each token column (lists of ints) as one flat (sum of lengths,) int64 tensor
+    plus its (N,) lengths. ``torch.load(weights_only=True)`` unpickles a list of Python ints one object
+    at a time: 4000 SFT examples took 0.7 s to read at every start, the columns take milliseconds."""
+    if any(row.keys() != rows[0].keys() for row in rows):  # not one table: stored as it is
+        return {"__plain__": rows}
+    columns: dict[str, Any] = {"__rows__": len(rows)}
+    for key in rows[0] if rows else ():
+        values = [row[key] for row in rows]
+        if all(isinstance(v, list) and all(type(x) is int for x in v) for v in values):
+            flat = [x for v in values for x in v]
+            columns[key] = {"flat": torch.tensor(flat, dtype=torch.int64),
+                            "lengths": torch.tensor([len(v) for v in values], dtype=torch.int64)}  # fmt: skip
+        else:
+            columns[key] = values
+    return columns
+
+
+def _unpack_rows(columns: dict[str, Any]) -> list[dict]:
+    """Inverse of :func:`_pack_rows`: the same list of dicts, token columns as lists of ints."""
+    if "__plain__" in columns:
+        return columns["__plain__"]
+    rows: list[dict] = [{} for _ in range(columns["__rows__"])]
+    for key, col in columns.items():
+        if key == "__rows__":
+            continue
+        if isinstance(col, dict):
+            flat, start = col["flat"].tolist(), 0
+            for row, length in zip(rows, col["lengths"].tolist(), strict=True):
+                row[key] = flat[start : start + length]
+                start += length
+        else:
+            for row, value in zip(rows, col, strict=True):
+                row[key] = value
+    return rows

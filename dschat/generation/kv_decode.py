@@ -14,6 +14,7 @@ No deepspeed here; ``torch.distributed`` only for ranks that must step together 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,8 +113,93 @@ def _rows_copyable(cache) -> bool:
     other state that ``batch_select_indices`` leaves behind or cannot copy."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-    plain = (DynamicLayer, DynamicSlidingWindowLayer)
+    plain = (DynamicLayer, DynamicSlidingWindowLayer, reserved_layer_class())
     return isinstance(cache, DynamicCache) and all(type(layer) in plain for layer in cache.layers)
+
+
+@functools.cache
+def reserved_layer_class() -> type:
+    """A transformers ``DynamicLayer`` whose keys and values are views of (B, H, capacity, D) buffers.
+
+    ``DynamicLayer`` concatenates every new token's keys and values onto the cache, which copies the whole
+    cache at every token: O(L) per token, O(L^2) per answer (a sixth of a SmolLM2 decode step at 150
+    positions on CPU). Here a token writes its own position in place; past the capacity the buffers
+    double (one copy). Rows leave the batch as with ``DynamicLayer`` (``batch_select_indices``)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        @classmethod
+        def holding(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> ReservedLayer:
+            layer = cls()
+            layer.lazy_initialization(keys, values)
+            layer._store(keys, values, capacity)
+            return layer
+
+        def _store(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+            n = keys.shape[-2]
+            self._k = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+            self._v = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+            self._k[..., :n, :] = keys
+            self._v[..., :n, :] = values
+            self._view(n)
+
+        def _view(self, n: int) -> None:
+            self._n = n
+            self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized or getattr(self, "_k", None) is None:  # after reset()
+                self.lazy_initialization(key_states, value_states)
+                self._store(key_states, value_states, key_states.shape[-2])
+                return self.keys, self.values
+            n, t = self._n, key_states.shape[-2]
+            if n + t > self._k.shape[-2]:
+                self._store(self.keys, self.values, max(2 * self._k.shape[-2], n + t))
+            self._k[..., n : n + t, :] = key_states
+            self._v[..., n : n + t, :] = value_states
+            self._view(n + t)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self._n if self.is_initialized and getattr(self, "_k", None) is not None else 0
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)  # the checks; then the view of the kept positions
+            if tokens_to_remove < 0 and self.is_initialized:
+                self._view(max(0, self._n + tokens_to_remove))
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.get_seq_length() > 0:
+                self._k, self._v = self._k[indices, ...], self._v[indices, ...]
+                self._view(self._n)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.get_seq_length() > 0:
+                self._k = self._k.repeat_interleave(repeats, dim=0)
+                self._v = self._v.repeat_interleave(repeats, dim=0)
+                self._view(self._n)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            if self.get_seq_length() > 0:
+                self.batch_select_indices(beam_idx.to(self._k.device))
+
+        def reset(self) -> None:
+            self._k = self._v = None
+            self._n = 0
+            super().reset()
+
+    return ReservedLayer
+
+
+def reserve(cache, positions: int) -> None:
+    """Give each plain full-attention layer of ``cache`` (a transformers ``DynamicCache``) room for
+    ``positions`` more tokens, in place: see :func:`reserved_layer_class`. Other layers stay as they are."""
+    from transformers.cache_utils import DynamicLayer
+
+    reserved = reserved_layer_class()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.get_seq_length() > 0:
+            cache.layers[i] = reserved.holding(layer.keys, layer.values, layer.get_seq_length() + positions)
 
 
 def _may_share(model: torch.nn.Module, cache) -> bool:
@@ -198,6 +284,8 @@ def decode(
                     use_cache=True, **extra)  # fmt: skip
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
+    if _rows_copyable(cache):  # the new tokens' keys and values are written in place, not concatenated
+        reserve(cache, sampling.max_new_tokens)
     pos = positions[:, -1:]
     # Rows that have stopped leave the batch (their cache rows are dropped), so each step computes only
     # the rows still generating; ``rows`` (A,) are the rows the cache holds, None while it holds all B.

@@ -1,22 +1,36 @@
-"""Rank and world helpers over torch.distributed (no deepspeed import, usable before init)."""
+"""Rank and world helpers over torch.distributed (no deepspeed import, usable before init).
+
+torch is imported inside the functions that need it: ``train.py`` and its launcher take the host's cores,
+ports and MPI variables from here, and an orchestrator that only starts the steps should not spend two
+seconds importing torch at every start (each step imports it in its own process)."""
 
 from __future__ import annotations
 
 import os
 import socket
-
-import torch
-import torch.distributed as torch_dist
+import sys
+from typing import TYPE_CHECKING
 
 from dschat.utils.errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+
 
 def is_initialized() -> bool:
+    if "torch" not in sys.modules:  # no process group can exist before torch is loaded
+        return False
+    import torch.distributed as torch_dist
+
     return torch_dist.is_available() and torch_dist.is_initialized()
 
 
 def rank() -> int:
-    return torch_dist.get_rank() if is_initialized() else int(os.environ.get("RANK", "0"))
+    if not is_initialized():
+        return int(os.environ.get("RANK", "0"))
+    import torch.distributed as torch_dist
+
+    return torch_dist.get_rank()
 
 
 def local_rank() -> int:
@@ -24,7 +38,11 @@ def local_rank() -> int:
 
 
 def world_size() -> int:
-    return torch_dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if not is_initialized():
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    import torch.distributed as torch_dist
+
+    return torch_dist.get_world_size()
 
 
 def is_main() -> bool:
@@ -53,6 +71,9 @@ def is_node_writer() -> bool:
 def barrier() -> None:
     if not is_initialized():
         return
+    import torch
+    import torch.distributed as torch_dist
+
     if torch_dist.get_backend() == "nccl":
         # NCCL needs a device for the barrier; unnamed, torch guesses it from the rank and prints two
         # warnings (a single-rank group is not bound to a device at init: DeepSpeed leaves it unbound)
@@ -64,6 +85,9 @@ def barrier() -> None:
 def _all_reduce(values: list[float], op) -> list[float]:
     if not is_initialized() or world_size() == 1:
         return list(values)
+    import torch
+    import torch.distributed as torch_dist
+
     t = torch.tensor(values, dtype=torch.float64, device=default_device())
     torch_dist.all_reduce(t, op=op)
     return t.tolist()
@@ -71,11 +95,15 @@ def _all_reduce(values: list[float], op) -> list[float]:
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a few Python floats over all ranks (returns them unchanged on one process)."""
+    import torch.distributed as torch_dist
+
     return _all_reduce(values, torch_dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: list[float]) -> list[float]:
     """The largest of each of a few Python floats over all ranks (unchanged on one process)."""
+    import torch.distributed as torch_dist
+
     return _all_reduce(values, torch_dist.ReduceOp.MAX)
 
 
@@ -100,6 +128,8 @@ def threads_per_rank(ranks: int, cores: int | None = None) -> int:
 
 
 def default_device() -> torch.device:
+    import torch
+
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank())
     return torch.device("cpu")

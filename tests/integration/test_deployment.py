@@ -3,13 +3,17 @@ node-local storage) against one process, a rank that dies mid-run, and all three
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.conftest import ROOT, cpu_ranks_env
 from tests.integration.helpers import (
@@ -35,8 +39,6 @@ def test_two_simulated_nodes_match_one_process(tmp_path):
     the same 16 samples per step as 8 x 2 accumulation. Each "node" has its own working directory, so the
     relative --output-dir is a different directory per node, as without a shared filesystem: with
     --node-local-storage each node holds its own rank's checkpoint shards and its copy of the model."""
-    from safetensors.torch import load_file
-
     from dschat.utils.dist import free_port
 
     ref = tmp_path / "one"
@@ -118,8 +120,8 @@ def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):
 
 
 def test_all_three_steps_on_two_ranks_through_train_py(tmp_path):
-    """single_node with 2 CPU processes (the DeepSpeed launcher) runs steps 1, 2 and 3 in one job; per-step
-    flags come from a preset file given by path."""
+    """single_node with 2 CPU processes (the DeepSpeed launcher) runs steps 1, 2 and 3 in one job, step 3
+    with ZeRO-3 actor and critic; per-step flags come from a preset file given by path."""
     preset = tmp_path / "two-ranks.yaml"
     preset.write_text(
         "model: builtin:micro-llama\n"
@@ -127,9 +129,9 @@ def test_all_three_steps_on_two_ranks_through_train_py(tmp_path):
         "step1: {--max_steps: 5, --per_device_train_batch_size: 8, --eval_interval: 0, --max_eval_samples: 32,"
         " --eval_generation_samples: 0}\n"
         "step2: {--max_steps: 5, --per_device_train_batch_size: 8, --eval_interval: 0, --max_eval_samples: 32}\n"
-        "step3: {--max_steps: 2, --per_device_generation_batch_size: 8, --per_device_training_batch_size: 4,"
+        "step3: {--max_steps: 3, --per_device_generation_batch_size: 8, --per_device_training_batch_size: 4,"
         " --max_answer_seq_len: 8, --max_prompt_seq_len: 96, --eval_prompts: 8, --eval_interval: 0,"
-        " --actor_zero_stage: 2, --critic_zero_stage: 2}\n"
+        " --actor_zero_stage: 3, --critic_zero_stage: 3}\n"
     )
     out = str(tmp_path / "out")
     proc = train_py(
@@ -147,7 +149,21 @@ def test_all_three_steps_on_two_ranks_through_train_py(tmp_path):
     for n in (1, 2, 3):
         s = json.loads((tmp_path / "out" / f"step{n}" / "summary.json").read_text())
         assert s["world_size"] == 2, (n, s)
-    s3 = json.loads((tmp_path / "out" / "step3" / "summary.json").read_text())
-    assert (
-        s3["actor_zero_stage"] == 2 and (tmp_path / "out" / "step3" / "actor" / "model.safetensors").exists()
-    )
+    # Step 3 under ZeRO-3 on both ranks. Results, not echoed flags: the partitioned actor and critic were
+    # gathered whole for saving (every tensor has its start's shape and is finite), and both moved.
+    run = tmp_path / "out"
+    s3 = json.loads((run / "step3" / "summary.json").read_text())
+    assert s3["actor_zero_stage"] == 3 and s3["steps"] == 3
+    for start, saved in ((run / "step1", run / "step3" / "actor"), (run / "step2", run / "step3" / "critic")):
+        before, after = load_file(start / "model.safetensors"), load_file(saved / "model.safetensors")
+        assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in before.items()}, saved
+        assert all(v.float().isfinite().all() for v in after.values()), saved
+        assert any(not torch.equal(before[k], after[k]) for k in after), f"{saved} did not move"
+    rows = [json.loads(x) for x in (run / "step3" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["split"] == "train"]
+    assert len(rows) == 3 and all(math.isfinite(r["policy_loss"]) for r in rows)
+    # train.py --resume reads back the stage this run chose (each model's options under its name)
+    import train
+
+    choice = train.resumed_choice(3, argparse.Namespace(output_dir=str(run)))
+    assert (choice.zero_stage, choice.offload, choice.gradient_checkpointing) == (3, False, False)

@@ -60,67 +60,73 @@ def test_saved_policy_is_a_plain_causal_lm(trained):
     assert model.config.architectures[0].endswith("ForCausalLM")
 
 
+# The run the equivalence tests compare with: fp32, a train row per step, global batch 16 on one rank as
+# 8 x 2 accumulation, packed pairs (the default), a checkpoint every 3 steps. One run, shared.
+EXACT = [*FAST, "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1", "--learning_rate", "2e-3",
+         "--per_device_train_batch_size", "8", "--save_steps", "3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(pairs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dpo") / "reference"
+    assert_ok(dpo(out, *EXACT, "--data_path", str(pairs), "--gradient_accumulation_steps", "2"))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
-def test_two_ranks_zero3_match_one_rank(pairs, tmp_path):
+def test_two_ranks_zero3_match_one_rank(pairs, reference, tmp_path):
     from dschat.utils.dist import free_port
 
-    common = [*FAST, "--data_path", str(pairs), "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1",
-              "--learning_rate", "2e-3"]  # fmt: skip
-    one = tmp_path / "one"
-    assert_ok(dpo(one, *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"))
     two = tmp_path / "two"
     assert_ok(run_cmd(["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2",
-                       str(DPO), "--output_dir", str(two), *common, "--per_device_train_batch_size", "8",
-                       "--zero_stage", "3"], env=cpu_ranks_env()))  # fmt: skip
-    a, b = train_losses(one), train_losses(two)
+                       str(DPO), "--output_dir", str(two), *EXACT, "--data_path", str(pairs), "--zero_stage", "3"],
+                      env=cpu_ranks_env()))  # fmt: skip
+    a, b = train_losses(reference), train_losses(two)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=2e-3, abs=2e-3), step
     assert summary(two)["implicit_reward_accuracy_end"] == pytest.approx(
-        summary(one)["implicit_reward_accuracy_end"], abs=0.02
+        summary(reference)["implicit_reward_accuracy_end"], abs=0.02
     )
 
 
 @pytest.mark.slow
-def test_resume_equals_an_uninterrupted_run(pairs, tmp_path):
+def test_resume_equals_an_uninterrupted_run(pairs, reference, tmp_path):
     from safetensors.torch import load_file
 
-    flags = [*FAST, "--data_path", str(pairs), "--max_steps", "8", "--dtype", "fp32", "--log_interval", "1",
-             "--learning_rate", "2e-3", "--save_steps", "4", "--per_device_train_batch_size", "8"]  # fmt: skip
-    ref = tmp_path / "ref"
-    assert_ok(dpo(ref, *flags))
+    flags = [*EXACT, "--data_path", str(pairs), "--gradient_accumulation_steps", "2"]
     out = tmp_path / "run"
-    proc = dpo(out, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "4"})
+    proc = dpo(out, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "3"})
     assert proc.returncode == 17, proc.stderr[-3000:]
     # The reference's log-probs are read from the run, not recomputed from the moved policy.
     assert_ok(dpo(out, *flags, "--resume"))
     assert "read from the run" in (out / "training.log").read_text()
     s = summary(out)
-    assert s["resumed_from_step"] == 4 and s["steps"] == 8
-    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert s["resumed_from_step"] == 3 and s["steps"] == 6
+    a, b = load_file(str(reference / "model.safetensors")), load_file(str(out / "model.safetensors"))
     for k in a:
         assert float((a[k] - b[k]).abs().max()) == 0.0, k
-    got, want = train_losses(out), train_losses(ref)
-    for step in range(1, 9):
+    got, want = train_losses(out), train_losses(reference)
+    for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
 
-def test_shared_prompt_trains_like_unpacked_rows(pairs, tmp_path):
+def test_shared_prompt_trains_like_unpacked_rows(pairs, reference, tmp_path):
     """--share_prompt (packed pairs, the default) and --no_share_prompt run the same maths: in fp32 the
     losses, the reference log-probs and the implicit-reward accuracy agree to rounding, and the packed
     run computes fewer tokens."""
     from safetensors.torch import load_file
 
-    common = [*FAST, "--data_path", str(pairs), "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1",
-              "--learning_rate", "2e-3"]  # fmt: skip
-    runs = {}
-    for name, flag in (("packed", "--share_prompt"), ("plain", "--no_share_prompt")):
-        assert_ok(proc := dpo(tmp_path / name, *common, flag))
-        runs[name] = proc.stdout + proc.stderr
-    packed, plain = tmp_path / "packed", tmp_path / "plain"
+    plain = tmp_path / "plain"
+    proc = dpo(
+        plain, *EXACT, "--data_path", str(pairs), "--gradient_accumulation_steps", "2", "--no_share_prompt"
+    )
+    assert_ok(proc)
+    packed = reference
     assert summary(packed)["share_prompt"] is True and summary(plain)["share_prompt"] is False
-    assert "packed pairs match separate rows" in runs["packed"]
+    assert "packed pairs match separate rows" in (packed / "training.log").read_text()
+    assert "packed pairs match separate rows" not in proc.stdout + proc.stderr
     ref_p, ref_u = (
         load_file(str(d / "reference_logps.safetensors"))["reference_logps"] for d in (packed, plain)
     )

@@ -119,56 +119,60 @@ def test_rw_eval_refuses_a_causal_lm(tmp_path):
     error_line(proc, "not a trained reward model")
 
 
+# The run the equivalence tests compare with: fp32, a train row per step, global batch 16 on one rank as
+# 8 x 2 accumulation, packed pairs (the default). One run, shared.
+EXACT = [*FAST, "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1", "--max_eval_samples", "64",
+         "--data_split", "0,1,0", "--per_device_train_batch_size", "8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[str]]:
+    """(the reference run's output directory, the flags that reproduce it on its data)."""
+    tmp = tmp_path_factory.mktemp("rm-exact")
+    flags = [*EXACT, "--data_path", str(preference_file(tmp / "pairs.jsonl", n=240))]
+    assert_ok(step2(tmp / "one", *flags, "--gradient_accumulation_steps", "2"))
+    return tmp / "one", flags
+
+
+def train_rows(out: Path) -> list[dict]:
+    return [
+        r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
-def test_two_ranks_zero3_match_one_rank(tmp_path):
+def test_two_ranks_zero3_match_one_rank(reference, tmp_path):
     from dschat.utils.dist import free_port
 
-    common = [*FAST, "--max_steps", "8", "--dtype", "fp32", "--log_interval", "1", "--max_eval_samples", "64"]
-    one = tmp_path / "one"
-    assert_ok(step2(one, *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"))
+    one, flags = reference
     two = tmp_path / "two"
     proc = run_cmd(["-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "2", str(STEP2),
-                    "--output_dir", str(two), *common, "--per_device_train_batch_size", "8", "--zero_stage", "3"],
-                   env=cpu_ranks_env())  # fmt: skip
+                    "--output_dir", str(two), *flags, "--zero_stage", "3"], env=cpu_ranks_env())  # fmt: skip
     assert_ok(proc)
-
-    def losses(d: Path) -> list[float]:
-        return [
-            r["loss"]
-            for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-            if r["split"] == "train"
-        ]
-
-    assert len(losses(one)) == len(losses(two)) == 8
-    for a, b in zip(losses(one), losses(two)):
-        assert a == pytest.approx(b, rel=2e-3, abs=2e-3)
+    a, b = train_rows(one), train_rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=2e-3, abs=2e-3)
 
 
-def test_shared_prompt_trains_like_unpacked_rows(tmp_path):
+def test_shared_prompt_trains_like_unpacked_rows(reference, tmp_path):
     """--share_prompt (packed pairs, the default) and --no_share_prompt run the same maths: in fp32 the
     losses, the accuracy and the saved scores agree to rounding, and the packed run computes fewer tokens."""
-    data = preference_file(tmp_path / "pairs.jsonl", n=240)
-    common = [*FAST, "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1", "--max_eval_samples", "64",
-              "--data_path", str(data), "--data_split", "0,1,0"]  # fmt: skip
-    runs = {}
-    for name, flag in (("packed", "--share_prompt"), ("plain", "--no_share_prompt")):
-        out = tmp_path / name
-        assert_ok(proc := step2(out, *common, flag))
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = {"train": [r for r in rows if r["split"] == "train"],
-                      "summary": json.loads((out / "summary.json").read_text()), "log": proc.stdout + proc.stderr}  # fmt: skip
-    packed, plain = runs["packed"], runs["plain"]
-    assert packed["summary"]["share_prompt"] is True and plain["summary"]["share_prompt"] is False
-    assert "packed pairs match unpacked rows" in packed["log"]
-    assert [r["loss"] for r in packed["train"]] == pytest.approx(
-        [r["loss"] for r in plain["train"]], rel=1e-4
-    )
+    packed, flags = reference
+    plain = tmp_path / "plain"
+    assert_ok(proc := step2(plain, *flags, "--gradient_accumulation_steps", "2", "--no_share_prompt"))
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (packed, plain)]
+    assert summaries[0]["share_prompt"] is True and summaries[1]["share_prompt"] is False
+    assert "packed pairs match unpacked rows" in (packed / "training.log").read_text()
+    assert "packed pairs match unpacked rows" not in proc.stdout + proc.stderr
+    rows = [train_rows(packed), train_rows(plain)]
+    assert [r["loss"] for r in rows[0]] == pytest.approx([r["loss"] for r in rows[1]], rel=1e-4)
     for key in ("eval_accuracy_end", "eval_chosen_mean", "eval_rejected_mean"):
-        assert packed["summary"][key] == pytest.approx(plain["summary"][key], rel=1e-4, abs=1e-5), key
+        assert summaries[0][key] == pytest.approx(summaries[1][key], rel=1e-4, abs=1e-5), key
     # the same pairs' tokens are counted; the packed run computed fewer (each prompt once)
-    assert [r["tokens"] for r in packed["train"]] == [r["tokens"] for r in plain["train"]]
-    for p, u in zip(packed["train"], plain["train"]):
+    assert [r["tokens"] for r in rows[0]] == [r["tokens"] for r in rows[1]]
+    for p, u in zip(*rows):
         assert p["computed_tokens_per_sec"] / p["tokens_per_sec"] < 0.8
         assert u["computed_tokens_per_sec"] == pytest.approx(u["tokens_per_sec"])
 

@@ -29,6 +29,8 @@ from dschat.generation.kv_decode import (
     inverse_cdf_draw,
     next_tokens,
     position_ids_from_mask,
+    reserve,
+    reserved_layer_class,
     shared_prompts,
 )
 from dschat.generation.sampling import SamplingConfig
@@ -589,3 +591,60 @@ def test_ranks_in_lockstep_drop_their_stopped_rows_and_decode_as_alone():
     leaving each rank's batch at different steps, each rank's tokens are those it decodes alone (padded
     while a peer runs on). Two real gloo ranks."""
     assert on_two_ranks(_lockstep_decode) == {0: True, 1: True}
+
+
+def test_reserved_cache_layer_holds_what_a_dynamic_layer_holds_and_writes_in_place():
+    """The same updates, row selections and crops on a transformers ``DynamicLayer`` and on the reserved
+    layer give the same keys and values at every step; within its capacity a token is written into the
+    buffer (no new allocation), past it the buffer grows."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+
+    def kv(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, 2, t, 4, generator=g), torch.randn(b, 2, t, 4, generator=g)
+
+    plain = DynamicLayer()
+    plain.update(*kv(3, 5))
+    reserved = reserved_layer_class().holding(plain.keys, plain.values, capacity=7)
+    assert reserved.get_seq_length() == 5 and reserved._k.shape[-2] == 7
+    buffer = reserved._k.data_ptr()
+
+    def same() -> None:
+        assert reserved.get_seq_length() == plain.get_seq_length()
+        assert torch.equal(reserved.keys, plain.keys) and torch.equal(reserved.values, plain.values)
+
+    for _ in range(2):  # positions 6 and 7: inside the capacity, written in place
+        step = kv(3, 1)
+        assert [torch.equal(a, b) for a, b in zip(reserved.update(*step), plain.update(*step))] == [
+            True,
+            True,
+        ]
+        same()
+    assert reserved._k.data_ptr() == buffer
+    step = kv(3, 1)  # position 8: the buffer doubles
+    reserved.update(*step), plain.update(*step)
+    same()
+    assert reserved._k.shape[-2] == 14
+    keep = torch.tensor([2, 0])  # rows leave the batch (and are reordered)
+    reserved.batch_select_indices(keep), plain.batch_select_indices(keep)
+    same()
+    step = kv(2, 3)
+    reserved.update(*step), plain.update(*step)
+    same()
+    reserved.crop(-4), plain.crop(-4)
+    same()
+    step = kv(2, 1)
+    reserved.update(*step), plain.update(*step)
+    same()
+
+    # reserve() turns a cache's full-attention dynamic layers into reserved ones, holding the same tensors
+    cache = DynamicCache()
+    cache.update(*kv(2, 3), layer_idx=0)
+    cache.update(*kv(2, 3), layer_idx=1)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    reserve(cache, 10)
+    for layer, (k, v) in zip(cache.layers, before):
+        assert type(layer) is reserved_layer_class() and layer._k.shape[-2] == 13
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert cache.get_seq_length() == 3

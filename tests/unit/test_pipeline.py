@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from dschat.config import DataArgs
 from dschat.data import pipeline
@@ -284,3 +285,24 @@ def test_chat_template_renders_the_data_and_is_part_of_the_cache_key(tmp_path):
     off = prepare_sft_data(dataclasses.replace(args, chat_template="off"), tok_a, seed=0)
     assert off.cache_hit is False
     assert tok_a.decode(off.train[0]["input_ids"]) == "<s>\n\nHuman: hi\n\nAssistant: yo</s>"
+
+
+def test_cache_rows_round_trip_with_token_columns_stored_as_tensors(tmp_path):
+    rows = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "prompt": "a", "prompt_len": 1},
+        {"input_ids": [], "labels": [], "prompt": "", "prompt_len": 0},
+        {"input_ids": [7], "labels": [7], "prompt": "c", "prompt_len": 0},
+    ]
+    packed = pipeline._pack_rows(rows)
+    # the token columns are one flat tensor each (what makes the cache quick to read); the others stay
+    assert packed["input_ids"]["flat"].tolist() == [1, 2, 3, 7]
+    assert packed["labels"]["lengths"].tolist() == [3, 0, 1]
+    assert packed["prompt"] == ["a", "", "c"] and packed["prompt_len"] == [1, 0, 0]
+    path = tmp_path / "rows.pt"
+    torch.save(packed, path)
+    assert pipeline._unpack_rows(torch.load(path, weights_only=True)) == rows
+    # rows of different shapes, float lists and no rows at all come back unchanged too
+    ragged = [{"a": [1]}, {"a": [2], "b": 3}]
+    floats = [{"w": [0.5, 1.0]}]
+    for case in (ragged, floats, []):
+        assert pipeline._unpack_rows(pipeline._pack_rows(case)) == case
