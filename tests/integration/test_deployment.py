@@ -1,5 +1,6 @@
-"""Deployment types on CPU (gloo) through train.py: two simulated nodes on loopback (torchrun rendezvous,
-node-local storage) against one process, a rank that dies mid-run, and all three steps on two ranks."""
+"""Deployment types on CPU (gloo) through train.py: a rank that dies mid-run, and all three steps on two
+ranks. (Two simulated nodes against one process: tests/integration/test_step1.py, beside the one-process
+run it compares with.)"""
 
 from __future__ import annotations
 
@@ -7,23 +8,15 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, cpu_ranks_env
+from tests.conftest import cpu_ranks_env
 from tests.integration.helpers import (
-    REFERENCE_1RANK,
-    REFERENCE_RUN_FLAGS,
     assert_ok,
-    resolved_config,
-    step1,
-    summary,
-    train_losses,
     train_py,
 )
 
@@ -31,65 +24,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores"),
 ]
-
-
-def test_two_simulated_nodes_match_one_process(tmp_path):
-    """Two train.py invocations, node ranks 0 and 1, rendezvous over 127.0.0.1 (what a SLURM or Kubernetes
-    job runs on each node), ZeRO-3 and one rank per node, give the loss curve of one process that takes
-    the same 16 samples per step as 8 x 2 accumulation. Each "node" has its own working directory, so the
-    relative --output-dir is a different directory per node, as without a shared filesystem: with
-    --node-local-storage each node holds its own rank's checkpoint shards and its copy of the model."""
-    from dschat.utils.dist import free_port
-
-    ref = tmp_path / "one"
-    assert_ok(step1(ref, *REFERENCE_1RANK, "--zero_stage", "3"))
-
-    port = str(free_port())
-    # one core per "node"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **cpu_ranks_env()}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    procs = []
-    for node in (0, 1):
-        cwd = tmp_path / f"node{node}"
-        cwd.mkdir()
-        cmd = [sys.executable, str(ROOT / "train.py"), "--step", "1", "--deployment-type", "multi_node",
-               "--launcher", "torchrun", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", port, "--num-gpus", "1", "--actor-zero-stage", "3", "--actor-model",
-               "builtin:micro-llama", "--output-dir", "out", "--node-local-storage",
-               "--", *REFERENCE_RUN_FLAGS, "--save_steps", "10"]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-5000:]
-    launch = next(line for line in outs[1].splitlines() if line.startswith("==> step 1 ("))
-    assert "torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank 1" in launch
-
-    two = [tmp_path / f"node{n}" / "out" / "step1" for n in (0, 1)]
-    cfg = resolved_config(two[0])
-    assert cfg["world_size"] == 2 and cfg["global_batch_size"] == 16 and cfg["node_local_storage"] is True
-    ref_losses, got = train_losses(ref), train_losses(two[0])
-    assert sorted(got) == sorted(ref_losses) == list(range(1, 21))
-    for step, loss in ref_losses.items():
-        assert got[step] == pytest.approx(loss, rel=2e-2), f"step {step}"
-    assert summary(two[0])["eval_loss_end"] == pytest.approx(summary(ref)["eval_loss_end"], rel=5e-3)
-
-    # node-local storage: each node's checkpoint holds its own rank's ZeRO-3 shards and RNG state only
-    for node, d in enumerate(two):
-        ckpt = d / "checkpoints"
-        assert (ckpt / "latest").read_text().strip() == "step10"
-        names = {p.name for p in (ckpt / "step10").iterdir()}
-        other = 1 - node
-        assert f"zero_pp_rank_{node}_mp_rank_00_optim_states.pt" in names, names
-        assert f"rng_rank{node}.pt" in names
-        assert not [n for n in names if f"rank_{other}_" in n or f"rank{other}." in n], names
-    # ... and the finished run (summary, exported model) on both nodes, with the same weights
-    assert summary(two[1])["steps"] == 20
-    a, b = load_file(str(two[0] / "model.safetensors")), load_file(str(two[1] / "model.safetensors"))
-    assert set(a) == set(b) and all((a[k] == b[k]).all() for k in a)
-    # node 0 writes training.log, node 1 its own log, both the full output of their torchrun
-    assert (two[0] / "training.log").exists() and (two[1] / "training.node1.log").exists()
 
 
 def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):

@@ -1,5 +1,6 @@
-"""Step 1 (SFT) run for real on the built-in micro Llama: ZeRO stages, several ranks, resume, LoRA,
-offload, the orchestrator and the data cache. Every run is a subprocess of the real entry point."""
+"""Step 1 (SFT) run for real on the built-in micro Llama: ZeRO stages, several ranks (one node, two simulated
+nodes), resume, LoRA, offload, the orchestrator and the data cache. Every run is a subprocess of the real
+entry point."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 import math
 import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cpu_ranks_env
+from tests.conftest import ROOT, cpu_ranks_env
 from tests.integration.helpers import (
     FAST,
     MICRO,
@@ -120,6 +123,68 @@ def test_two_ranks_zero3_match_one_rank_with_accumulation(reference_run, tmp_pat
     # Same starting weights, same eval set split over ranks: identical up to summation order.
     assert summary(two)["eval_loss_start"] == pytest.approx(summary(one)["eval_loss_start"], rel=1e-6)
     assert summary(two)["eval_loss_end"] == pytest.approx(summary(one)["eval_loss_end"], rel=5e-3)
+
+
+# ---------------------------------------------------------------- 3b. two simulated nodes = one rank
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU ranks need two cores")
+def test_two_simulated_nodes_match_one_process(reference_run, tmp_path):
+    """Two train.py invocations, node ranks 0 and 1, rendezvous over 127.0.0.1 (what a SLURM or Kubernetes
+    job runs on each node), ZeRO-3 and one rank per node, give the loss curve of one process that takes
+    the same 16 samples per step as 8 x 2 accumulation. Each "node" has its own working directory, so the
+    relative --output-dir is a different directory per node, as without a shared filesystem: with
+    --node-local-storage each node holds its own rank's checkpoint shards and its copy of the model."""
+    from safetensors.torch import load_file
+
+    from dschat.utils.dist import free_port
+
+    ref = reference_run(3)
+    port = str(free_port())
+    # one core per "node"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **cpu_ranks_env()}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    procs = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        cmd = [sys.executable, str(ROOT / "train.py"), "--step", "1", "--deployment-type", "multi_node",
+               "--launcher", "torchrun", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+               "--master-port", port, "--num-gpus", "1", "--actor-zero-stage", "3", "--actor-model",
+               "builtin:micro-llama", "--output-dir", "out", "--node-local-storage",
+               "--", *REFERENCE_RUN_FLAGS, "--save_steps", "10"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-5000:]
+    launch = next(line for line in outs[1].splitlines() if line.startswith("==> step 1 ("))
+    assert "torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank 1" in launch
+
+    two = [tmp_path / f"node{n}" / "out" / "step1" for n in (0, 1)]
+    cfg = resolved_config(two[0])
+    assert cfg["world_size"] == 2 and cfg["global_batch_size"] == 16 and cfg["node_local_storage"] is True
+    ref_losses, got = train_losses(ref), train_losses(two[0])
+    assert sorted(got) == sorted(ref_losses) == list(range(1, 21))
+    for step, loss in ref_losses.items():
+        assert got[step] == pytest.approx(loss, rel=2e-2), f"step {step}"
+    assert summary(two[0])["eval_loss_end"] == pytest.approx(summary(ref)["eval_loss_end"], rel=5e-3)
+
+    # node-local storage: each node's checkpoint holds its own rank's ZeRO-3 shards and RNG state only
+    for node, d in enumerate(two):
+        ckpt = d / "checkpoints"
+        assert (ckpt / "latest").read_text().strip() == "step10"
+        names = {p.name for p in (ckpt / "step10").iterdir()}
+        other = 1 - node
+        assert f"zero_pp_rank_{node}_mp_rank_00_optim_states.pt" in names, names
+        assert f"rng_rank{node}.pt" in names
+        assert not [n for n in names if f"rank_{other}_" in n or f"rank{other}." in n], names
+    # ... and the finished run (summary, exported model) on both nodes, with the same weights
+    assert summary(two[1])["steps"] == 20
+    a, b = load_file(str(two[0] / "model.safetensors")), load_file(str(two[1] / "model.safetensors"))
+    assert set(a) == set(b) and all((a[k] == b[k]).all() for k in a)
+    # node 0 writes training.log, node 1 its own log, both the full output of their torchrun
+    assert (two[0] / "training.log").exists() and (two[1] / "training.node1.log").exists()
 
 
 # ---------------------------------------------------------------- 4. resume after a kill is exact
