@@ -32,7 +32,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def pytest_configure(config) -> None:
     """Under xdist each worker's in-process torch gets its share of the cores, split as ranks on one node
-    split them (two workers on two cores would each start two threads). Subprocesses keep their own split.
+    split them (two workers on two cores would each start two threads), and so do the processes it starts.
 
     The suite starts some 150 Python processes on the project's modules. Where PYTHONDONTWRITEBYTECODE is
     set (CI images and sandboxes often set it) none of them caches its bytecode and each compiles the
@@ -49,6 +49,10 @@ def pytest_configure(config) -> None:
         from dschat.utils.dist import threads_per_rank
 
         torch.set_num_threads(threads_per_rank(workers))
+        # ... and so do the runs they start: a run takes every core by default, and two workers' runs at
+        # once oversubscribe the cores (two concurrent PPO runs of the easy-reward test: 35-37 s with two
+        # threads each, 15-17 s with one). The ranks of a multi-rank run take one thread each too.
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(workers)))
 
 
 def pytest_collection_modifyitems(config, items) -> None:
