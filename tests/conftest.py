@@ -36,7 +36,8 @@ def pytest_configure(config) -> None:
 
     The suite starts some 150 Python processes on the project's modules. Where PYTHONDONTWRITEBYTECODE is
     set (CI images and sandboxes often set it) none of them caches its bytecode and each compiles the
-    project again (0.35 s); compiled once here, before the workers start, they all read it."""
+    project again (0.35 s); compiled once here, before the workers start, they all read it (the .pyc files
+    land in the checkout's __pycache__ directories, ignored by git, even where the variable was set)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         import compileall
 
@@ -51,7 +52,7 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(threads_per_rank(workers))
         # ... and so do the runs they start: a run takes every core by default, and two workers' runs at
         # once oversubscribe the cores (two concurrent PPO runs of the easy-reward test: 35-37 s with two
-        # threads each, 15-17 s with one). The ranks of a multi-rank run take one thread each too.
+        # threads each, 15-17 s with one). Each rank of a multi-rank run takes the worker's share.
         os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(workers)))
 
 

@@ -17,11 +17,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dschat.generation.sampling import SamplingConfig
 from dschat.lm import accepts
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -147,11 +151,16 @@ def reserved_layer_class() -> type:
             self._n = n
             self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
 
-        def update(self, key_states, value_states, *args, **kwargs):
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.is_initialized or getattr(self, "_k", None) is None:  # after reset()
                 self.lazy_initialization(key_states, value_states)
                 self._store(key_states, value_states, key_states.shape[-2])
                 return self.keys, self.values
+            # The buffers take the prefill's dtype, and a cache that casts (Fp32DynamicCache) casts before
+            # this, so every token arrives in it; assigning would cast silently where cat would promote.
+            assert key_states.dtype == self._k.dtype, (key_states.dtype, self._k.dtype)
             n, t = self._n, key_states.shape[-2]
             if n + t > self._k.shape[-2]:
                 self._store(self.keys, self.values, max(2 * self._k.shape[-2], n + t))
@@ -188,10 +197,15 @@ def reserved_layer_class() -> type:
             self._n = 0
             super().reset()
 
+        def offload(self):  # the mixin moves keys/values only, which here are views of the buffers
+            raise NotImplementedError("a reserved KV-cache layer is not offloaded")
+
+        prefetch = offload
+
     return ReservedLayer
 
 
-def reserve(cache, positions: int) -> None:
+def reserve(cache: DynamicCache, positions: int) -> None:
     """Give each plain full-attention layer of ``cache`` (a transformers ``DynamicCache``) room for
     ``positions`` more tokens, in place: see :func:`reserved_layer_class`. Other layers stay as they are."""
     from transformers.cache_utils import DynamicLayer
@@ -284,12 +298,12 @@ def decode(
                     use_cache=True, **extra)  # fmt: skip
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
-    if _rows_copyable(cache):  # the new tokens' keys and values are written in place, not concatenated
-        reserve(cache, sampling.max_new_tokens)
-    pos = positions[:, -1:]
     # Rows that have stopped leave the batch (their cache rows are dropped), so each step computes only
     # the rows still generating; ``rows`` (A,) are the rows the cache holds, None while it holds all B.
     compact = _rows_copyable(cache)
+    if compact:  # the new tokens' keys and values are written in place, not concatenated
+        reserve(cache, sampling.max_new_tokens)
+    pos = positions[:, -1:]
     rows: torch.Tensor | None = None
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     stops = None

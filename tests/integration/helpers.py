@@ -72,6 +72,11 @@ def metrics(out_dir: Path) -> list[dict]:
     return read_jsonl(Path(out_dir) / "metrics.jsonl")
 
 
+def train_rows(out_dir: Path) -> list[dict]:
+    """The run's train rows of metrics.jsonl, in order."""
+    return [r for r in metrics(out_dir) if r["split"] == "train"]
+
+
 def train_losses(out_dir: Path) -> dict[int, float]:
     """step -> logged train loss; fails on a step logged twice."""
     rows = [r for r in metrics(out_dir) if r["split"] == "train"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, cpu_ranks_env, run_cmd
-from tests.integration.helpers import assert_ok, error_line
+from tests.integration.helpers import assert_ok, error_line, train_rows
 
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
 RW_EVAL = ROOT / "inference" / "rw_eval.py"
@@ -132,12 +132,6 @@ def reference(tmp_path_factory) -> tuple[Path, list[str]]:
     flags = [*EXACT, "--data_path", str(preference_file(tmp / "pairs.jsonl", n=240))]
     assert_ok(step2(tmp / "one", *flags, "--gradient_accumulation_steps", "2"))
     return tmp / "one", flags
-
-
-def train_rows(out: Path) -> list[dict]:
-    return [
-        r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"
-    ]
 
 
 @pytest.mark.slow

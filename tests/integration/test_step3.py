@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, run_cmd
-from tests.integration.helpers import assert_ok, error_line
+from tests.integration.helpers import assert_ok, error_line, train_rows
 
 STEP3 = ROOT / "training" / "step3_rlhf_finetuning" / "main.py"
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
@@ -44,13 +44,7 @@ def step3(
     return run_cmd(cmd, env={"PYTHONPATH": str(ROOT), **(env or {})})
 
 
-def train_rows(out: Path) -> list[dict]:
-    return [
-        r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"
-    ]
-
-
-@pytest.mark.slow
+@pytest.mark.slow  # 40 rounds: half a minute; marked so that its module starts early under xdist
 def test_ppo_raises_an_easy_rule_based_reward(models, tmp_path):
     actor, rm = models
     out = tmp_path / "ppo"
