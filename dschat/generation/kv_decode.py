@@ -258,8 +258,9 @@ def decode(
     row.
     Where the cache's rows can be copied, a row that has stopped leaves the batch: later steps compute
     only the rows still generating (answers of mixed lengths cost their own length, not the longest).
-    The draws are those of the full batch (with ``multinomial``, ``generate``'s); the logits are equal in fp32, while in bf16 (or on a GPU, whose
-    kernels depend on the batch's shape) a smaller batch may round differently.
+    The draws are those of the full batch (with ``multinomial``, ``generate``'s); the logits are equal in
+    fp32, while in bf16 (or on a GPU, whose kernels depend on the batch's shape) a smaller batch may round
+    differently.
     Positions skip left padding exactly as the training forward computes them. A row stops at its
     EOS (any of them, where ``eos_token_id`` is a list: a chat template's end of turn and the EOS, as
     ``generate`` takes them) and is padded after it; the loop stops when every row has stopped. ``lockstep`` (a process

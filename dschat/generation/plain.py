@@ -4,8 +4,8 @@
         sequences = gen.generate(input_ids, attention_mask)
 
 :class:`PlainGenerator` runs the KV-cache decoder (:func:`dschat.generation.kv_decode.decode`; with
-``SamplingConfig.draw="multinomial"`` the same tokens as Hugging Face ``generate``) on the training module; under ZeRO-3 every new token re-gathers
-each layer's weights: correct, and slow. The hybrid engine is a second implementation of the same
+``SamplingConfig.draw="multinomial"`` the same tokens as Hugging Face ``generate``) on the training
+module; under ZeRO-3 every new token re-gathers each layer's weights: correct, and slow. The hybrid engine is a second implementation of the same
 interface. Both sample from exactly the distribution :class:`SamplingConfig` describes
 (``softmax(logits / temperature)``, then the top-k / top-p filters), whatever generation settings the
 checkpoint carries.

@@ -82,29 +82,26 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
-def _all_reduce(values: list[float], op) -> list[float]:
+def _all_reduce(values: list[float], op: str) -> list[float]:
+    """``op``: the name of a ``torch.distributed.ReduceOp`` (looked up only where there are ranks)."""
     if not is_initialized() or world_size() == 1:
         return list(values)
     import torch
     import torch.distributed as torch_dist
 
     t = torch.tensor(values, dtype=torch.float64, device=default_device())
-    torch_dist.all_reduce(t, op=op)
+    torch_dist.all_reduce(t, op=getattr(torch_dist.ReduceOp, op))
     return t.tolist()
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a few Python floats over all ranks (returns them unchanged on one process)."""
-    import torch.distributed as torch_dist
-
-    return _all_reduce(values, torch_dist.ReduceOp.SUM)
+    return _all_reduce(values, "SUM")
 
 
 def all_reduce_max(values: list[float]) -> list[float]:
     """The largest of each of a few Python floats over all ranks (unchanged on one process)."""
-    import torch.distributed as torch_dist
-
-    return _all_reduce(values, torch_dist.ReduceOp.MAX)
+    return _all_reduce(values, "MAX")
 
 
 def any_rank(flag: bool) -> bool:

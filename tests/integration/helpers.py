@@ -79,7 +79,7 @@ def train_rows(out_dir: Path) -> list[dict]:
 
 def train_losses(out_dir: Path) -> dict[int, float]:
     """step -> logged train loss; fails on a step logged twice."""
-    rows = [r for r in metrics(out_dir) if r["split"] == "train"]
+    rows = train_rows(out_dir)
     steps = [r["step"] for r in rows]
     assert len(steps) == len(set(steps)), f"train steps logged more than once: {steps}"
     return {r["step"]: r["loss"] for r in rows}
