@@ -5,6 +5,7 @@
     python bench/bench_dpo.py verifiable --step1 output/step1   # DPO from a finished step-1 model
     python bench/bench_dpo.py hh                              # DPO from SmolLM2 on HH-RLHF training pairs
     python bench/bench_dpo.py hh --judge runs/al/rm_b         # on half a, judged by the alignment benchmark's B
+    python bench/bench_dpo.py hh --judge runs/al/rm_b --labeller runs/al/rm_a   # online: A labels SmolLM2's answers
 
 ``verifiable``: the built-in tasks of the main job (sort, reverse_words) with SmolLM2-135M-Instruct. DPO
 starts from the step-1 model; its pairs are the built-in synthetic ones plus the step-1 model's own wrong
@@ -17,7 +18,11 @@ implicit-reward accuracy on held-out pairs, tokens/s and wall time.
 ``--judge DIR``, the judge B of ``bench_alignment.py hh`` (trained on half b of the pairs), DPO learns from
 half a only (``hh_judge.py``: the same split), both policies answer held-out prompts greedily and B scores
 them: ``judge_win_rate`` (ties half, target 0.60) and ``length_ratio`` (mean answer length in tokens, DPO
-over step 1; target at most 1.2).
+over step 1; target at most 1.2). With ``--labeller DIR`` (reward model A, trained on half a), DPO learns
+from on-policy pairs instead (online DPO): SmolLM2 samples ``--samples_per_prompt`` answers to
+``--on_policy_prompts`` of half a's prompts, A's favourite that ended is chosen and its least favourite
+rejected, and DPO trains on those pairs alone for ``--epochs``; the HH test pairs still give the
+implicit-reward accuracy.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ def by_task(s: dict) -> dict:
     }
 
 
+def n_pairs(data_dir: Path) -> int:
+    return len((data_dir / "train.jsonl").read_text().splitlines())
+
+
 def hh(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
     if args.judge:  # the judge saw half b: DPO learns from half a only, so the judge stays independent
@@ -91,11 +100,17 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         for split in ("train", "test"):
             (pairs / f"{split}.jsonl").symlink_to(HH / f"{split}.jsonl")
     dpo = out / "step2_dpo"
+    if args.labeller:  # online: pairs of SmolLM2's own answers, labelled by A, one epoch of them per --epochs
+        length = ["--num_train_epochs", str(args.epochs), "--policy_negatives_from", MODEL,
+                  "--policy_negatives_reward_model", args.labeller, "--policy_negatives_only",
+                  "--policy_negatives_max_prompts", str(args.on_policy_prompts), "--policy_negatives_per_prompt",
+                  str(args.samples_per_prompt), "--policy_negatives_max_new_tokens", str(args.max_new_tokens)]  # fmt: skip
+    else:
+        length = ["--max_steps", str(args.max_steps)] if args.max_steps else []
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
          MODEL, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
          "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", "--learning_rate",
-         str(args.learning_rate), "--beta", str(args.beta), *(["--max_steps", str(args.max_steps)] if args.max_steps
-                                                              else [])])  # fmt: skip
+         str(args.learning_rate), "--beta", str(args.beta), *length])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
     resolved = json.loads((dpo / "dschat_config.json").read_text())  # the run's options as it resolved them
     result = {
@@ -105,7 +120,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "implicit_reward_accuracy_chosen_shorter": s.get("implicit_reward_accuracy_chosen_shorter_end"),
         "longer_response_baseline": s.get("longer_response_baseline"),
         "eval_margin": s["eval_margin_end"],
-        "train_pairs": len((pairs / "train.jsonl").read_text().splitlines()),
+        "train_pairs": int(s["policy_negatives"]["train"]["pairs"]) if args.labeller else n_pairs(pairs),
+        "on_policy_pairs": s["policy_negatives"]["train"] if args.labeller else None,
         "train_pairs_read": s["steps"] * resolved["global_batch_size"],
         "steps": s["steps"],
         "train_tokens_per_sec": s["train_tokens_per_sec"],
@@ -134,6 +150,16 @@ def main() -> None:
     p.add_argument(
         "--judge_prompts", type=int, default=JUDGE_PROMPTS, help="hh: held-out prompts the judge scores"
     )
+    p.add_argument(
+        "--labeller", help="hh: reward model A (trained on half a): DPO on on-policy pairs it labels"
+    )
+    p.add_argument(
+        "--on_policy_prompts", type=int, default=384, help="hh --labeller: prompts of half a sampled"
+    )
+    p.add_argument(
+        "--samples_per_prompt", type=int, default=4, help="hh --labeller: answers sampled per prompt"
+    )
+    p.add_argument("--epochs", type=int, default=2, help="hh --labeller: epochs over the on-policy pairs")
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-5 hh")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest judged answer")
@@ -149,6 +175,10 @@ def main() -> None:
     if args.suite == "hh" and not (HH / "train.jsonl").exists():
         print(json.dumps({"skipped": f"{HH} not present"}))
         return
+    if args.labeller and not args.judge:
+        p.error(
+            "--labeller needs --judge: A labels half a's answers, and only a judge that never saw half a can tell"
+        )
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     # hh, measured 2026-11-25: lr 5e-6 learned nothing in 130 steps (train accuracy 0.51, margins 0.002);

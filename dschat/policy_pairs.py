@@ -1,4 +1,4 @@
-"""On-policy negatives for reward-model training: the policy's own wrong answers as rejected responses.
+"""On-policy pairs for step 2: the policy's own answers, labelled by a verifier or by a reward model.
 
 A reward model trained only on synthetic wrong answers ranks those well and can still be fooled by the
 mistakes the PPO actor actually makes (measured on the built-in tasks: held-out accuracy 0.98, yet PPO
@@ -8,6 +8,15 @@ answers from the policy (the step-1 model), and pair each wrong one (rejected) w
 (chosen). Prompts no built-in task recognises are skipped: there is no verifier to label them.
 
     pairs, stats, samples = mine_policy_negatives(model, tokenizer, prompts, samples_per_prompt=4, ...)
+
+Where no verifier knows the truth (human preferences), a reward model labels instead
+(``--policy_negatives_reward_model``, for DPO): of each prompt's K sampled answers, the one it scores
+highest becomes chosen and the one it scores lowest rejected. This is online (iterative) DPO as in RLHF
+Workflow, TRL's online DPO and OpenRLHF's iterative DPO: offline pairs written by another model pull the
+policy towards text it would never write, measured here as a DPO policy that a judge liked less than
+SmolLM2 itself (win rate 0.42).
+
+    pairs, stats = mine_scored_pairs(model, tokenizer, prompts, reward_model, samples_per_prompt=4, ...)
 
 The sampled answers themselves (``PolicySamples``) also say, before any PPO, whether a reward model can
 improve the policy at all: :func:`selection_accuracy` lets it pick the best of each prompt's K answers. If
@@ -32,12 +41,13 @@ from dschat.config import DataArgs, PolicyPairsArgs
 from dschat.data.prompt_format import PromptFormat
 from dschat.data.schema import Sample
 from dschat.generation.sampling import SamplingConfig
-from dschat.generation.texts import generate_texts
+from dschat.generation.texts import generate_text_replies, generate_texts
 from dschat.losses import gather_last
 from dschat.rlhf.ppo_math import group_relative_scores
-from dschat.scoring import score_with
+from dschat.scoring import score_texts, score_with
 from dschat.tasks.accuracy import rank_slice
 from dschat.utils import dist
+from dschat.utils.errors import UserError
 from dschat.utils.io import atomic_write_text
 
 LOG = logging.getLogger("dschat")
@@ -125,6 +135,101 @@ def wrong_answer_pairs(prompts: list[str], answers: list[str]) -> list[Sample]:
         seen.add((p, answer))
         out.append(Sample(prompt=p, chosen=" " + right, rejected=" " + answer, source="policy"))
     return out
+
+
+def best_worst_pairs(
+    prompts: list[str],
+    answers: list[str],
+    scores: list[float],
+    cut_off: list[bool],
+    k: int,
+    min_margin: float,
+) -> tuple[list[Sample], list[float]]:
+    """Each prompt's K scored answers -> at most one pair: chosen = the highest-scored answer that ended
+    (not cut off), rejected = the lowest-scored of all; kept where the two texts differ and the chosen
+    one scores at least ``min_margin`` more. Returns the pairs and their score margins.
+
+    prompts (P,); answers, scores, cut_off (P * k,), grouped by prompt. A cut-off answer never becomes
+    chosen: DPO's chosen side ends with the end-of-turn token, so it would teach ending mid-sentence (and
+    a longer budget would have written more). Empty answers are left out. Ties go to the first answer.
+    """
+    if not (len(answers) == len(scores) == len(cut_off) == len(prompts) * k):
+        raise ValueError(f"{len(prompts)} prompts x k={k} need {len(prompts) * k} answers, scores and flags")
+    out, margins = [], []
+    for i, prompt in enumerate(prompts):
+        group = [j for j in range(i * k, (i + 1) * k) if answers[j].strip()]
+        ended = [j for j in group if not cut_off[j]]
+        if not ended:
+            continue
+        best = max(ended, key=lambda j: (scores[j], -j))
+        worst = min(group, key=lambda j: (scores[j], j))
+        if answers[best].strip() == answers[worst].strip() or scores[best] - scores[worst] < min_margin:
+            continue
+        out.append(Sample(prompt=prompt, chosen=answers[best], rejected=answers[worst], source="policy"))
+        margins.append(scores[best] - scores[worst])
+    return out, margins
+
+
+@torch.no_grad()
+def mine_scored_pairs(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    reward_model: torch.nn.Module,
+    *,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    temperature: float,
+    device,
+    seed: int,
+    min_margin: float = 0.0,
+    batch_size: int = 64,
+    fmt: PromptFormat | None = None,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Sample ``samples_per_prompt`` answers per prompt (any prompt: no verifier is needed), score them
+    with ``reward_model`` (a ``ScalarHeadModel`` reading the policy's tokenizer) and keep
+    :func:`best_worst_pairs`. Every rank returns the same pairs in the same order.
+
+    Returns (pairs, stats: prompts, answers, the fraction cut off, pairs, the mean score of all answers
+    and the mean margin and the chosen and rejected answers' mean length in characters over the pairs).
+    """
+    world, rank = dist.world_size(), dist.rank()
+    mine, weight = rank_slice(prompts)
+    mine = [p for p, w in zip(mine, weight) if w]  # nothing here is collective: repeats are not needed
+    # similar lengths share a batch: left padding to a long HH prompt costs every row in the batch
+    mine.sort(key=len)
+    k = samples_per_prompt
+    repeated = [p for p in mine for _ in range(k)]
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed + rank)
+        replies = generate_text_replies(
+            model, tokenizer, repeated, device=device, batch_size=batch_size,
+            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), fmt=fmt,
+        )  # fmt: skip
+    answers = [" " + a.strip() for a in replies.texts]  # as the data holds answers: after "Assistant:"
+    scores = score_texts(reward_model, tokenizer, repeated, answers, batch_size=max(1, batch_size // 4),
+                         device=device, fmt=fmt).tolist() if repeated else []  # fmt: skip
+    pairs, margins = best_worst_pairs(mine, answers, scores, replies.cut_off, k, min_margin)
+    sums = [float(len(mine)), float(len(answers)), float(sum(replies.cut_off)), float(sum(scores)),
+            float(len(pairs)), float(sum(margins)), float(sum(len(p.chosen) for p in pairs)),
+            float(sum(len(p.rejected) for p in pairs))]  # fmt: skip
+    if world > 1:
+        gathered: list[list[Sample]] = [[] for _ in range(world)]
+        torch.distributed.all_gather_object(gathered, pairs)
+        pairs = [s for part in gathered for s in part]
+        sums = dist.all_reduce_sum(sums)
+    n_prompts, n_answers, n_cut, score_sum, n_pairs, margin_sum, chosen_len, rejected_len = sums
+    stats = {
+        "prompts": n_prompts,
+        "answers": n_answers,
+        "cut_off_fraction": n_cut / max(n_answers, 1.0),
+        "mean_score": score_sum / max(n_answers, 1.0),
+        "pairs": n_pairs,
+        "mean_margin": margin_sum / max(n_pairs, 1.0),
+        "chosen_chars": chosen_len / max(n_pairs, 1.0),
+        "rejected_chars": rejected_len / max(n_pairs, 1.0),
+    }
+    return pairs, stats
 
 
 @torch.no_grad()
@@ -242,6 +347,16 @@ class MinedPairs:
     stats: dict[str, dict] = field(default_factory=dict)  # "train"/"eval" -> mine_policy_negatives' stats
     eval_samples: PolicySamples | None = None  # the held-out prompts' K answers (None: no built-in prompts)
 
+    def training_set(self, data_train: list[dict], only: bool) -> list[dict]:
+        """The step's training pairs: the data's and these (``only``: these alone, the data giving prompts)."""
+        if only and not self.train:
+            raise UserError(
+                "--policy_negatives_only: the policy's answers gave no pairs, so there is nothing to train on "
+                "(see the on-policy pairs line above: raise --policy_negatives_max_new_tokens if its answers "
+                "were cut off, or lower --policy_negatives_min_margin)"
+            )
+        return list(self.train) if only else data_train + self.train
+
     def write(self, output_dir: str) -> None:
         """``policy_negatives_{train,eval}.jsonl`` in the run, for a person to read and for rw_eval.py --file."""
         if not dist.is_main():
@@ -285,6 +400,17 @@ def mine_step_pairs(
     if 0 < cap < len(train_prompts):  # a random subset, not a prefix: sources (tasks) come in order
         train_prompts = random.Random(f"policy-negatives:{seed}").sample(train_prompts, cap)
     out = MinedPairs([], [])
+    if pp.policy_negatives_reward_model:
+        _mine_with_reward_model(out, pp, policy, tokenizer, train_prompts, device=device, seed=seed, fmt=fmt,
+                                dtype=dtype, max_len=data_args.max_seq_len, trust_remote_code=trust_remote_code)  # fmt: skip
+        del policy
+        st = out.stats["train"]
+        LOG.info("on-policy pairs from %s labelled by %s: %d pairs from %d prompts x %d answers (%.0f%% cut off at "
+                 "%d tokens; mean margin %.3f; chosen %.0f / rejected %.0f characters), %.1f s", path,
+                 pp.policy_negatives_reward_model, st["pairs"], st["prompts"], pp.policy_negatives_per_prompt,
+                 100 * st["cut_off_fraction"], pp.policy_negatives_max_new_tokens, st["mean_margin"],
+                 st["chosen_chars"], st["rejected_chars"], time.perf_counter() - t0)  # fmt: skip
+        return out
     for split, texts in {"train": train_prompts, "eval": [s.prompt for s in eval_s]}.items():
         pairs, out.stats[split], samples = mine_policy_negatives(
             policy, tokenizer, texts, samples_per_prompt=pp.policy_negatives_per_prompt,
@@ -307,3 +433,27 @@ def mine_step_pairs(
             "--policy_negatives_from: no built-in task prompts in this step's data; no pairs were added"
         )
     return out
+
+
+def _mine_with_reward_model(out: MinedPairs, pp: PolicyPairsArgs, policy, tokenizer, prompts: list[str], *, device,
+                            seed: int, fmt: PromptFormat, dtype: str, max_len: int,
+                            trust_remote_code: bool) -> None:  # fmt: skip
+    """``out.train``: :func:`mine_scored_pairs` of ``prompts`` (the step's training prompts) labelled by
+    ``--policy_negatives_reward_model``. Held-out prompts are not mined: their pairs would measure only
+    agreement with this reward model, at the cost of sampling and scoring them all."""
+    from dschat.data.pipeline import tokenize_pairs
+    from dschat.models.loading import inference_dtype, resolve
+    from dschat.models.reward import load_reward_model
+
+    flag = "--policy_negatives_reward_model"
+    rm_path = resolve(pp.policy_negatives_reward_model, flag)
+    reward_model = load_reward_model(rm_path, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                                     require_trained_head=True, flag=flag)  # fmt: skip
+    reward_model = reward_model.to(device=device, dtype=inference_dtype(dtype, str(device)))
+    pairs, out.stats["train"] = mine_scored_pairs(
+        policy, tokenizer, prompts, reward_model, samples_per_prompt=pp.policy_negatives_per_prompt,
+        max_new_tokens=pp.policy_negatives_max_new_tokens, temperature=pp.policy_negatives_temperature,
+        device=device, seed=seed, min_margin=pp.policy_negatives_min_margin, fmt=fmt,
+    )  # fmt: skip
+    out.pairs["train"] = pairs
+    out.train, _ = tokenize_pairs(pairs, fmt, max_len)

@@ -281,8 +281,38 @@ class PolicyPairsArgs:
     )
     policy_negatives_temperature: float = opt(1.0, "sampling temperature for --policy_negatives_from")
     policy_negatives_max_new_tokens: int = opt(32, "longest sampled answer for --policy_negatives_from")
+    policy_negatives_reward_model: str | None = opt(
+        None,
+        "DPO only: label the sampled answers with this reward model instead of the verifier, for any prompt "
+        "(human preferences): each prompt's highest-scored answer that ended is chosen, its lowest-scored "
+        "rejected (online DPO); the policy must share its tokenizer",
+        type=str,
+    )
+    policy_negatives_min_margin: float = opt(
+        0.0,
+        "with --policy_negatives_reward_model: keep a pair only where chosen outscores rejected by this much",
+    )
+    policy_negatives_only: bool = opt(
+        False,
+        "train on the on-policy pairs alone: the data's own training pairs give only the prompts (the "
+        "held-out pairs are still evaluated)",
+    )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
+        for name in ("policy_negatives_reward_model", "policy_negatives_only"):
+            if getattr(self, name) and not self.policy_negatives_from:
+                raise UserError(
+                    f"--{prefix}{name} needs --{prefix}policy_negatives_from (the policy that answers)"
+                )
+        if self.policy_negatives_min_margin < 0:
+            raise UserError(
+                f"--{prefix}policy_negatives_min_margin must be >= 0, got {self.policy_negatives_min_margin}"
+            )
+        if self.policy_negatives_min_margin and not self.policy_negatives_reward_model:
+            raise UserError(
+                f"--{prefix}policy_negatives_min_margin needs --{prefix}policy_negatives_reward_model (a verifier's "
+                "labels have no margin)"
+            )
         if self.policy_negatives_max_prompts < 0:
             raise UserError(
                 f"--{prefix}policy_negatives_max_prompts must be >= 0, got {self.policy_negatives_max_prompts}"

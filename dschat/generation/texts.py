@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.generation.decoding import Replies
 from dschat.generation.kv_decode import decode
 from dschat.generation.sampling import SamplingConfig
 
@@ -26,6 +27,28 @@ def generate_texts(
     fmt: PromptFormat | None = None,
     greedy_rows: list[bool] | None = None,
 ) -> list[str]:
+    """The texts of :func:`generate_text_replies` (same arguments)."""
+    return generate_text_replies(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
+        synced_gpus=synced_gpus, generator=generator, sampling=sampling, fmt=fmt, greedy_rows=greedy_rows,
+    ).texts  # fmt: skip
+
+
+@torch.no_grad()
+def generate_text_replies(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 32,
+    device: torch.device | str = "cpu",
+    synced_gpus: bool = False,
+    generator=None,
+    sampling: SamplingConfig | None = None,
+    fmt: PromptFormat | None = None,
+    greedy_rows: list[bool] | None = None,
+) -> Replies:
     """Greedy completions (text after the prompt) for ``prompts`` (dialogue text or bare questions,
     rendered by ``fmt``: default the tokenizer's own format, as in training), left-padded batches;
     sampled ones with ``sampling`` (its ``max_new_tokens`` then replaces ``max_new_tokens``). A reply
@@ -37,12 +60,15 @@ def generate_texts(
     (the ``gen`` of ``with g.generation_mode() as gen``, e.g. the hybrid engine) generates instead of
     the decoder on ``model``. Rows that repeat a prompt (K samples each) share its prefill.
     ``greedy_rows`` (one flag per prompt): those are answered greedily, the others by ``sampling``.
+    A reply that reached no stop token is cut off (``Replies.cut_off``): it used every new token and
+    stops mid-answer.
     """
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     was_training = model.training
     model.eval()
     out: list[str] = []
+    cut_off: list[bool] = []
     cfg = sampling or SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
     fmt = fmt or prompt_format(tokenizer)
     try:
@@ -59,12 +85,16 @@ def generate_texts(
                 seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(fmt.stop_ids),
                              pad_token_id=tokenizer.pad_token_id, lockstep=True if synced_gpus else None,
                              greedy_rows=greedy).sequences  # fmt: skip
-            out.extend(tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+            new = seq[:, enc["input_ids"].shape[1] :]  # (B, n): pad after each row's stop token
+            out.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+            # the decoder runs until every row stopped or n == the budget: a row without a stop ran out
+            stopped = torch.isin(new, torch.tensor(sorted(fmt.stop_ids), device=new.device)).any(dim=1)
+            cut_off.extend((~stopped).tolist())
     finally:
         tokenizer.padding_side = side
         if was_training:
             model.train()
-    return out
+    return Replies(out, cut_off)
 
 
 def greedy_and_sampled_texts(

@@ -210,3 +210,39 @@ def test_train_py_runs_dpo_as_step_two_with_policy_negatives(tmp_path):
     assert train["prompts"] == 16 and 0 < train["pairs"] <= 32
     rows = [json.loads(x) for x in (run / "policy_negatives_train.jsonl").read_text().splitlines()]
     assert len(rows) == train["pairs"]
+
+
+def test_online_dpo_trains_on_pairs_a_reward_model_labels(pairs, tmp_path):
+    # The policy (a chain model: " 579" then EOS) samples at temperature 12: ended " 579" answers and
+    # cut-off random bytes. The reward model scores +8 for a text ending in 9. With
+    # --policy_negatives_only the run trains on those pairs alone; the data's pairs give the prompts.
+    import json
+
+    from tests.tiny_chat_models import chain_model, sign_reward_model
+
+    policy, rm = chain_model(tmp_path / "policy", " 579"), sign_reward_model(tmp_path / "rm")
+    out = tmp_path / "run"
+    flags = [*FAST, "--model_name_or_path", str(policy), "--data_path", str(pairs), "--max_steps", "2",
+             "--per_device_train_batch_size", "4", "--policy_negatives_from", str(policy),
+             "--policy_negatives_reward_model", str(rm), "--policy_negatives_only",
+             "--policy_negatives_max_prompts", "24", "--policy_negatives_per_prompt", "4",
+             "--policy_negatives_max_new_tokens", "6", "--policy_negatives_temperature", "12"]  # fmt: skip
+    assert_ok(dpo(out, *flags))
+    mined = summary(out)["policy_negatives"]["train"]
+    assert mined["prompts"] == 24 and mined["answers"] == 96 and 8 <= mined["pairs"] <= 24, mined
+    assert mined["mean_margin"] > 0 and 0 < mined["cut_off_fraction"] < 1
+    rows = [json.loads(x) for x in (out / "policy_negatives_train.jsonl").read_text().splitlines()]
+    assert len(rows) == mined["pairs"] and {r["chosen"] for r in rows} == {" 579"}
+    # the data's own 1200 pairs are not trained on: only the mined ones
+    assert f"data: {int(mined['pairs'])} train" in (out / "training.log").read_text()
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    assert cfg["policy_negatives_reward_model"] == str(rm) and cfg["policy_negatives_only"] is True
+
+
+def test_reward_model_labels_are_refused_by_the_reward_model_step(tmp_path):
+    from tests.integration.test_step2 import step2
+
+    proc = step2(tmp_path / "out", "--model_name_or_path", "builtin:micro-llama", "--policy_negatives_from",
+                 "builtin:micro-llama", "--policy_negatives_reward_model", str(tmp_path / "rm"))  # fmt: skip
+    error_line(proc, "--policy_negatives_reward_model is for DPO")
+    assert not (tmp_path / "out").exists()

@@ -224,6 +224,24 @@ def test_parse_data_split_names_the_given_flag():
             PolicyPairsArgs(policy_negatives_temperature=0.0),
             "--policy_negatives_temperature must be > 0, got 0.0",
         ),
+        (
+            PolicyPairsArgs(policy_negatives_reward_model="rm"),
+            "--policy_negatives_reward_model needs --policy_negatives_from (the policy that answers)",
+        ),
+        (
+            PolicyPairsArgs(policy_negatives_only=True),
+            "--policy_negatives_only needs --policy_negatives_from (the policy that answers)",
+        ),
+        (
+            PolicyPairsArgs(
+                policy_negatives_from="p", policy_negatives_reward_model="rm", policy_negatives_min_margin=-1
+            ),
+            "--policy_negatives_min_margin must be >= 0, got -1",
+        ),
+        (
+            PolicyPairsArgs(policy_negatives_from="p", policy_negatives_min_margin=0.5),
+            "--policy_negatives_min_margin needs --policy_negatives_reward_model",
+        ),
         (RewardArgs(margin=-1.0), "--margin must be >= 0, got -1.0"),
         (
             RewardArgs(length_expert=True, ranking_loss="divergence"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dschat.policy_pairs import advantage_correlation, selection_metrics, wrong_answer_pairs
+from dschat.policy_pairs import advantage_correlation, best_worst_pairs, selection_metrics, wrong_answer_pairs
 from dschat.tasks import make_prompt
 
 
@@ -122,3 +122,70 @@ def test_mine_policy_negatives_keeps_each_prompts_answers_together(tmp_path):
     assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [(b, " 578", " 579")]
     assert stats == {"prompts": 2.0, "answers": 6.0, "wrong_answers": 3.0, "pairs": 1.0,
                      "sampled_accuracy": 0.5, "pass_at_k": 0.5}  # fmt: skip
+
+
+def test_best_worst_pairs_by_hand():
+    # 4 prompts x 3 answers (scores, cut off?):
+    # p0: A 1.0, B 3.0 cut off, C -2.0 -> chosen A (B's 3.0 is cut off), rejected C, margin 3.0
+    # p1: all three cut off -> no pair (no chosen side can end)
+    # p2: " x" 0.5, " x " 0.5 (the same text once stripped), "  " (empty) -> no pair
+    # p3: D 2.0, E 1.5, F 1.8 -> chosen D, rejected E, margin 0.5: under a min margin of 1.0, dropped
+    prompts = ["p0", "p1", "p2", "p3"]
+    answers = [" A", " B", " C", " G", " H", " I", " x", " x ", "  ", " D", " E", " F"]
+    scores = [1.0, 3.0, -2.0, 0.0, 1.0, 2.0, 0.5, 0.5, 9.0, 2.0, 1.5, 1.8]
+    cut = [False, True, False, True, True, True, False, False, False, False, False, False]
+    pairs, margins = best_worst_pairs(prompts, answers, scores, cut, 3, 0.0)
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [("p0", " A", " C"), ("p3", " D", " E")]
+    assert margins == [3.0, 0.5] and all(p.source == "policy" for p in pairs)
+    pairs, margins = best_worst_pairs(prompts, answers, scores, cut, 3, 1.0)
+    assert [p.prompt for p in pairs] == ["p0"] and margins == [3.0]
+    # the lowest-scored answer may itself be cut off: it is still a fine rejected side
+    pairs, _ = best_worst_pairs(["q"], [" a", " b"], [1.0, -1.0], [False, True], 2, 0.0)
+    assert [(p.chosen, p.rejected) for p in pairs] == [(" a", " b")]
+    with pytest.raises(ValueError, match="2 prompts x k=3 need 6"):
+        best_worst_pairs(["a", "b"], [" x"] * 5, [0.0] * 5, [False] * 5, 3, 0.0)
+
+
+def test_text_replies_say_which_answers_ran_out_of_tokens(tmp_path):
+    # A model that answers " 579" then EOS: cut off with a budget of 2 new tokens, ended with 8; one that
+    # cycles ":579:579..." never ends.
+    from dschat.generation.texts import generate_text_replies
+    from dschat.models.loading import load_for_generation
+    from tests.tiny_chat_models import chain_model
+
+    q = [make_prompt("What is 500 + 79?"), make_prompt("Hello")]
+    model, tokenizer = load_for_generation(str(chain_model(tmp_path / "eos", " 579")))
+    assert generate_text_replies(model, tokenizer, q, max_new_tokens=8) == ([" 579", " 579"], [False, False])
+    assert generate_text_replies(model, tokenizer, q, max_new_tokens=2) == ([" 5", " 5"], [True, True])
+    model, tokenizer = load_for_generation(str(chain_model(tmp_path / "cycle", " 579", end="cycle")))
+    texts, cut_off = generate_text_replies(model, tokenizer, q, max_new_tokens=8)
+    assert texts == [" 579: 57"] * 2 and cut_off == [True, True]
+
+
+def test_mine_scored_pairs_prefers_what_the_reward_model_prefers(tmp_path):
+    # At temperature 12 the chain model answers " 579" (ended) or random bytes (mostly cut off); the
+    # reward model scores +8 for a text ending in 9. Every pair's chosen answer scores at least its
+    # rejected one's and differs from it, the chosen side is always an ended " 579", and the stats count
+    # what was sampled.
+    from dschat.models.loading import load_for_generation, load_tokenizer
+    from dschat.models.reward import load_reward_model
+    from dschat.policy_pairs import mine_scored_pairs
+    from dschat.scoring import score_texts
+    from tests.tiny_chat_models import chain_model, sign_reward_model
+
+    model, tokenizer = load_for_generation(str(chain_model(tmp_path / "p", " 579")))
+    rm_path = str(sign_reward_model(tmp_path / "rm"))
+    rm = load_reward_model(rm_path, tokenizer=load_tokenizer(rm_path)).eval()
+    prompts = [make_prompt(f"Question {i}") for i in range(6)]
+    kw = dict(samples_per_prompt=4, max_new_tokens=6, temperature=12.0, device="cpu", seed=0)
+    pairs, stats = mine_scored_pairs(model, tokenizer, prompts, rm, **kw)
+    assert stats["prompts"] == 6 and stats["answers"] == 24 and 0 < stats["pairs"] == len(pairs) <= 6
+    assert 0.0 < stats["cut_off_fraction"] < 1.0
+    chosen = score_texts(rm, tokenizer, [p.prompt for p in pairs], [p.chosen for p in pairs]).tolist()
+    rejected = score_texts(rm, tokenizer, [p.prompt for p in pairs], [p.rejected for p in pairs]).tolist()
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    assert all(m >= 0 for m in margins) and all(p.chosen != p.rejected for p in pairs)
+    assert {p.chosen for p in pairs} == {" 579"}
+    assert stats["mean_margin"] == pytest.approx(sum(margins) / len(margins), abs=1e-3)
+    # a margin no pair reaches keeps none
+    assert mine_scored_pairs(model, tokenizer, prompts, rm, min_margin=100.0, **kw)[0] == []

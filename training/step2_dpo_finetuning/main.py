@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if ref_path:
         check_same_tokenizer(ref_path, "--ref_model_name_or_path", tokenizer, owner="policy",
                              trust_remote_code=model_args.trust_remote_code)  # fmt: skip
+    if pairs_args.policy_negatives_reward_model:  # it scores the policy's answers in the policy's tokens
+        check_same_tokenizer(resolve(pairs_args.policy_negatives_reward_model, "--policy_negatives_reward_model"),
+                             "--policy_negatives_reward_model", tokenizer, owner="policy",
+                             trust_remote_code=model_args.trust_remote_code)  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data, mined = dpo_pairs(data_args, pairs_args, setup, run.seed, dtype, model_args.trust_remote_code)
@@ -166,7 +170,7 @@ def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: S.Ste
     mined = mine_step_pairs(pairs_args, data_args=data_args, phase=2, tokenizer=setup.tokenizer, fmt=setup.fmt,
                             seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)  # fmt: skip
     if mined:
-        data.train = data.train + mined.train
+        data.train = mined.training_set(data.train, pairs_args.policy_negatives_only)
     for split in (data.train, data.eval):
         for i, ex in enumerate(split):
             ex["index"] = i  # the row of its reference log-probs

@@ -45,7 +45,7 @@ from dschat.models.reward import ScalarHeadModel, load_reward_model, pair_values
 from dschat.models.trunk import EvalMemo
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
-from dschat.utils.errors import run_cli
+from dschat.utils.errors import UserError, run_cli
 from dschat.utils.run import (
     Stopwatch,
     write_summary,
@@ -71,6 +71,9 @@ STEP_DEFAULTS = {
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)  # fmt: skip
     model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
+    if pairs_args.policy_negatives_reward_model:  # before any slow work
+        raise UserError("--policy_negatives_reward_model is for DPO (--algorithm dpo): a reward model trained "
+                        "on another reward model's labels would only copy it")  # fmt: skip
 
     # ---------------------------------------------------------------- 1. setup
     setup = S.setup_step(model_args, run, data_args)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     # the held-out prompts' sampled answers: can the reward model pick the right one?
     policy_samples: PolicySamples | None = None
     if mined:
-        data.train = data.train + mined.train
+        data.train = mined.training_set(data.train, pairs_args.policy_negatives_only)
         policy_evals = eval_batches(mined.eval, batch_size=optim.per_device_eval_batch_size, collate=collate)
         policy_samples = mined.eval_samples
     # 2c. the length-only expert (--length_expert), fitted on all training pairs (the same on every rank)
