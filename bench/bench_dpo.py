@@ -153,13 +153,10 @@ def main() -> None:
     p.add_argument(
         "--labeller", help="hh: reward model A (trained on half a): DPO on on-policy pairs it labels"
     )
-    p.add_argument(
-        "--on_policy_prompts", type=int, default=384, help="hh --labeller: prompts of half a sampled"
-    )
-    p.add_argument(
-        "--samples_per_prompt", type=int, default=4, help="hh --labeller: answers sampled per prompt"
-    )
-    p.add_argument("--epochs", type=int, default=2, help="hh --labeller: epochs over the on-policy pairs")
+    online = {"on_policy_prompts": 384, "samples_per_prompt": 4, "epochs": 2}  # --labeller's options
+    p.add_argument("--on_policy_prompts", type=int, help="hh --labeller: prompts of half a sampled (384)")
+    p.add_argument("--samples_per_prompt", type=int, help="hh --labeller: answers sampled per prompt (4)")
+    p.add_argument("--epochs", type=int, help="hh --labeller: epochs over the on-policy pairs (2)")
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-5 hh")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest judged answer")
@@ -179,6 +176,14 @@ def main() -> None:
         p.error(
             "--labeller needs --judge: A labels half a's answers, and only a judge that never saw half a can tell"
         )
+    if args.labeller and args.max_steps is not None:
+        p.error(
+            "--max_steps is for offline DPO; with --labeller the run reads --epochs of the on-policy pairs"
+        )
+    for name, default in online.items():
+        if getattr(args, name) is not None and not args.labeller:
+            p.error(f"--{name} needs --labeller")
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     # hh, measured 2026-11-25: lr 5e-6 learned nothing in 130 steps (train accuracy 0.51, margins 0.002);

@@ -8,6 +8,8 @@ held in memory while training) and kept in a table indexed by the pair's positio
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -176,10 +178,21 @@ def evaluate_pairs(
     return m
 
 
-def save_table(path: Path, table: torch.Tensor) -> None:
-    """Written atomically by the main rank (safetensors); every rank waits for it."""
+def pairs_fingerprint(examples: list[dict]) -> str:
+    """SHA-256 of tokenized pairs in order (their token ids and prompt lengths), saved with a reference
+    table: a resumed run reuses the table only for the very pairs it was computed on. On-policy pairs are
+    sampled again on resume, and a changed world size or seed draws others, often as many of them."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex["chosen"], ex["rejected"], ex["prompt_len"]]).encode())
+    return h.hexdigest()
+
+
+def save_table(path: Path, table: torch.Tensor, fingerprint: str) -> None:
+    """Written atomically by the main rank (safetensors, the pairs' fingerprint in its metadata); every
+    rank waits for it."""
     if dist.is_main():
-        atomic_save_tensors(path, {"reference_logps": table})
+        atomic_save_tensors(path, {"reference_logps": table}, metadata={"pairs_sha256": fingerprint})
     dist.barrier()
 
 
@@ -189,12 +202,13 @@ def read_table(path: Path) -> torch.Tensor:
     return load_file(str(path))["reference_logps"]
 
 
-def table_rows(path: Path) -> int | None:
-    """Rows of a saved table (None if there is none): a resumed run reads its table, since the policy
-    has moved since the table was computed from it."""
+def table_matches(path: Path, fingerprint: str) -> bool:
+    """Whether ``path`` holds a table computed for the pairs of ``fingerprint`` (False if there is none,
+    or it predates fingerprints): a resumed run reads its table, since the policy has moved since the
+    table was computed from it."""
     if not path.is_file():
-        return None
+        return False
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return f.get_slice("reference_logps").get_shape()[0]
+        return (f.metadata() or {}).get("pairs_sha256") == fingerprint

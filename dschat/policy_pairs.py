@@ -38,9 +38,10 @@ import torch
 
 from dschat import tasks
 from dschat.config import DataArgs, PolicyPairsArgs
-from dschat.data.prompt_format import PromptFormat
+from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.data.schema import Sample
 from dschat.generation.sampling import SamplingConfig
+from dschat.generation.streaming import cut_reply
 from dschat.generation.texts import generate_text_replies, generate_texts
 from dschat.losses import gather_last
 from dschat.rlhf.ppo_math import group_relative_scores
@@ -147,7 +148,7 @@ def best_worst_pairs(
 ) -> tuple[list[Sample], list[float]]:
     """Each prompt's K scored answers -> at most one pair: chosen = the highest-scored answer that ended
     (not cut off), rejected = the lowest-scored of all; kept where the two texts differ and the chosen
-    one scores at least ``min_margin`` more. Returns the pairs and their score margins.
+    one scores more, by at least ``min_margin``. Returns the pairs and their score margins.
 
     prompts (P,); answers, scores, cut_off (P * k,), grouped by prompt. A cut-off answer never becomes
     chosen: DPO's chosen side ends with the end-of-turn token, so it would teach ending mid-sentence (and
@@ -163,10 +164,12 @@ def best_worst_pairs(
             continue
         best = max(ended, key=lambda j: (scores[j], -j))
         worst = min(group, key=lambda j: (scores[j], j))
-        if answers[best].strip() == answers[worst].strip() or scores[best] - scores[worst] < min_margin:
+        margin = scores[best] - scores[worst]
+        # a tie says nothing about which is better (only that one was cut off): no pair
+        if answers[best].strip() == answers[worst].strip() or margin <= 0 or margin < min_margin:
             continue
         out.append(Sample(prompt=prompt, chosen=answers[best], rejected=answers[worst], source="policy"))
-        margins.append(scores[best] - scores[worst])
+        margins.append(margin)
     return out, margins
 
 
@@ -185,6 +188,7 @@ def mine_scored_pairs(
     min_margin: float = 0.0,
     batch_size: int = 64,
     fmt: PromptFormat | None = None,
+    max_len: int | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Sample ``samples_per_prompt`` answers per prompt (any prompt: no verifier is needed), score them
     with ``reward_model`` (a ``ScalarHeadModel`` reading the policy's tokenizer) and keep
@@ -193,7 +197,8 @@ def mine_scored_pairs(
     Returns (pairs, stats: prompts, answers, the fraction cut off, pairs, the mean score of all answers
     and the mean margin and the chosen and rejected answers' mean length in characters over the pairs).
     """
-    world, rank = dist.world_size(), dist.rank()
+    fmt = fmt or prompt_format(tokenizer)
+    rank = dist.rank()
     mine, weight = rank_slice(prompts)
     mine = [p for p, w in zip(mine, weight) if w]  # nothing here is collective: repeats are not needed
     # similar lengths share a batch: left padding to a long HH prompt costs every row in the batch
@@ -206,18 +211,19 @@ def mine_scored_pairs(
             model, tokenizer, repeated, device=device, batch_size=batch_size,
             sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), fmt=fmt,
         )  # fmt: skip
-    answers = [" " + a.strip() for a in replies.texts]  # as the data holds answers: after "Assistant:"
+    # An answer that goes on to invent the next turn ("\n\nHuman: ...", the Human/Assistant format) ends
+    # there: cut, and counted as ended. Answers as the data holds them: " " + text after "Assistant:".
+    stops = fmt.stop_strings
+    cut_off = [c and not any(s in t for s in stops) for c, t in zip(replies.cut_off, replies.texts)]
+    answers = [" " + cut_reply(t, stops).strip() for t in replies.texts]
+    # scored as DPO will read them: prompts longer than max_len keep their end
     scores = score_texts(reward_model, tokenizer, repeated, answers, batch_size=max(1, batch_size // 4),
-                         device=device, fmt=fmt).tolist() if repeated else []  # fmt: skip
-    pairs, margins = best_worst_pairs(mine, answers, scores, replies.cut_off, k, min_margin)
-    sums = [float(len(mine)), float(len(answers)), float(sum(replies.cut_off)), float(sum(scores)),
+                         device=device, fmt=fmt, max_len=max_len).tolist() if repeated else []  # fmt: skip
+    pairs, margins = best_worst_pairs(mine, answers, scores, cut_off, k, min_margin)
+    sums = [float(len(mine)), float(len(answers)), float(sum(cut_off)), float(sum(scores)),
             float(len(pairs)), float(sum(margins)), float(sum(len(p.chosen) for p in pairs)),
             float(sum(len(p.rejected) for p in pairs))]  # fmt: skip
-    if world > 1:
-        gathered: list[list[Sample]] = [[] for _ in range(world)]
-        torch.distributed.all_gather_object(gathered, pairs)
-        pairs = [s for part in gathered for s in part]
-        sums = dist.all_reduce_sum(sums)
+    pairs, sums = dist.gather_lists(pairs), dist.all_reduce_sum(sums)
     n_prompts, n_answers, n_cut, score_sum, n_pairs, margin_sum, chosen_len, rejected_len = sums
     stats = {
         "prompts": n_prompts,
@@ -253,7 +259,7 @@ def mine_policy_negatives(
     prompts, answers, wrong answers, pairs, sampled accuracy, pass@K; this rank's samples).
     """
     known = [p for p in prompts if tasks.reference_answer(p) is not None]
-    world, rank = dist.world_size(), dist.rank()
+    rank = dist.rank()
     mine, weight = rank_slice(known)
     repeated = [p for p in mine for _ in range(samples_per_prompt)]
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
@@ -269,10 +275,7 @@ def mine_policy_negatives(
     pairs = wrong_answer_pairs([repeated[i] for i in counted], [answers[i] for i in counted])
     right = sum(ok[i] for i in counted)
     solved = sum(w * any(ok[i * k : (i + 1) * k]) for i, w in enumerate(weight))
-    if world > 1:
-        gathered: list[list[Sample]] = [[] for _ in range(world)]
-        torch.distributed.all_gather_object(gathered, pairs)
-        pairs = [s for part in gathered for s in part]
+    pairs = dist.gather_lists(pairs)
     n_answers, n_right, n_solved = dist.all_reduce_sum([float(len(counted)), float(right), float(solved)])
     stats = {
         "prompts": float(len(known)),
@@ -350,10 +353,14 @@ class MinedPairs:
     def training_set(self, data_train: list[dict], only: bool) -> list[dict]:
         """The step's training pairs: the data's and these (``only``: these alone, the data giving prompts)."""
         if only and not self.train:
+            why = (
+                "every answer was cut off, tied or below --policy_negatives_min_margin: raise "
+                "--policy_negatives_max_new_tokens or lower the margin"
+                if "cut_off_fraction" in self.stats.get("train", {})
+                else "the data has no built-in task prompts, or the policy answered every one of them right"
+            )
             raise UserError(
-                "--policy_negatives_only: the policy's answers gave no pairs, so there is nothing to train on "
-                "(see the on-policy pairs line above: raise --policy_negatives_max_new_tokens if its answers "
-                "were cut off, or lower --policy_negatives_min_margin)"
+                f"--policy_negatives_only: the policy's answers gave no pairs to train on ({why})"
             )
         return list(self.train) if only else data_train + self.train
 
@@ -453,7 +460,7 @@ def _mine_with_reward_model(out: MinedPairs, pp: PolicyPairsArgs, policy, tokeni
     pairs, out.stats["train"] = mine_scored_pairs(
         policy, tokenizer, prompts, reward_model, samples_per_prompt=pp.policy_negatives_per_prompt,
         max_new_tokens=pp.policy_negatives_max_new_tokens, temperature=pp.policy_negatives_temperature,
-        device=device, seed=seed, min_margin=pp.policy_negatives_min_margin, fmt=fmt,
+        device=device, seed=seed, min_margin=pp.policy_negatives_min_margin, fmt=fmt, max_len=max_len,
     )  # fmt: skip
     out.pairs["train"] = pairs
     out.train, _ = tokenize_pairs(pairs, fmt, max_len)

@@ -304,6 +304,11 @@ class PolicyPairsArgs:
                 raise UserError(
                     f"--{prefix}{name} needs --{prefix}policy_negatives_from (the policy that answers)"
                 )
+        if self.policy_negatives_reward_model and self.policy_negatives_per_prompt < 2:
+            raise UserError(
+                f"--{prefix}policy_negatives_per_prompt must be >= 2 with --{prefix}policy_negatives_reward_model "
+                f"(a pair is two of a prompt's answers), got {self.policy_negatives_per_prompt}"
+            )
         if self.policy_negatives_min_margin < 0:
             raise UserError(
                 f"--{prefix}policy_negatives_min_margin must be >= 0, got {self.policy_negatives_min_margin}"

@@ -21,6 +21,13 @@ def is_stop(tokens: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
     return torch.isin(tokens, torch.tensor(list(stop_ids), dtype=tokens.dtype, device=tokens.device))
 
 
+def truncated_rows(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
+    """(B, T) prompt + generated tokens -> (B,) bool: True where the response has no stop token, i.e.
+    generation stopped at the token budget mid-answer (``--truncation_penalty`` charges these; on-policy
+    pairs never choose them)."""
+    return ~is_stop(sequences[:, prompt_len:], stop_ids).any(dim=1)
+
+
 def through_first_stop(response: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
     """(B, n) generated tokens -> (B, n) bool: True up to and including each row's first stop token
     (whatever follows it, padding that may equal a stop id, is not part of the answer)."""

@@ -10,6 +10,7 @@ from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.generation.decoding import Replies
 from dschat.generation.kv_decode import decode
 from dschat.generation.sampling import SamplingConfig
+from dschat.generation.stops import truncated_rows
 
 
 @torch.no_grad()
@@ -61,7 +62,8 @@ def generate_text_replies(
     the decoder on ``model``. Rows that repeat a prompt (K samples each) share its prefill.
     ``greedy_rows`` (one flag per prompt): those are answered greedily, the others by ``sampling``.
     A reply that reached no stop token is cut off (``Replies.cut_off``): it used every new token and
-    stops mid-answer.
+    stops mid-answer. Texts are not cut at the format's stop strings (:func:`dschat.generation.streaming.cut_reply`
+    does that where a caller needs it).
     """
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -85,11 +87,10 @@ def generate_text_replies(
                 seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(fmt.stop_ids),
                              pad_token_id=tokenizer.pad_token_id, lockstep=True if synced_gpus else None,
                              greedy_rows=greedy).sequences  # fmt: skip
-            new = seq[:, enc["input_ids"].shape[1] :]  # (B, n): pad after each row's stop token
-            out.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
-            # the decoder runs until every row stopped or n == the budget: a row without a stop ran out
-            stopped = torch.isin(new, torch.tensor(sorted(fmt.stop_ids), device=new.device)).any(dim=1)
-            cut_off.extend((~stopped).tolist())
+            width = enc["input_ids"].shape[1]
+            out.extend(tokenizer.batch_decode(seq[:, width:], skip_special_tokens=True))
+            # the decoder runs until every row stopped or the budget is spent: a row without a stop ran out
+            cut_off.extend(truncated_rows(seq, width, fmt.stop_ids).tolist())
     finally:
         tokenizer.padding_side = side
         if was_training:

@@ -141,6 +141,15 @@ def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets:
     stop_packing(collate, eval_sets)
 
 
+def require_reward_model(path: str, flag: str) -> None:
+    """One line unless ``path`` holds a trained reward model (cheap: reads config.json only)."""
+    if not has_value_head(path):
+        raise UserError(
+            f"{flag} {path}: not a trained reward model (no sequence-classification value head; "
+            "train one with step 2, or pass the step-2 output directory)"
+        )
+
+
 def load_reward_model(
     path: str,
     *,
@@ -154,11 +163,8 @@ def load_reward_model(
     a causal LM whose body gets a fresh scalar head."""
     from transformers import AutoModelForSequenceClassification
 
-    if require_trained_head and not has_value_head(path):
-        raise UserError(
-            f"{flag} {path}: not a trained reward model (no sequence-classification value head; "
-            "train one with step 2, or pass the step-2 output directory)"
-        )
+    if require_trained_head:
+        require_reward_model(path, flag)
     config = load_config(path, trust_remote_code=trust_remote_code, flag=flag)
     apply_dropout(config, dropout)
     config.num_labels = 1

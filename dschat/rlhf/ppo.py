@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dschat.data.packing import PackedRollouts, pack_rollouts, read_at
 from dschat.generation.kv_decode import position_ids_from_mask
-from dschat.generation.stops import is_stop
+from dschat.generation.stops import is_stop, truncated_rows
 from dschat.lm import accepts, packed_token_logprobs, sft_loss, within_rounding
 from dschat.losses import token_logprobs
 from dschat.models import trunk as trunk_sharing
@@ -382,7 +382,7 @@ class PPOTrainer:
                 else None
             )  # fmt: skip
 
-            truncated = M.truncated_rows(sequences, prompt_len, stops)
+            truncated = truncated_rows(sequences, prompt_len, stops)
             clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
             clipped = clipped - h.truncation_penalty * truncated.float()
             # With --kl_in loss the penalty is the actor's loss term (train), not a per-token reward.

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dschat.generation.stops import is_stop, through_first_stop
+from dschat.generation.stops import through_first_stop
 
 
 def action_mask_from(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
@@ -170,12 +170,6 @@ def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     s = scores.float().view(-1, group_size)
     same = (s.max(dim=1).values - s.min(dim=1).values) <= 1e-6
     return same.repeat_interleave(group_size)
-
-
-def truncated_rows(sequences: torch.Tensor, prompt_len: int, stop_ids: Sequence[int]) -> torch.Tensor:
-    """(B, T) prompt + generated tokens -> (B,) bool: True where the response has no stop token, i.e.
-    generation stopped at the token budget mid-answer (``--truncation_penalty`` charges these)."""
-    return ~is_stop(sequences[:, prompt_len:], stop_ids).any(dim=1)
 
 
 def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -104,6 +104,18 @@ def all_reduce_max(values: list[float]) -> list[float]:
     return _all_reduce(values, "MAX")
 
 
+def gather_lists(items: list) -> list:
+    """Every rank's ``items`` (picklable), concatenated in rank order, on every rank (unchanged on one
+    process). Collective."""
+    if not is_initialized() or world_size() == 1:
+        return list(items)
+    import torch.distributed as torch_dist
+
+    gathered: list[list] = [[] for _ in range(world_size())]
+    torch_dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on some rank: a decision every rank then takes together. Collective."""
     return all_reduce_max([float(flag)])[0] > 0

@@ -30,11 +30,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_save_tensors(path: str | os.PathLike, tensors: dict[str, Any]) -> None:
-    """A dict of tensors as a safetensors file, written atomically."""
+def atomic_save_tensors(
+    path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> None:
+    """A dict of tensors as a safetensors file (with string ``metadata`` in its header), written atomically."""
     from safetensors.torch import save
 
-    atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}))
+    atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -239,6 +239,12 @@ def test_parse_data_split_names_the_given_flag():
             "--policy_negatives_min_margin must be >= 0, got -1",
         ),
         (
+            PolicyPairsArgs(
+                policy_negatives_from="p", policy_negatives_reward_model="rm", policy_negatives_per_prompt=1
+            ),
+            "--policy_negatives_per_prompt must be >= 2 with --policy_negatives_reward_model",
+        ),
+        (
             PolicyPairsArgs(policy_negatives_from="p", policy_negatives_min_margin=0.5),
             "--policy_negatives_min_margin needs --policy_negatives_reward_model",
         ),

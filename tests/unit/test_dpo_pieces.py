@@ -250,3 +250,24 @@ def test_settle_checks_pairs_with_a_prompt_even_when_the_first_has_none(monkeypa
     with caplog.at_level("WARNING", logger="dschat"):
         settle_share_prompt(model, collate, feats, [], "cpu")
     assert not collate.share_prompt and "differ from separate rows" in caplog.text
+
+
+def test_a_saved_reference_table_is_reused_only_for_its_own_pairs(tmp_path):
+    # On resume, on-policy pairs are sampled again: as many pairs with other tokens must not reuse the
+    # table (its rows would be other answers' log-probs).
+    from dschat.dpo import pairs_fingerprint, read_table, save_table, table_matches
+
+    pairs = [pair_example([1, 2], [3], [4, 5]), pair_example([6], [7, 8], [9])]
+    other = [pair_example([1, 2], [3], [4, 6]), pair_example([6], [7, 8], [9])]  # one token differs
+    shifted = [
+        pair_example([1], [2, 3], [2, 4, 5]),
+        pair_example([6], [7, 8], [9]),
+    ]  # same ids, other prompt_len
+    path = tmp_path / "reference_logps.safetensors"
+    assert not table_matches(path, pairs_fingerprint(pairs))  # no table yet
+    table = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
+    save_table(path, table, pairs_fingerprint(pairs))
+    assert table_matches(path, pairs_fingerprint(pairs)) and torch.equal(read_table(path), table)
+    assert not table_matches(path, pairs_fingerprint(other))
+    assert not table_matches(path, pairs_fingerprint(shifted))
+    assert not table_matches(path, pairs_fingerprint(pairs[::-1]))  # rows in another order

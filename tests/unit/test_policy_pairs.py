@@ -139,6 +139,8 @@ def test_best_worst_pairs_by_hand():
     assert margins == [3.0, 0.5] and all(p.source == "policy" for p in pairs)
     pairs, margins = best_worst_pairs(prompts, answers, scores, cut, 3, 1.0)
     assert [p.prompt for p in pairs] == ["p0"] and margins == [3.0]
+    # a tie says nothing about which answer is better, even where one was cut off: no pair
+    assert best_worst_pairs(["t"], [" a", " b"], [1.0, 1.0], [True, False], 2, 0.0) == ([], [])
     # the lowest-scored answer may itself be cut off: it is still a fine rejected side
     pairs, _ = best_worst_pairs(["q"], [" a", " b"], [1.0, -1.0], [False, True], 2, 0.0)
     assert [(p.chosen, p.rejected) for p in pairs] == [(" a", " b")]
@@ -189,3 +191,23 @@ def test_mine_scored_pairs_prefers_what_the_reward_model_prefers(tmp_path):
     assert stats["mean_margin"] == pytest.approx(sum(margins) / len(margins), abs=1e-3)
     # a margin no pair reaches keeps none
     assert mine_scored_pairs(model, tokenizer, prompts, rm, min_margin=100.0, **kw)[0] == []
+
+
+def test_an_answer_that_invents_the_next_turn_ended_there(tmp_path, monkeypatch):
+    # Human/Assistant format: " 9\n\nHuman: ..." ran out of tokens while writing a turn of its own; cut at
+    # the stop string it is an ended " 9", the reward model's favourite (+8), and becomes chosen.
+    import dschat.policy_pairs as pp
+    from dschat.generation.decoding import Replies
+    from dschat.models.loading import load_tokenizer
+    from dschat.models.reward import load_reward_model
+    from tests.tiny_chat_models import sign_reward_model
+
+    rm_path = str(sign_reward_model(tmp_path / "rm"))
+    tokenizer = load_tokenizer(rm_path)
+    rm = load_reward_model(rm_path, tokenizer=tokenizer).eval()
+    replies = Replies([" 9\n\nHuman: and then", " 8"], [True, False])
+    monkeypatch.setattr(pp, "generate_text_replies", lambda *a, **k: replies)
+    pairs, stats = pp.mine_scored_pairs(None, tokenizer, [make_prompt("Q")], rm, samples_per_prompt=2,
+                                        max_new_tokens=4, temperature=1.0, device="cpu", seed=0)  # fmt: skip
+    assert [(p.chosen, p.rejected) for p in pairs] == [(" 9", " 8")]
+    assert stats["cut_off_fraction"] == 0.0 and stats["mean_margin"] == pytest.approx(16.0, abs=0.1)

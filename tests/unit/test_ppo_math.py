@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from dschat.generation.stops import truncated_rows
 from dschat.losses import token_entropy, token_logprobs
 from dschat.rlhf.ppo_math import (
     AdaptiveKLController,
@@ -24,7 +25,6 @@ from dschat.rlhf.ppo_math import (
     masked_whiten,
     policy_loss,
     ppo_optimizer_steps,
-    truncated_rows,
     uniform_groups,
     value_loss,
 )

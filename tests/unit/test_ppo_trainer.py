@@ -17,6 +17,7 @@ import torch
 from dschat.generation.kv_decode import decode, position_ids_from_mask
 from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
+from dschat.generation.stops import truncated_rows
 from dschat.models.builtin import build_config
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.ppo import PPOHyper, PPOTrainer
@@ -218,7 +219,7 @@ def test_rlvr_stabilisers_in_one_round(tokenizer, penalty):
     torch.manual_seed(5)
     exp, stats = ppo.make_experience(*prompts(tokenizer))
     full = M.action_mask_from(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id])
-    truncated = M.truncated_rows(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id])
+    truncated = truncated_rows(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id])
     assert truncated.any()  # a random micro model rarely says EOS within 6 tokens
     score = torch.tensor([1.0, 1.0, 0.0, 2.0]) - penalty * truncated.float()
     relative = score.view(2, 2) - score.view(2, 2).mean(1, keepdim=True)

@@ -33,12 +33,13 @@ from dschat.data.pipeline import prepare_pair_data
 from dschat.dpo import (
     evaluate_pairs,
     pair_loss,
+    pairs_fingerprint,
     read_table,
     reference_table,
     response_logps,
     save_table,
     settle_share_prompt,
-    table_rows,
+    table_matches,
 )
 from dschat.models.loading import (
     check_same_tokenizer,
@@ -46,6 +47,7 @@ from dschat.models.loading import (
     load_causal_lm,
     resolve,
 )
+from dschat.models.reward import require_reward_model
 from dschat.policy_pairs import mine_step_pairs
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
@@ -82,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         check_same_tokenizer(ref_path, "--ref_model_name_or_path", tokenizer, owner="policy",
                              trust_remote_code=model_args.trust_remote_code)  # fmt: skip
     if pairs_args.policy_negatives_reward_model:  # it scores the policy's answers in the policy's tokens
-        check_same_tokenizer(resolve(pairs_args.policy_negatives_reward_model, "--policy_negatives_reward_model"),
-                             "--policy_negatives_reward_model", tokenizer, owner="policy",
-                             trust_remote_code=model_args.trust_remote_code)  # fmt: skip
+        flag = "--policy_negatives_reward_model"
+        labeller = resolve(pairs_args.policy_negatives_reward_model, flag)
+        require_reward_model(labeller, flag)
+        check_same_tokenizer(
+            labeller, flag, tokenizer, owner="policy", trust_remote_code=model_args.trust_remote_code
+        )
 
     # ---------------------------------------------------------------- 2. data: this step's pairs, indexed
     data, mined = dpo_pairs(data_args, pairs_args, setup, run.seed, dtype, model_args.trust_remote_code)
@@ -238,8 +243,8 @@ def reference_tables(engine, ref_path, data, used, optim, collate, run, model_ar
     a separate reference is a plain frozen copy on each rank, forward only, freed afterwards."""
     out = Path(run.output_dir)
     train_path, eval_path = out / "reference_logps.safetensors", out / "reference_logps_eval.safetensors"
-    n_train, n_eval = len(data.train), len(data.eval)
-    if run.resume and table_rows(train_path) == n_train and table_rows(eval_path) == n_eval:
+    prints = pairs_fingerprint(data.train), pairs_fingerprint(data.eval)
+    if run.resume and table_matches(train_path, prints[0]) and table_matches(eval_path, prints[1]):
         return read_table(train_path), read_table(eval_path), True
     device = engine.device
     model = engine
@@ -251,8 +256,8 @@ def reference_tables(engine, ref_path, data, used, optim, collate, run, model_ar
     train = reference_table(model, data.train, only=used, **kw)
     evals = reference_table(model, data.eval, **kw)
     del model
-    save_table(train_path, train)
-    save_table(eval_path, evals)
+    save_table(train_path, train, prints[0])
+    save_table(eval_path, evals, prints[1])
     return train, evals, False
 
 
