@@ -104,7 +104,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         length = ["--num_train_epochs", str(args.epochs), "--policy_negatives_from", MODEL,
                   "--policy_negatives_reward_model", args.labeller, "--policy_negatives_only",
                   "--policy_negatives_max_prompts", str(args.on_policy_prompts), "--policy_negatives_per_prompt",
-                  str(args.samples_per_prompt), "--policy_negatives_max_new_tokens", str(args.max_new_tokens)]  # fmt: skip
+                  str(args.samples_per_prompt), "--policy_negatives_max_new_tokens", str(args.max_new_tokens),
+                  "--policy_negatives_temperature", str(args.temperature)]  # fmt: skip
     else:
         length = ["--max_steps", str(args.max_steps)] if args.max_steps else []
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
@@ -153,10 +154,18 @@ def main() -> None:
     p.add_argument(
         "--labeller", help="hh: reward model A (trained on half a): DPO on on-policy pairs it labels"
     )
-    online = {"on_policy_prompts": 384, "samples_per_prompt": 4, "epochs": 2}  # --labeller's options
+    online = {
+        "on_policy_prompts": 384,
+        "samples_per_prompt": 4,
+        "epochs": 2,
+        "temperature": 1.0,
+    }  # --labeller's
     p.add_argument("--on_policy_prompts", type=int, help="hh --labeller: prompts of half a sampled (384)")
     p.add_argument("--samples_per_prompt", type=int, help="hh --labeller: answers sampled per prompt (4)")
     p.add_argument("--epochs", type=int, help="hh --labeller: epochs over the on-policy pairs (2)")
+    p.add_argument(
+        "--temperature", type=float, help="hh --labeller: sampling temperature of the answers (1.0)"
+    )
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-5 hh")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest judged answer")
