@@ -22,7 +22,9 @@ over step 1; target at most 1.2). With ``--labeller DIR`` (reward model A, train
 from on-policy pairs instead (online DPO): SmolLM2 samples ``--samples_per_prompt`` answers to
 ``--on_policy_prompts`` of half a's prompts, A's favourite that ended is chosen and its least favourite
 rejected, and DPO trains on those pairs alone for ``--epochs``; the HH test pairs still give the
-implicit-reward accuracy.
+implicit-reward accuracy. ``--start DIR`` runs a later round of iterative DPO: the policy of an earlier
+round writes the answers and is both the starting point and the reference (the judge still compares
+with SmolLM2).
 """
 
 from __future__ import annotations
@@ -100,8 +102,11 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         for split in ("train", "test"):
             (pairs / f"{split}.jsonl").symlink_to(HH / f"{split}.jsonl")
     dpo = out / "step2_dpo"
+    # iterative DPO: a later round starts from (and is regularised towards) the previous round's policy,
+    # which also writes the answers; the judge still compares with SmolLM2 itself
+    start = args.start or MODEL
     if args.labeller:  # online: pairs of SmolLM2's own answers, labelled by A, one epoch of them per --epochs
-        length = ["--num_train_epochs", str(args.epochs), "--policy_negatives_from", MODEL,
+        length = ["--num_train_epochs", str(args.epochs), "--policy_negatives_from", start,
                   "--policy_negatives_reward_model", args.labeller, "--policy_negatives_only",
                   "--policy_negatives_max_prompts", str(args.on_policy_prompts), "--policy_negatives_per_prompt",
                   str(args.samples_per_prompt), "--policy_negatives_max_new_tokens", str(args.max_new_tokens),
@@ -109,7 +114,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     else:
         length = ["--max_steps", str(args.max_steps)] if args.max_steps else []
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
-         MODEL, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
+         start, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
          "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", "--learning_rate",
          str(args.learning_rate), "--beta", str(args.beta), *length])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
@@ -159,12 +164,16 @@ def main() -> None:
         "samples_per_prompt": 4,
         "epochs": 2,
         "temperature": 1.0,
-    }  # --labeller's
+        "start": None,
+    }
     p.add_argument("--on_policy_prompts", type=int, help="hh --labeller: prompts of half a sampled (384)")
     p.add_argument("--samples_per_prompt", type=int, help="hh --labeller: answers sampled per prompt (4)")
     p.add_argument("--epochs", type=int, help="hh --labeller: epochs over the on-policy pairs (2)")
     p.add_argument(
         "--temperature", type=float, help="hh --labeller: sampling temperature of the answers (1.0)"
+    )
+    p.add_argument(
+        "--start", help="hh --labeller: a policy of an earlier round (iterative DPO; default SmolLM2)"
     )
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-5 hh")
     p.add_argument("--beta", type=float, default=0.1)
@@ -204,7 +213,7 @@ def main() -> None:
     out = Path(args.output_dir or tmp.name)
     out.mkdir(parents=True, exist_ok=True)
     result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
-    print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "learning_rate": args.learning_rate,
+    print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "start": args.start, "learning_rate": args.learning_rate,
                       "beta": args.beta, "sft_coef": args.sft_coef, **result}, indent=2))  # fmt: skip
 
 
