@@ -182,9 +182,17 @@ def test_stopping_train_py_stops_the_steps_whole_process_tree(tmp_path, signum):
     # The DeepSpeed runner forwards no signal on one node: its ranks kept training after train.py went
     spawn = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
              " print(c.pid, flush=True); time.sleep(60)")  # fmt: skip
-    threading.Timer(3.0, os.kill, (os.getpid(), signum)).start()  # a signal to train.py alone
-    with pytest.raises(KeyboardInterrupt):
-        run_step([sys.executable, "-c", spawn], tmp_path / "log", append=False)
+    # A signal to train.py alone, to its main thread: sent with os.kill from the timer's thread, Linux may
+    # deliver it to that thread, and the main thread, blocked reading the step's output, then sees it only
+    # when the step ends. Python's own Ctrl-C handler, whatever an earlier test in this worker set.
+    main = threading.main_thread().ident
+    threading.Timer(3.0, signal.pthread_kill, (main, signum)).start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_step([sys.executable, "-c", spawn], tmp_path / "log", append=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     rank = int((tmp_path / "log").read_text().splitlines()[1])  # the grandchild: a rank of the launcher
     with contextlib.suppress(psutil.NoSuchProcess):  # gone, or dead and waiting to be reaped
         assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
