@@ -40,9 +40,10 @@ from dschat import tasks
 from dschat.config import DataArgs, PolicyPairsArgs
 from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.data.schema import Sample
+from dschat.generation.decoding import Replies
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.streaming import cut_reply
-from dschat.generation.texts import generate_text_replies, generate_texts
+from dschat.generation.texts import generate_text_replies
 from dschat.losses import gather_last
 from dschat.rlhf.ppo_math import group_relative_scores
 from dschat.scoring import score_texts, score_with
@@ -138,6 +139,18 @@ def wrong_answer_pairs(prompts: list[str], answers: list[str]) -> list[Sample]:
     return out
 
 
+def sample_replies(model: torch.nn.Module, tokenizer, rows: list[str], *, max_new_tokens: int, temperature: float,
+                   device, seed: int, batch_size: int, fmt: PromptFormat | None) -> Replies:  # fmt: skip
+    """One sampled answer per row (rows repeat a prompt K times), seeded per rank (``seed + rank``) without
+    touching the caller's random state: the same answers on every rerun with the same ranks."""
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed + dist.rank())
+        return generate_text_replies(
+            model, tokenizer, rows, device=device, batch_size=batch_size,
+            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), fmt=fmt,
+        )  # fmt: skip
+
+
 def best_worst_pairs(
     prompts: list[str],
     answers: list[str],
@@ -198,19 +211,14 @@ def mine_scored_pairs(
     and the mean margin and the chosen and rejected answers' mean length in characters over the pairs).
     """
     fmt = fmt or prompt_format(tokenizer)
-    rank = dist.rank()
     mine, weight = rank_slice(prompts)
     mine = [p for p, w in zip(mine, weight) if w]  # nothing here is collective: repeats are not needed
     # similar lengths share a batch: left padding to a long HH prompt costs every row in the batch
     mine.sort(key=len)
     k = samples_per_prompt
     repeated = [p for p in mine for _ in range(k)]
-    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
-        torch.manual_seed(seed + rank)
-        replies = generate_text_replies(
-            model, tokenizer, repeated, device=device, batch_size=batch_size,
-            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), fmt=fmt,
-        )  # fmt: skip
+    replies = sample_replies(model, tokenizer, repeated, max_new_tokens=max_new_tokens, temperature=temperature,
+                             device=device, seed=seed, batch_size=batch_size, fmt=fmt)  # fmt: skip
     # An answer that goes on to invent the next turn ("\n\nHuman: ...", the Human/Assistant format) ends
     # there: cut, and counted as ended. Answers as the data holds them: " " + text after "Assistant:".
     stops = fmt.stop_strings
@@ -259,15 +267,10 @@ def mine_policy_negatives(
     prompts, answers, wrong answers, pairs, sampled accuracy, pass@K; this rank's samples).
     """
     known = [p for p in prompts if tasks.reference_answer(p) is not None]
-    rank = dist.rank()
     mine, weight = rank_slice(known)
     repeated = [p for p in mine for _ in range(samples_per_prompt)]
-    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
-        torch.manual_seed(seed + rank)
-        answers = generate_texts(
-            model, tokenizer, repeated, device=device, batch_size=batch_size,
-            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), fmt=fmt,
-        )  # fmt: skip
+    answers = sample_replies(model, tokenizer, repeated, max_new_tokens=max_new_tokens, temperature=temperature,
+                             device=device, seed=seed, batch_size=batch_size, fmt=fmt).texts  # fmt: skip
     k = samples_per_prompt
     ok = [bool(tasks.verify(p, a)) for p, a in zip(repeated, answers)]
     samples = PolicySamples(mine, [" " + tasks.clean_response(a) for a in answers], ok, weight, k)

@@ -14,28 +14,6 @@ from dschat.generation.stops import truncated_rows
 
 
 @torch.no_grad()
-def generate_texts(
-    model: torch.nn.Module,
-    tokenizer,
-    prompts: list[str],
-    *,
-    max_new_tokens: int = 32,
-    batch_size: int = 32,
-    device: torch.device | str = "cpu",
-    synced_gpus: bool = False,
-    generator=None,
-    sampling: SamplingConfig | None = None,
-    fmt: PromptFormat | None = None,
-    greedy_rows: list[bool] | None = None,
-) -> list[str]:
-    """The texts of :func:`generate_text_replies` (same arguments)."""
-    return generate_text_replies(
-        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
-        synced_gpus=synced_gpus, generator=generator, sampling=sampling, fmt=fmt, greedy_rows=greedy_rows,
-    ).texts  # fmt: skip
-
-
-@torch.no_grad()
 def generate_text_replies(
     model: torch.nn.Module,
     tokenizer,
@@ -110,8 +88,8 @@ def greedy_and_sampled_texts(
     """For each prompt its greedy answer and one answer drawn by ``sampling`` (whose ``max_new_tokens``
     and ``min_new_tokens`` hold for both), generated in the same batches of ``batch_size`` rows (half as
     many prompts) so that the two rows of a prompt share its prefill where the decoder's cache allows
-    (not a ``StaticCache``). Returns ``(greedy, sampled)``; ``kw`` as for :func:`generate_texts`."""
+    (not a ``StaticCache``). Returns ``(greedy, sampled)``; ``kw`` as for :func:`generate_text_replies`."""
     rows = [p for p in prompts for _ in range(2)]
-    out = generate_texts(model, tokenizer, rows, batch_size=max(2, batch_size - batch_size % 2),
-                         sampling=sampling, greedy_rows=[True, False] * len(prompts), **kw)  # fmt: skip
+    out = generate_text_replies(model, tokenizer, rows, batch_size=max(2, batch_size - batch_size % 2),
+                                sampling=sampling, greedy_rows=[True, False] * len(prompts), **kw).texts  # fmt: skip
     return out[0::2], out[1::2]

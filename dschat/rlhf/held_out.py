@@ -18,7 +18,7 @@ from dschat import tasks
 from dschat.data.collate import pad_right
 from dschat.data.prompt_format import PromptFormat
 from dschat.generation.sampling import SamplingConfig
-from dschat.generation.texts import generate_texts, greedy_and_sampled_texts
+from dschat.generation.texts import generate_text_replies, greedy_and_sampled_texts
 from dschat.tasks.accuracy import rank_slice, verifier_accuracy
 from dschat.utils import dist
 
@@ -69,8 +69,8 @@ class HeldOutEval:
                         {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in drawn.items()}
                     )
                 else:
-                    answers = generate_texts(actor.module, tok, mine, max_new_tokens=self.sampling.max_new_tokens,
-                                             generator=gen, **kw)  # fmt: skip
+                    answers = generate_text_replies(actor.module, tok, mine, max_new_tokens=self.sampling.max_new_tokens,
+                                                    generator=gen, **kw).texts  # fmt: skip
             out.update(self.scores(mine, answers, weights))
         self.metrics.log(out, step=step, split="eval")
         LOG.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in out.items()))

@@ -10,7 +10,7 @@ import torch
 from dschat import tasks
 from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.generation.sampling import SamplingConfig
-from dschat.generation.texts import generate_texts
+from dschat.generation.texts import generate_text_replies
 from dschat.utils import dist
 
 
@@ -71,7 +71,7 @@ def task_accuracy(
     if not known:
         return None
     mine, weights = rank_slice(known)
-    answers = generate_texts(
+    answers = generate_text_replies(
         model,
         tokenizer,
         mine,
@@ -81,7 +81,7 @@ def task_accuracy(
         generator=generator,
         sampling=sampling,
         fmt=fmt,
-    )
+    ).texts
     return verifier_accuracy(mine, answers, weights)
 
 
