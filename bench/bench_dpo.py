@@ -61,7 +61,7 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
     dpo = out / "step2_dpo"
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
          str(step1), *COMMON, *tasks, "--learning_rate", str(args.learning_rate), "--beta", str(args.beta),
-         "--sft_coef", str(args.sft_coef), "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
+         "--sft_coef", str(args.sft_coef), "--seed", str(args.seed), "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
          "384", "--policy_negatives_per_prompt", "4", "--policy_negatives_max_new_tokens", "12"])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
     return {
@@ -116,7 +116,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
          start, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
          "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", "--learning_rate",
-         str(args.learning_rate), "--beta", str(args.beta), *length])  # fmt: skip
+         str(args.learning_rate), "--beta", str(args.beta), "--seed", str(args.seed), *length])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
     resolved = json.loads((dpo / "dschat_config.json").read_text())  # the run's options as it resolved them
     result = {
@@ -177,6 +177,12 @@ def main() -> None:
     )
     p.add_argument("--learning_rate", type=float, default=None, help="default: 2e-5 verifiable, 5e-5 hh")
     p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="the DPO run's seed (data order; with --labeller, the sampling)",
+    )
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest judged answer")
     p.add_argument("--sft_coef", type=float, default=0.0, help="weight of the chosen answer's NLL (RPO)")
     p.add_argument(
@@ -214,7 +220,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
     print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "start": args.start, "learning_rate": args.learning_rate,
-                      "beta": args.beta, "sft_coef": args.sft_coef, **result}, indent=2))  # fmt: skip
+                      "beta": args.beta, "sft_coef": args.sft_coef, "seed": args.seed,
+                      **({name: getattr(args, name) for name in online} if args.labeller else {}),
+                      **result}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
