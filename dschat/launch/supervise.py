@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -34,6 +35,7 @@ class RankWatch:
         self.local = local
         self.pids: dict[int, int] = {}  # pid -> local rank
         self.together: list[tuple[int, int]] = []  # every (rank, pid) seen ended in the first such poll
+        self.codes: dict[int, int | None] = {}  # pid -> exit code of a rank seen ended (None: not read)
         self.tail = b""
         self._stop = threading.Event()
         if local:  # no pids to watch otherwise (see above): no thread
@@ -49,6 +51,14 @@ class RankWatch:
         """(rank, pid) of the first rank seen ended (the lowest, if several were seen in the same poll)."""
         return self.together[0] if self.together else None
 
+    @property
+    def first_exit_code(self) -> int | None:
+        """The exit code of the one rank seen ended first (``-N``: killed by signal N), where it was read;
+        None where several ended in the same poll or the code was not readable (see ``exit_code``)."""
+        if len(self.together) != 1:
+            return None
+        return self.codes.get(self.together[0][1])
+
     def _poll(self) -> None:
         import psutil
 
@@ -59,11 +69,25 @@ class RankWatch:
                     gone = psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
                 except psutil.NoSuchProcess:
                     gone = True
-                if gone:
-                    ended.append((rank, pid))
+                if not gone:
+                    continue
+                code = exit_code(pid)  # before the launcher reaps it: it polls once a second
+                if code == 0:  # it finished: the failure, if any, is another rank's
+                    del self.pids[pid]
+                    continue
+                self.codes[pid] = code
+                ended.append((rank, pid))
             # Ranks seen ended in the same poll are not ordered (a rank's crash makes its peers' collectives
             # fail within milliseconds): name them all rather than guess, lowest rank first.
             self.together = sorted(ended)
+
+    def _name(self, rank: int, pid: int) -> str:
+        """``1 (pid 4242, exit code 13)``, ``1 (pid 4242, killed by SIGKILL)``, or ``1 (pid 4242)``."""
+        code = self.codes.get(pid)
+        if code is None:
+            return f"{rank} (pid {pid})"
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"{rank} (pid {pid}, {how})"
 
     def report(self) -> str:
         self._stop.set()
@@ -71,13 +95,28 @@ class RankWatch:
         if m:
             return f"torchrun on this node reports rank {int(m[1])} failed first (exit code {int(m[2])})"
         if len(self.together) > 1:
-            names = ", ".join(f"{r} (pid {p})" for r, p in self.together)
+            names = ", ".join(self._name(*ended) for ended in self.together)
             return (
                 f"ranks {names} ended within 20 ms of each other; the launcher then stopped the other ranks"
             )
         if self.first is not None:
-            return f"rank {self.first[0]} (pid {self.first[1]}) ended first; the launcher then stopped the other ranks"
+            return f"rank {self._name(*self.first)} ended first; the launcher then stopped the other ranks"
         return ""
+
+
+def exit_code(pid: int) -> int | None:
+    """The exit code of process ``pid`` that has ended but not yet been reaped (a zombie), as
+    ``Popen.returncode`` gives it (``-N``: killed by signal N), read from ``/proc/PID/stat`` (field 52,
+    Linux 3.5+). The launcher, not us, is the ranks' parent, so waiting is not possible; None where the
+    process is gone (reaped) or the file is not readable (not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # from field 3 on: the name in (...) may hold spaces
+    if len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
 
 
 def run_step(
@@ -124,7 +163,11 @@ def _run(cmd: list[str], log_path: Path, append: bool, env: dict, local: bool) -
                 log.write(chunk)
                 watch.feed(chunk)
             code = proc.wait()
-            return code, watch.report() if code else ""
+            if code == 0:
+                return 0, ""
+            # The DeepSpeed launcher exits with the code of the first failed rank *it* sees, polling once a
+            # second in set order: often a peer whose collective failed after the rank that died.
+            return watch.first_exit_code or code, watch.report()
         except KeyboardInterrupt:
             stop_group(proc.pid)
             proc.wait()
@@ -137,7 +180,6 @@ STOP_GRACE_SECONDS = 10.0
 def stop_group(pgid: int, grace: float = STOP_GRACE_SECONDS) -> None:
     """Stop every process of group ``pgid``: SIGINT (a rank's Ctrl-C, so it can clean up), then SIGTERM,
     then SIGKILL, each after ``grace`` seconds in which some process of the group is still alive."""
-    import signal
     import time
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
@@ -160,8 +202,6 @@ def stop_group(pgid: int, grace: float = STOP_GRACE_SECONDS) -> None:
 def _terminate_as_interrupt():
     """SIGTERM (``kill``, ``timeout``, a scheduler) stops the step like Ctrl-C does, instead of ending
     train.py at once and leaving the step's processes running."""
-    import signal
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return

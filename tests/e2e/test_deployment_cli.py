@@ -240,7 +240,7 @@ def test_rank_watch_names_the_rank_that_ended_first(train):
             time.sleep(0.1)
         assert (
             watch.report()
-            == f"rank 1 (pid {dies.pid}) ended first; the launcher then stopped the other ranks"
+            == f"rank 1 (pid {dies.pid}, exit code 13) ended first; the launcher then stopped the other ranks"
         )
     finally:
         alive.kill()

@@ -177,6 +177,51 @@ def test_a_remote_steps_spawn_lines_name_no_rank(tmp_path, remote, report):
     assert code == 1 and failed.startswith(report)
 
 
+# A stand-in for the DeepSpeed launcher: rank 1 dies with 13, rank 0's collective fails a moment later with
+# 1, and the launcher, which polls its ranks once a second in set order, exits with the code of whichever
+# failed rank it happens to see first (here: rank 0's 1, as it did in a CI run).
+LAUNCHER_THAT_REPORTS_THE_WRONG_RANK = """
+import subprocess, sys, time
+def spawn(code, rank):
+    p = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    print(f"process {p.pid} spawned with command: ['main.py', '--local_rank={rank}']", flush=True)
+    return p
+dies = spawn(13, 1)
+time.sleep(1.0)  # rank 1 lies dead and unreaped, as between two of the launcher's polls
+fails_after = spawn(1, 0)
+fails_after.wait()
+dies.wait()
+raise SystemExit(fails_after.returncode)
+"""
+
+
+def test_a_failed_step_reports_the_exit_code_of_the_rank_that_ended_first(tmp_path):
+    code, failed = run_step([sys.executable, "-c", LAUNCHER_THAT_REPORTS_THE_WRONG_RANK], tmp_path / "log",
+                            append=False)  # fmt: skip
+    assert code == 13, (code, failed)
+    assert failed.startswith("rank 1 (pid ") and ", exit code 13) ended first;" in failed, failed
+
+
+def test_a_rank_that_finished_is_not_named_and_a_killed_one_is_named_with_its_signal(tmp_path):
+    # rank 0 finishes cleanly first; rank 1 is then killed (as by the OOM killer); the launcher exits 1
+    launcher = """
+import subprocess, sys, time
+def spawn(code, rank):
+    p = subprocess.Popen([sys.executable, "-c", code])
+    print(f"process {p.pid} spawned with command: ['main.py', '--local_rank={rank}']", flush=True)
+    return p
+done = spawn("pass", 0)
+time.sleep(1.0)
+killed = spawn("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 1)
+time.sleep(1.0)
+done.wait(); killed.wait()
+raise SystemExit(1)
+"""
+    code, failed = run_step([sys.executable, "-c", launcher], tmp_path / "log", append=False)
+    assert code == -signal.SIGKILL, (code, failed)
+    assert failed.startswith("rank 1 (pid ") and ", killed by SIGKILL) ended first;" in failed, failed
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["kill-INT", "kill-TERM"])
 def test_stopping_train_py_stops_the_steps_whole_process_tree(tmp_path, signum):
     # The DeepSpeed runner forwards no signal on one node: its ranks kept training after train.py went
