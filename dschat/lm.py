@@ -13,21 +13,8 @@ from dschat.data.collate import IGNORE_INDEX
 from dschat.data.packing import custom_mask, shared_prompt_mask
 from dschat.data.sampler import ResumableDistributedSampler
 from dschat.losses import linear_cross_entropy, mean_token_nll, picked_token_logprobs, token_nll
-from dschat.models.layers import unwrap
+from dschat.models.layers import accepts, unwrap
 from dschat.utils import dist
-
-
-def accepts(model: torch.nn.Module, name: str) -> bool:
-    """Whether the Hugging Face model inside ``model`` (a DeepSpeed engine, a peft wrapper or the model
-    itself) takes keyword ``name`` in its forward."""
-    import inspect
-
-    inner = unwrap(model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    try:
-        return name in inspect.signature(inner.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def target_logits(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dschat.generation.sampling import SamplingConfig
-from dschat.lm import accepts
+from dschat.models.layers import accepts
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

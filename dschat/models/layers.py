@@ -21,6 +21,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether the Hugging Face model inside ``model`` (a DeepSpeed engine, a peft wrapper or the model
+    itself) takes keyword ``name`` in its forward."""
+    import inspect
+
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    try:
+        return name in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(name, blocks)``: the ``ModuleList`` of decoder blocks (``model.layers``, ``model.decoder.layers``,
     ``transformer.h``, ...), found as the list with one entry per hidden layer of the config; works on

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from dschat.data.packing import PackedRollouts, pack_rollouts, read_at
 from dschat.generation.kv_decode import position_ids_from_mask
 from dschat.generation.stops import is_stop, truncated_rows
-from dschat.lm import accepts, packed_token_logprobs, sft_loss, within_rounding
+from dschat.lm import packed_token_logprobs, sft_loss, within_rounding
 from dschat.losses import token_logprobs
 from dschat.models import trunk as trunk_sharing
+from dschat.models.layers import accepts
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 from dschat.utils import dist
