@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from dschat.config import check_zero_stage  # noqa: E402
+from dschat.inputs import DATA, check_inputs  # noqa: E402
 from dschat.launch.launcher import DEPLOYMENTS, LAUNCHERS, launcher, launcher_env, processes  # noqa: E402
 from dschat.launch.presets import (  # noqa: E402
     load_preset,
@@ -317,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite, resume=args.resume,
                          flag="--output-dir")  # fmt: skip
         lines[n] = StepLine.of(n, args, extra, preset)  # every step's flags, before any runs
+        # its data too (its models may be written by an earlier step of this job: the step checks those)
+        check_inputs(importlib.import_module(lines[n].step.module).GROUPS, lines[n].groups, kinds=(DATA,))
     env = launcher_env(args)
     if args.dist_timeout:
         env["DSCHAT_DIST_TIMEOUT"] = str(args.dist_timeout)
@@ -359,12 +362,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_models(args: argparse.Namespace) -> None:
-    """A starting model given as a local path that is not there: one line now, not a failed step later."""
-    from dschat.models.loading import check_local_path
+    """A starting model given as a local path that is not there, or a data source that is not one: one
+    line now, not a failed step later."""
+    from dschat.inputs import check_data, check_model
 
     for flag, value in (("--actor-model", args.actor_model), ("--reward-model", args.reward_model)):
         if value:
-            check_local_path(value, flag)
+            check_model(value, flag)
+    for spec in args.data_path or ():
+        check_data(spec, "--data-path")
 
 
 def check_dpo(args: argparse.Namespace, steps: list[int]) -> None:

@@ -15,9 +15,18 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_wi
 DEFAULT_MODEL = "builtin:tiny-llama"
 
 
-def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = None, nargs: str | None = None):
-    """A dataclass field that is also a command-line option."""
-    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs}
+def opt(
+    default: Any,
+    help: str,
+    *,
+    type: Any = None,
+    choices: tuple | None = None,
+    nargs: str | None = None,
+    input: str | None = None,
+):
+    """A dataclass field that is also a command-line option. ``input="model" | "data"``: it names a model
+    or data sources, checked before any slow start-up (:mod:`dschat.inputs`)."""
+    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs, "input": input}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)

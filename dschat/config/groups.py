@@ -23,6 +23,7 @@ class ModelArgs:
     model_name_or_path: str = opt(
         DEFAULT_MODEL,
         "Hugging Face model name, local directory, or builtin:NAME (built in code, no download)",
+        input="model",
     )
     dtype: str = opt(
         "auto", "training dtype; auto = bf16 where the hardware supports it, else fp32", choices=DTYPES
@@ -85,9 +86,10 @@ class DataArgs(FormatArgs):
         ["builtin"],
         "data sources, blended: builtin[:TASK], local .json/.jsonl files or directories, or registered hub names",
         nargs="+",
+        input="data",
     )
     data_split: str = opt("2,4,4", "relative shares of every source for steps 1, 2 and 3 (disjoint)")
-    sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*")
+    sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*", input="data")
     max_seq_len: int = opt(512, "longest prompt + response in tokens; longer samples are dropped and counted")
     data_output_path: str = opt(
         "", "cache directory for tokenized data (default: $DSCHAT_CACHE/data, ~/.cache/dschat/data)"
@@ -274,6 +276,7 @@ class PolicyPairsArgs:
         "rejected responses next to the right answer (on-policy pairs, as InstructGPT compared samples of its SFT "
         "model): the reward model (or DPO) then learns from the mistakes the policy makes, not only synthetic ones",
         type=str,
+        input="model",
     )
     policy_negatives_per_prompt: int = opt(4, "answers sampled per prompt for --policy_negatives_from")
     policy_negatives_max_prompts: int = opt(
@@ -287,6 +290,7 @@ class PolicyPairsArgs:
         "(human preferences): each prompt's highest-scored answer that ended is chosen, its lowest-scored "
         "rejected (online DPO); the policy must share its tokenizer",
         type=str,
+        input="model",
     )
     policy_negatives_min_margin: float = opt(
         0.0,
@@ -353,6 +357,7 @@ class DPOArgs:
         "frozen reference model (default: the starting policy, --model_name_or_path); its log-probs of every "
         "pair are computed once before training and kept with the run",
         type=str,
+        input="model",
     )
     share_prompt: bool = share_prompt_opt("chosen and rejected answers")
 

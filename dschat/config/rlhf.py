@@ -176,7 +176,10 @@ class PPOArgs:
         "replace", "the function replaces the reward model or is added to it", choices=("replace", "add")
     )
     unsupervised_dataset_name: str | None = opt(
-        None, "PTX: SFT data source for a language-modelling loss (builtin, file, hub)", type=str
+        None,
+        "PTX: SFT data source for a language-modelling loss (builtin, file, hub)",
+        type=str,
+        input="data",
     )
     unsup_coef: float = opt(27.8, "PTX loss weight")
     eval_prompts: int = opt(

@@ -229,7 +229,7 @@ def _load_builtin(spec: str) -> SourceData:
     return SourceData(spec, to_samples(train_ex), to_samples(eval_ex))
 
 
-def source_kind(spec: str) -> str:
+def source_kind(spec: str, flag: str = "--data_path") -> str:
     """``builtin`` | ``local`` | ``hub``; raises :class:`UserError` for a spec that is none of them."""
     if spec == "builtin" or spec.startswith("builtin:"):
         return "builtin"
@@ -238,9 +238,9 @@ def source_kind(spec: str) -> str:
     if spec in HUB_ADAPTERS:
         return "hub"
     if spec.endswith((".json", ".jsonl")) or spec.startswith((".", "/", "~")):
-        raise UserError(f"{spec}: data file not found")
+        raise UserError(f"{flag} {spec}: data file not found")
     raise UserError(
-        f"--data_path {spec}: not a local file or directory, 'builtin[:TASK]', or a registered dataset "
+        f"{flag} {spec}: not a local file or directory, 'builtin[:TASK]', or a registered dataset "
         f"({', '.join(HUB_ADAPTERS)})"
     )
 

@@ -60,17 +60,6 @@ def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
     return name_or_path
 
 
-def check_local_path(name_or_path: str, flag: str) -> None:
-    """A spec that can only be a local path (absolute, ``./``, ``../``, ``~``, or more parts than a hub
-    id's ``namespace/name``) must exist: ``train.py`` says so before any step starts (a step itself
-    reports it when loading, through :func:`load_config` or :func:`load_tokenizer`)."""
-    if builtin.is_builtin(name_or_path) or os.path.exists(os.path.expanduser(name_or_path)):
-        return
-    local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
-    if local:
-        raise UserError(f"{flag} {name_or_path}: no such local file or directory")
-
-
 def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--model_name_or_path"):
     from transformers import AutoConfig
 

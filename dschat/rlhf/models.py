@@ -22,6 +22,7 @@ from dschat.engine import ds_config as dsc
 from dschat.generation.hybrid import HybridGenerator
 from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
+from dschat.inputs import check_model
 from dschat.models.loading import (
     check_same_tokenizer,
     has_value_head,
@@ -69,8 +70,8 @@ class ModelPaths:
     """Where each model comes from, resolved (hub name, local directory or GGUF cache entry)."""
 
     actor: str
-    critic: str
-    reward: str
+    critic: str | None  # None: no critic (critic-free estimators)
+    reward: str | None  # None: no reward model (--reward_fn ... --reward_fn_mode replace)
     judge: str | None  # scored beside the reward, never optimised
 
 
@@ -102,23 +103,43 @@ def check_options(o: RLHFOptions) -> None:
                         "(otherwise the base weights move and are no longer the reference)")  # fmt: skip
 
 
+def check_model_paths(o: RLHFOptions) -> None:
+    """Every model the step holds (:attr:`RLHFOptions.held`) names something that can exist, checked
+    before the process group starts (:func:`dschat.inputs.check_model`); the critic's path is not checked
+    where no critic or reward model reads it (``--reward_fn ... --reward_fn_mode replace`` with a
+    critic-free estimator)."""
+    held = o.held
+    check_model(o.actor.model_name_or_path, "--actor_model_name_or_path")
+    if held.critic:
+        check_model(o.critic.model_name_or_path, "--critic_model_name_or_path")
+    if held.reward_model:
+        if o.engine.reward_model_name_or_path:
+            check_model(o.engine.reward_model_name_or_path, "--reward_model_name_or_path")
+        else:
+            check_model(o.critic.model_name_or_path, "--critic_model_name_or_path")
+    if held.judge:
+        check_model(o.engine.judge_reward_model, "--judge_reward_model")
+
+
 def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
     """The models' locations, the actor's tokenizer (left padding, for generation) and prompt format.
     Every model that scores the actor's token ids is checked here, before minutes of engine start-up."""
+    held = o.held
     paths = ModelPaths(
         actor=resolve(o.actor.model_name_or_path, "--actor_model_name_or_path"),
-        critic=resolve(o.critic.model_name_or_path, "--critic_model_name_or_path"),
+        critic=resolve(o.critic.model_name_or_path, "--critic_model_name_or_path") if held.critic else None,
         reward=resolve(
             o.engine.reward_model_name_or_path or o.critic.model_name_or_path, "--reward_model_name_or_path"
-        ),
-        judge=resolve(o.engine.judge_reward_model, "--judge_reward_model")
-        if o.engine.judge_reward_model
+        )
+        if held.reward_model
         else None,
+        judge=resolve(o.engine.judge_reward_model, "--judge_reward_model") if held.judge else None,
     )
     tokenizer = load_tokenizer(paths.actor, trust_remote_code=o.actor.trust_remote_code, padding_side="left",
                                flag="--actor_model_name_or_path")  # fmt: skip
-    check_same_tokenizer(paths.reward, "--reward_model_name_or_path", tokenizer, owner="actor", owner_path=paths.actor,
-                         trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
+    if paths.reward:
+        check_same_tokenizer(paths.reward, "--reward_model_name_or_path", tokenizer, owner="actor",
+                             owner_path=paths.actor, trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
     if paths.judge:
         if not has_value_head(paths.judge):
             raise UserError(f"--judge_reward_model {o.engine.judge_reward_model}: not a trained reward model (no "

@@ -4,6 +4,7 @@ line, field or flag, no traceback, and no run marked finished (no summary.json).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -87,3 +88,55 @@ def test_train_py_missing_local_model_is_caught_before_any_step_starts(tmp_path)
     proc = train_py("--actor-model", str(tmp_path / "no-such-model"), "--output-dir", str(out))
     error_line(proc, "--actor-model", "no such local file or directory")
     assert "==> step" not in proc.stdout and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--data-path", "builtin:sort,nope"], "--data-path builtin:sort,nope: unknown built-in task 'nope'"),
+        (["--step", "2", "--", "--data_path", "gone.jsonl"], "--data_path gone.jsonl: data file not found"),
+    ],
+    ids=["train.py-flag", "a-step's-flag"],
+)
+def test_train_py_bad_data_is_caught_before_any_step_starts(tmp_path, flags, needle):
+    out = tmp_path / "out"
+    proc = train_py("--output-dir", str(out), *flags)
+    error_line(proc, needle)
+    assert "==> step" not in proc.stdout and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "needle"),
+    [
+        ("step1_supervised_finetuning", ["--data_path", "builtin:sort,nope"],
+         "--data_path builtin:sort,nope: unknown built-in task 'nope'"),
+        ("step2_reward_model_finetuning", ["--model_name_or_path", "./no_step1"],
+         "--model_name_or_path ./no_step1: no such local file or directory"),
+        ("step2_dpo_finetuning", ["--model_name_or_path", "builtin:micro-llama", "--ref_model_name_or_path",
+                                  "/no/reference"], "--ref_model_name_or_path /no/reference: no such local"),
+        ("step3_rlhf_finetuning", ["--actor_model_name_or_path", "builtin:micro-llama", "--judge_reward_model",
+                                   "/no/judge"], "--judge_reward_model /no/judge: no such local"),
+    ],
+    ids=["step1-data", "step2-model", "dpo-reference", "step3-judge"],
+)  # fmt: skip
+def test_a_named_input_that_is_not_there_stops_the_step_before_its_process_group(
+    tmp_path, recipe, flags, needle
+):
+    """Rank 0 of a world of 2 whose peer never comes: a step that started its process group before
+    checking would wait for the peer (then time out) instead of failing at once with the one line."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "DSCHAT_DIST_TIMEOUT": "30", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "training" / recipe / "main.py"), "--output_dir", str(out),
+                           *flags], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    error_line(proc, needle)
+    assert not out.exists()

@@ -260,6 +260,18 @@ def test_a_shared_frozen_trunk_changes_no_number(models, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
 
 
+def test_a_function_reward_without_a_critic_reads_no_critic_path(models, tmp_path):
+    """RLVR (--reward_fn ... replace, rloo): no critic and no reward model, so a --critic_model_name_or_path
+    that names nothing (a step 2 never run) is not read: it once failed on the reward model's tokenizer."""
+    actor, _ = models
+    proc = step3(tmp_path / "v", actor, tmp_path / "no_step2", *EASY, "--advantage_estimator", "rloo",
+                 "--n_samples_per_prompt", "2", "--per_device_generation_batch_size", "4",
+                 "--per_device_training_batch_size", "8", "--eval_prompts", "4", "--max_steps", "1")  # fmt: skip
+    assert_ok(proc)
+    config = json.loads((tmp_path / "v" / "dschat_config.json").read_text())
+    assert config["resolved_critic_path"] is None and config["resolved_reward_path"] is None
+
+
 def test_bad_inputs(models, tmp_path):
     actor, rm = models
     # the reward model must have a trained value head

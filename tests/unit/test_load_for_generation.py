@@ -85,23 +85,6 @@ def test_inference_dtype():
         inference_dtype("fp16", "cpu")
 
 
-@pytest.mark.parametrize("spec", ["/nonexistent/model", "./missing-dir", "../missing", "~/missing", "a/b/c"])
-def test_a_missing_local_model_path_is_one_clear_error(spec):
-    # not a hub id (namespace/name): a local path that is not there (train.py's check before any step)
-    from dschat.models.loading import check_local_path
-    from dschat.utils.errors import UserError
-
-    with pytest.raises(UserError, match=r"--actor-model .*: no such local file or directory"):
-        check_local_path(spec, "--actor-model")
-
-
-@pytest.mark.parametrize("spec", ["gpt2", "facebook/opt-125m", "builtin:micro-llama"])
-def test_hub_ids_and_builtins_pass_the_path_check(spec):
-    from dschat.models.loading import check_local_path
-
-    check_local_path(spec, "--actor-model")  # hub ids are for transformers to find, not a local path
-
-
 def test_a_step_names_a_missing_model_path_in_one_line(tmp_path):
     # a step reports the missing path through the tokenizer load too, not transformers' repo-id message
     from dschat.models.loading import load_tokenizer

@@ -27,6 +27,7 @@ from dschat import step_setup as S
 from dschat import trainer as T
 from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
+from dschat.inputs import check_inputs
 from dschat.lm import evaluate_perplexity, sft_loss
 from dschat.models.loading import load_causal_lm
 from dschat.utils.errors import run_cli
@@ -40,6 +41,7 @@ GROUPS = (C.ModelArgs, C.DataArgs, C.LoraArgs, C.OptimArgs, C.DeepSpeedArgs, C.R
 
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step1_supervised_finetuning", __doc__.split("\n\n")[0], GROUPS, argv)
+    check_inputs(GROUPS, args)  # models and data named, before any slow start-up
     model_args, data_args, lora_args, optim, ds_args, run = args
 
     # ---------------------------------------------------------------- 1. setup

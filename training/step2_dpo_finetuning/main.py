@@ -41,6 +41,7 @@ from dschat.dpo import (
     settle_share_prompt,
     table_matches,
 )
+from dschat.inputs import check_inputs
 from dschat.models.loading import (
     check_same_tokenizer,
     inference_dtype,
@@ -73,6 +74,7 @@ STEP_DEFAULTS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_dpo_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
+    check_inputs(GROUPS, args)  # models and data named, before any slow start-up
     model_args, data_args, lora_args, optim, ds_args, run, hp, pairs_args = args
 
     # ---------------------------------------------------------------- 1. setup (the reference is checked

@@ -32,6 +32,7 @@ from dschat import trainer as T
 from dschat.data.collate import PairCollator, response_lengths
 from dschat.data.packing import pair_token_counts
 from dschat.data.pipeline import prepare_pair_data
+from dschat.inputs import check_inputs
 from dschat.lm import eval_batches
 from dschat.losses import (
     divergence_pairwise_loss,
@@ -70,6 +71,7 @@ STEP_DEFAULTS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)  # fmt: skip
+    check_inputs(GROUPS, args)  # models and data named, before any slow start-up
     model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
     if pairs_args.policy_negatives_reward_model:  # before any slow work
         raise UserError("--policy_negatives_reward_model is for DPO (--algorithm dpo): a reward model trained "

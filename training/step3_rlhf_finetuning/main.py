@@ -39,6 +39,7 @@ from dschat.data.collate import PromptCollator, SFTCollator
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
+from dschat.inputs import DATA, check_inputs
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters
 from dschat.rlhf import ppo_math as M
@@ -49,6 +50,7 @@ from dschat.rlhf.models import (
     Models,
     RLHFOptions,
     build_models,
+    check_model_paths,
     check_options,
     make_generator,
     make_trainer,
@@ -200,8 +202,7 @@ def describe(o: RLHFOptions, m: Models, paths: ModelPaths, dtype: str) -> str:
     ppo = o.ppo
     critic = (f"{paths.critic} ({count_parameters(m.critic.module) / 1e6:.2f}M, ZeRO-{o.critic_ds.zero_stage})"
               if m.critic is not None else f"none ({ppo.advantage_estimator}, {ppo.n_samples_per_prompt} samples per prompt)")  # fmt: skip
-    reward = ("-" if ppo.reward_fn and ppo.reward_fn_mode == "replace" else paths.reward) + (
-        f" + {ppo.reward_fn}" if ppo.reward_fn else "")  # fmt: skip
+    reward = (paths.reward or "-") + (f" + {ppo.reward_fn}" if ppo.reward_fn else "")
     reference = "actor without adapter" if m.reference is None else "frozen copy"
     return (f"actor {paths.actor} ({count_parameters(m.actor.module) / 1e6:.2f}M, ZeRO-{o.actor_ds.zero_stage}), "
             f"critic {critic}, reward {reward}, reference {reference}, dtype {dtype}, {dist.world_size()} rank(s)")  # fmt: skip
@@ -227,10 +228,13 @@ def export(m: Models, tokenizer, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    o = RLHFOptions(*C.parse_groups("step3_rlhf_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS))  # fmt: skip
+    groups = C.parse_groups("step3_rlhf_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
+    o = RLHFOptions(*groups)
     ppo, run = o.ppo, o.run
-    # 1. setup: checks across groups, then every model and the data, before any engine starts
+    # 1. setup: checks across groups, the inputs named, then every model and the data, before any engine starts
     check_options(o)
+    check_inputs(GROUPS, groups, kinds=(DATA,))
+    check_model_paths(o)
     log = setup_logging(None)
     check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
     engine_core.init_distributed()

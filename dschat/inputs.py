@@ -1,0 +1,68 @@
+"""Inputs named on a command line, checked before any slow start-up, one line each naming the flag: a
+model or data path that can only be local and is not there, an unknown built-in model or task, a data
+source that is neither a file, ``builtin[:TASK]`` nor a registered dataset.
+
+The option groups mark such fields (``opt(..., input="model" | "data")``); :func:`check_inputs` walks
+them. Light (no torch): ``train.py`` checks every step's data before the first step starts, and each step
+checks its models and data before its process group starts (a model that an earlier step of the same job
+writes is not there yet when ``train.py`` starts, so ``train.py`` leaves models to the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from dschat.config.fields import flag_name
+from dschat.utils.errors import UserError
+
+MODEL, DATA = "model", "data"
+
+
+def check_model(spec: str, flag: str) -> None:
+    """A model spec that can only be a local path (absolute, ``./``, ``../``, ``~``, or more parts than a
+    hub id's ``namespace/name``) must exist, and a ``builtin:NAME`` must be known. Hub ids are left to
+    transformers (they may be cached, or reachable)."""
+    from dschat.models import builtin
+
+    if builtin.is_builtin(spec):
+        if spec.removeprefix(builtin.BUILTIN_PREFIX) not in builtin.BUILTIN_MODELS:
+            known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
+            raise UserError(f"{flag} {spec}: unknown built-in model (known: {known})")
+        return
+    if os.path.exists(os.path.expanduser(spec)):
+        return
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
+        raise UserError(f"{flag} {spec}: no such local file or directory")
+
+
+def check_data(spec: str, flag: str) -> None:
+    """A data source must be a local file or directory that exists, ``builtin`` or ``builtin:TASK,...``
+    with known tasks, or a registered dataset."""
+    from dschat import tasks
+    from dschat.data.sources import builtin_task_names, source_kind
+
+    if source_kind(spec, flag) == "builtin":
+        try:
+            tasks.resolve_tasks(builtin_task_names(spec))
+        except KeyError as exc:
+            raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
+
+
+CHECKS = {MODEL: check_model, DATA: check_data}
+
+
+def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] = (MODEL, DATA)) -> None:
+    """Check every marked field of ``groups`` (parsed from ``specs``, a step's ``GROUPS``: a dataclass, or
+    ``(dataclass, prefix, shared)``) whose kind is in ``kinds``, naming the flag as the user wrote it."""
+    for spec, group in zip(specs, groups, strict=True):
+        _, prefix, shared = (spec, "", ()) if isinstance(spec, type) else spec
+        for f in dataclasses.fields(group):
+            kind = f.metadata.get("input")
+            value = getattr(group, f.name)
+            if kind not in kinds or not value:
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                CHECKS[kind](item, flag_name(f.name, prefix, frozenset(shared)))

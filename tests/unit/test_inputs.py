@@ -1,0 +1,88 @@
+"""Inputs named on a command line, checked before any slow start-up (dschat/inputs.py): pure, no model or
+process group; each bad input is one line naming the flag as the user wrote it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dschat import config as C
+from dschat.inputs import DATA, check_data, check_inputs, check_model
+from dschat.utils.errors import UserError
+
+
+@pytest.mark.parametrize("spec", ["/nonexistent/model", "./missing-dir", "../missing", "~/missing", "a/b/c"])
+def test_a_missing_local_model_path_is_one_clear_error(spec):
+    # not a hub id (namespace/name): a local path that is not there
+    with pytest.raises(UserError, match=r"^--actor-model .*: no such local file or directory$"):
+        check_model(spec, "--actor-model")
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "facebook/opt-125m", "builtin:micro-llama"])
+def test_hub_ids_and_builtins_pass_the_model_check(spec):
+    check_model(spec, "--actor-model")  # hub ids are for transformers to find, not a local path
+
+
+def test_an_unknown_builtin_model_lists_the_known_ones():
+    with pytest.raises(
+        UserError, match=r"^--model_name_or_path builtin:nope: unknown built-in model \(known: "
+    ):
+        check_model("builtin:nope", "--model_name_or_path")
+
+
+def test_data_sources(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text("")
+    for spec in ("builtin", "builtin:sort,reverse_words", "d.jsonl", str(tmp_path), "Anthropic/hh-rlhf"):
+        check_data(spec, "--data_path")
+    with pytest.raises(
+        UserError, match=r"^--data-path builtin:sort,nope: unknown built-in task 'nope'; known: "
+    ):
+        check_data("builtin:sort,nope", "--data-path")
+    with pytest.raises(UserError, match=r"^--data_path missing\.jsonl: data file not found$"):
+        check_data("missing.jsonl", "--data_path")
+    with pytest.raises(UserError, match=r"^--data_path someone/data: not a local file or directory"):
+        check_data("someone/data", "--data_path")
+
+
+def test_check_inputs_walks_the_marked_fields_and_names_prefixed_flags(tmp_path):
+    specs = ((C.ModelArgs, "actor_", ()), (C.ModelArgs, "critic_", ()), C.DataArgs)
+    fine = (C.ModelArgs("builtin:micro-llama"), C.ModelArgs("builtin:micro-llama"), C.DataArgs())
+    check_inputs(specs, fine)
+    missing = str(tmp_path / "step2")
+    bad_critic = (fine[0], C.ModelArgs(missing), fine[2])
+    with pytest.raises(UserError, match=re.escape(f"--critic_model_name_or_path {missing}: no such local")):
+        check_inputs(specs, bad_critic)
+    check_inputs(specs, bad_critic, kinds=(DATA,))  # models left to the step: an earlier step writes them
+    bad_data = (fine[0], fine[1], C.DataArgs(data_path=["builtin"], sft_only_data_path=["gone.json"]))
+    with pytest.raises(UserError, match=r"^--sft_only_data_path gone\.json: data file not found$"):
+        check_inputs(specs, bad_data, kinds=(DATA,))
+
+
+def test_every_option_naming_a_model_or_data_is_marked():
+    # an unmarked one would be found bad only after the process group had started
+    import dataclasses
+
+    import dschat.config.groups as groups
+    import dschat.config.rlhf as rlhf
+
+    # step 3 checks these by which models it holds (dschat.rlhf.models.check_model_paths): the reward model
+    # defaults to the critic's path, which a function reward never reads
+    by_held_models = {"reward_model_name_or_path", "judge_reward_model"}
+    options = [
+        f
+        for module in (groups, rlhf)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__
+        for f in dataclasses.fields(cls)
+        if "help" in f.metadata
+        and f.default is not False  # an option (not a switch such as --offload_X_model)
+    ]
+    names = re.compile(r"model_name_or_path$|_model$|_from$|data_path$|dataset_name$")
+    unmarked = {f.name for f in options if names.search(f.name) and not f.metadata.get("input")}
+    assert unmarked == by_held_models
+    assert {f.name for f in options if f.metadata.get("input")} >= {
+        "model_name_or_path", "data_path", "sft_only_data_path", "policy_negatives_from",
+        "policy_negatives_reward_model", "ref_model_name_or_path", "unsupervised_dataset_name",
+    }  # fmt: skip
