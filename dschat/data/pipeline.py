@@ -20,9 +20,9 @@ from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.data.schema import Sample
 from dschat.data.sources import fingerprint, load_source
 from dschat.data.split import phase_share
-from dschat.models.cache import cache_root
 from dschat.utils import dist
 from dschat.utils.errors import UserError
+from dschat.utils.io import cache_root
 
 LOG = logging.getLogger("dschat")
 # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len;

@@ -21,15 +21,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from dschat.utils.io import cache_root
+
 LOG = logging.getLogger("dschat")
 COMPLETE = ".dschat-complete"  # written last into an entry: its presence means the entry is whole
 # Bumped when entries written by an older dschat must not be used. 2: tied weights are stored under
 # the embedding's name (format 1 stored them under the LM head's, and reward models lost them).
 FORMAT = 2
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat"))
 
 
 def models_dir() -> Path:

@@ -1,4 +1,5 @@
-"""Atomic file and directory writes: a reader sees the old content or the new one, never half of it."""
+"""Atomic file and directory writes: a reader sees the old content or the new one, never half of it; and
+where dschat keeps what it builds once (the model and data caches)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,9 @@ def replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Non
     os.replace(tmp_dir, final_dir)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
+
+
+def cache_root() -> Path:
+    """``$DSCHAT_CACHE``, else ``~/.cache/dschat``: the model cache (``models/``) and the tokenized-data
+    cache (``data/``) live under it."""
+    return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat"))
