@@ -38,8 +38,10 @@ class RankWatch:
         self.codes: dict[int, int | None] = {}  # pid -> exit code of a rank seen ended (None: not read)
         self.tail = b""
         self._stop = threading.Event()
+        self._thread = None
         if local:  # no pids to watch otherwise (see above): no thread
-            threading.Thread(target=self._poll, daemon=True).start()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
 
     def feed(self, chunk: bytes) -> None:
         self.tail = (self.tail + chunk)[-65536:]
@@ -86,11 +88,21 @@ class RankWatch:
         code = self.codes.get(pid)
         if code is None:
             return f"{rank} (pid {pid})"
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code >= 0:
+            how = f"exit code {code}"
+        else:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal has no name
+                how = f"killed by signal {-code}"
         return f"{rank} (pid {pid}, {how})"
 
     def report(self) -> str:
+        """The error line's account of the failed rank(s); stops the watch first, so that what it reports
+        and :attr:`first_exit_code` describe the same poll."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         m = self.ROOT_CAUSE.search(self.tail)
         if m:
             return f"torchrun on this node reports rank {int(m[1])} failed first (exit code {int(m[2])})"
@@ -114,9 +126,10 @@ def exit_code(pid: int) -> int | None:
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[-1].split()  # from field 3 on: the name in (...) may hold spaces
-    if len(fields) < 50:
+    try:
+        return os.waitstatus_to_exitcode(int(fields[49]))
+    except (IndexError, ValueError):  # an older kernel, or a status that is no exit
         return None
-    return os.waitstatus_to_exitcode(int(fields[49]))
 
 
 def run_step(
@@ -167,7 +180,8 @@ def _run(cmd: list[str], log_path: Path, append: bool, env: dict, local: bool) -
                 return 0, ""
             # The DeepSpeed launcher exits with the code of the first failed rank *it* sees, polling once a
             # second in set order: often a peer whose collective failed after the rank that died.
-            return watch.first_exit_code or code, watch.report()
+            failed = watch.report()
+            return watch.first_exit_code or code, failed
         except KeyboardInterrupt:
             stop_group(proc.pid)
             proc.wait()

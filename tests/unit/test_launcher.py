@@ -241,3 +241,14 @@ def test_stopping_train_py_stops_the_steps_whole_process_tree(tmp_path, signum):
     rank = int((tmp_path / "log").read_text().splitlines()[1])  # the grandchild: a rank of the launcher
     with contextlib.suppress(psutil.NoSuchProcess):  # gone, or dead and waiting to be reaped
         assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_rank_killed_by_a_signal_without_a_name_is_still_reported():
+    from dschat.launch.supervise import RankWatch
+
+    watch = RankWatch(local=False)
+    watch.together, watch.codes = [(1, 4242)], {4242: -35}  # SIGRTMIN+1 and above have no Signals name
+    assert (
+        watch.report()
+        == "rank 1 (pid 4242, killed by signal 35) ended first; the launcher then stopped the other ranks"
+    )

@@ -71,11 +71,11 @@ STEP_DEFAULTS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)  # fmt: skip
-    check_inputs(GROUPS, args)  # models and data named, before any slow start-up
     model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
     if pairs_args.policy_negatives_reward_model:  # before any slow work
         raise UserError("--policy_negatives_reward_model is for DPO (--algorithm dpo): a reward model trained "
                         "on another reward model's labels would only copy it")  # fmt: skip
+    check_inputs(GROUPS, args)  # models and data named, before any slow start-up
 
     # ---------------------------------------------------------------- 1. setup
     setup = S.setup_step(model_args, run, data_args)
