@@ -28,9 +28,7 @@ def check_model(spec: str, flag: str) -> None:
     from dschat.models import builtin
 
     if builtin.is_builtin(spec):
-        if spec.removeprefix(builtin.BUILTIN_PREFIX) not in builtin.BUILTIN_MODELS:
-            known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
-            raise UserError(f"{flag} {spec}: unknown built-in model (known: {known})")
+        builtin.check_known(spec, flag)
         return
     if os.path.exists(os.path.expanduser(spec)):
         return

@@ -8,6 +8,7 @@ default model exercises exactly the code a real Hugging Face model does.
 from __future__ import annotations
 
 from dschat.models.cache import build_once, models_dir, write_model_dir
+from dschat.utils.errors import UserError
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -89,6 +90,13 @@ def build_config(name: str, vocab_size: int):
 
 def is_builtin(name_or_path: str) -> bool:
     return name_or_path.startswith(BUILTIN_PREFIX)
+
+
+def check_known(name_or_path: str, flag: str) -> None:
+    """A ``builtin:NAME`` that names no built-in model: one line naming ``flag`` and the known ones."""
+    if name_or_path.removeprefix(BUILTIN_PREFIX) not in BUILTIN_MODELS:
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+        raise UserError(f"{flag} {name_or_path}: unknown built-in model (known: {known})")
 
 
 def materialize(name_or_path: str, seed: int = 0) -> str:

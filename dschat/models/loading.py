@@ -46,11 +46,8 @@ def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
     (:data:`dschat.models.gguf.OFFLINE_COPIES`) becomes its hub snapshot when cached or reachable, else
     its converted offline copy; anything else (a local directory, a hub name) is returned as it is."""
     if builtin.is_builtin(name_or_path):
-        try:
-            return builtin.materialize(name_or_path)
-        except KeyError:
-            known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
-            raise UserError(f"{flag} {name_or_path}: unknown built-in model (known: {known})") from None
+        builtin.check_known(name_or_path, flag)
+        return builtin.materialize(name_or_path)
     if name_or_path.startswith("~"):
         name_or_path = os.path.expanduser(name_or_path)
     if gguf.is_gguf_path(name_or_path):

@@ -203,10 +203,8 @@ def load_model_config(name_or_path: str, flag: str = "--actor-model") -> tuple[d
     if name_or_path.startswith("builtin:"):
         from dschat.models import builtin
 
-        name = name_or_path[len("builtin:") :]
-        if name not in builtin.BUILTIN_MODELS:
-            known = ", ".join("builtin:" + n for n in builtin.BUILTIN_MODELS)
-            raise UserError(f"{flag} {name_or_path}: unknown built-in model (known: {known})")
+        builtin.check_known(name_or_path, flag)
+        name = name_or_path.removeprefix(builtin.BUILTIN_PREFIX)
         return builtin.build_config(name, len(builtin.build_tokenizer())).to_dict(), "built-in model"
     for known, cfg in KNOWN_CONFIGS.items():
         if known.lower() == name_or_path.lower():

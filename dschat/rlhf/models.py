@@ -103,42 +103,40 @@ def check_options(o: RLHFOptions) -> None:
                         "(otherwise the base weights move and are no longer the reference)")  # fmt: skip
 
 
-def check_model_paths(o: RLHFOptions) -> None:
-    """Every model the step holds (:attr:`RLHFOptions.held`) names something that can exist, checked
-    before the process group starts (:func:`dschat.inputs.check_model`); the critic's path is not checked
-    where no critic or reward model reads it (``--reward_fn ... --reward_fn_mode replace`` with a
-    critic-free estimator)."""
-    held = o.held
-    check_model(o.actor.model_name_or_path, "--actor_model_name_or_path")
+def held_model_specs(o: RLHFOptions) -> dict[str, tuple[str, str]]:
+    """``role -> (model spec as given, the flag that gave it)`` for every model the step holds
+    (:attr:`RLHFOptions.held`): the one place that knows the reward model defaults to the critic's path,
+    and that no critic or reward model is read with ``--reward_fn ... --reward_fn_mode replace`` and a
+    critic-free estimator."""
+    held, critic = o.held, (o.critic.model_name_or_path, "--critic_model_name_or_path")
+    specs = {"actor": (o.actor.model_name_or_path, "--actor_model_name_or_path")}
     if held.critic:
-        check_model(o.critic.model_name_or_path, "--critic_model_name_or_path")
+        specs["critic"] = critic
     if held.reward_model:
-        if o.engine.reward_model_name_or_path:
-            check_model(o.engine.reward_model_name_or_path, "--reward_model_name_or_path")
-        else:
-            check_model(o.critic.model_name_or_path, "--critic_model_name_or_path")
+        given = o.engine.reward_model_name_or_path
+        specs["reward"] = (given, "--reward_model_name_or_path") if given else critic
     if held.judge:
-        check_model(o.engine.judge_reward_model, "--judge_reward_model")
+        specs["judge"] = (o.engine.judge_reward_model, "--judge_reward_model")
+    return specs
+
+
+def check_model_paths(o: RLHFOptions) -> None:
+    """Every model the step holds names something that can exist, checked before the process group
+    starts (:func:`dschat.inputs.check_model`)."""
+    for spec, flag in held_model_specs(o).values():
+        check_model(spec, flag)
 
 
 def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
     """The models' locations, the actor's tokenizer (left padding, for generation) and prompt format.
     Every model that scores the actor's token ids is checked here, before minutes of engine start-up."""
-    held = o.held
-    paths = ModelPaths(
-        actor=resolve(o.actor.model_name_or_path, "--actor_model_name_or_path"),
-        critic=resolve(o.critic.model_name_or_path, "--critic_model_name_or_path") if held.critic else None,
-        reward=resolve(
-            o.engine.reward_model_name_or_path or o.critic.model_name_or_path, "--reward_model_name_or_path"
-        )
-        if held.reward_model
-        else None,
-        judge=resolve(o.engine.judge_reward_model, "--judge_reward_model") if held.judge else None,
-    )
+    specs = held_model_specs(o)
+    where = {role: resolve(spec, flag) for role, (spec, flag) in specs.items()}
+    paths = ModelPaths(where["actor"], where.get("critic"), where.get("reward"), where.get("judge"))
     tokenizer = load_tokenizer(paths.actor, trust_remote_code=o.actor.trust_remote_code, padding_side="left",
                                flag="--actor_model_name_or_path")  # fmt: skip
     if paths.reward:
-        check_same_tokenizer(paths.reward, "--reward_model_name_or_path", tokenizer, owner="actor",
+        check_same_tokenizer(paths.reward, specs["reward"][1], tokenizer, owner="actor",
                              owner_path=paths.actor, trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
     if paths.judge:
         if not has_value_head(paths.judge):
