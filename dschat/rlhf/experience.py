@@ -34,15 +34,21 @@ class Experience:
     # ((G, L, H) packed, (B, T, H) separate; None without frozen blocks). Dropped by cat.
     packed: PackedRollouts | None = None
     trunk: Trunk | None = None
+    # (B, T-1) the actor's log-probs with their autograd graph: the round's one update reuses the
+    # experience pass (PPOHyper.one_update_per_round); None otherwise. Dropped by cat.
+    actor_graph: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
     def slice(self, start: int, end: int) -> Experience:
         """Rows ``start:end`` (a PPO minibatch); its packed rows and trunk where the range keeps whole
-        prompt groups, else none (the update packs and computes them anew)."""
+        prompt groups, else none (the update packs and computes them anew); the actor's graph only where
+        the range is every row."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         out = Experience(**{k: (v[start:end] if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+        if start > 0 or end < len(self):  # a part of the round: its graph serves one update of all of it
+            out = replace(out, actor_graph=None)
         if self.packed is None:
             return replace(out, trunk=self.trunk.rows(start, end) if self.trunk is not None else None)
         whole = rollout_rows(self.packed, start, end)
@@ -80,7 +86,11 @@ class Experience:
             if f.name == "prompt_len":
                 out[f.name] = prompt_len
                 continue
-            if f.name in ("packed", "trunk"):  # rounds packed apart: the update packs them anew
+            if f.name in (
+                "packed",
+                "trunk",
+                "actor_graph",
+            ):  # rounds packed apart: the update packs them anew
                 continue
             vals = []
             for p in parts:

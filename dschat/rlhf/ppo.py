@@ -64,6 +64,12 @@ class PPOHyper:
     # Rounds collected before an update (--generation_batches): with more than one, the rounds are
     # concatenated and packed anew, so a round's rows and trunk are not kept for the update.
     generation_batches: int = 1
+    # A round is one update of the actor from the weights that made it (one round per update, one PPO
+    # epoch, the round's rows in one training batch, no dropout): the experience pass's forward then *is*
+    # the update's, so it runs once, with its graph kept for the update (the old log-probs are its values,
+    # detached; TRL's GRPO skips the recomputation the same way). Exact, and no extra memory: the graph
+    # is the one the update would have built (``one_update_per_round``).
+    one_update_per_round: bool = False
 
 
 class PPOTrainer:
@@ -195,10 +201,13 @@ class PPOTrainer:
         self.trunk_depths["actor"] = trunk_sharing.shared_depth([self.actor])
 
     def _update_logprobs(self, exp: Experience) -> torch.Tensor:
-        """The actor's log-probs (B, T-1) for the update, with gradients, on the experience's own rows.
-        Above its frozen bottom where the experience kept the hidden states there: the frozen blocks
-        give those values again and pass no gradient. Checked on the first update (the weights that made
-        the experience, so the log-probs must be the old ones), else computed in full from then on."""
+        """The actor's log-probs (B, T-1) for the update, with gradients, on the experience's own rows: the
+        experience pass's own where it kept its graph (``one_update_per_round``). Else above its frozen
+        bottom where the experience kept the hidden states there: the frozen blocks give those values
+        again and pass no gradient. Checked on the first update (the weights that made the experience, so
+        the log-probs must be the old ones), else computed in full from then on."""
+        if exp.actor_graph is not None:
+            return exp.actor_graph
         # The rows the experience pass ran (and its trunk covers), packed or separate; else packed anew
         kept = exp.packed is not None or exp.trunk is not None
         packed = exp.packed if kept else self.pack(exp.sequences, exp.attention_mask, exp.prompt_len)
@@ -319,11 +328,18 @@ class PPOTrainer:
     # ------------------------------------------------------------------ 1. experience
     @torch.no_grad()
     def make_experience(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_texts: list[str]
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        prompt_texts: list[str],
+        *,
+        train_actor: bool = True,
     ) -> tuple[Experience, dict[str, float]]:
         """Generate ``n_samples_per_prompt`` responses for each of (B, P) left-padded prompts and score them
         with every model. ``prompt_texts`` are the B prompts as dialogue text (what a reward function
-        reads). Rows of the result: B * n_samples_per_prompt, each prompt's responses adjacent."""
+        reads). Rows of the result: B * n_samples_per_prompt, each prompt's responses adjacent.
+        ``train_actor``: the actor's update follows (not a ``--freezing_actor_steps`` round); with
+        ``one_update_per_round`` its forward is then this pass, kept with its graph."""  # fmt: skip
         tok, h = self.tokenizer, self.hyper
         prompts = [p for p in prompt_texts for _ in range(h.n_samples_per_prompt)]
         if h.n_samples_per_prompt > 1:
@@ -344,26 +360,33 @@ class PPOTrainer:
             is_end = is_stop(sequences, stops) & (response_mask > 0)
             reward_mask = attention_mask * (~is_end).long()
 
-            self.actor.eval()
+            # the update's own forward (train mode, with its graph) where it is this one
+            fused = h.one_update_per_round and train_actor
+            self.actor.train(fused)
             if self.trunk_depths is None:
                 self._settle_trunk_depths()
             packed = self.pack(sequences, attention_mask, prompt_len)
             if self.pack_wanted and dist.any_rank(packed is None):  # the checks below are collective
                 packed = None
             depths = {d for d in self.trunk_depths.values() if d}
-            # the actor's pass keeps the hidden states the others (and the update) start from
-            with trunk_sharing.capture(self.actor, depths) as trunks:
-                logprobs, per_token_entropy = self.action_logprobs(
-                    self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
-                )
+
+            def actor_pass(packed: PackedRollouts | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                # the actor's pass keeps the hidden states the others (and the update) start from
+                with torch.set_grad_enabled(fused), trunk_sharing.capture(self.actor, depths) as trunks:
+                    lp, ent = self.action_logprobs(
+                        self.actor, sequences, attention_mask, prompt_len, entropy=True, packed=packed
+                    )
+                return lp, ent, trunks
+
+            actor_graph, per_token_entropy, trunks = actor_pass(packed)
             if packed is not None and not self.packing_checked:
-                self._check_packing(sequences, attention_mask, prompt_len, packed, logprobs, action_mask)
+                self._check_packing(
+                    sequences, attention_mask, prompt_len, packed, actor_graph.detach(), action_mask
+                )
                 if not self.share_prompt:
                     packed = None
-                    with trunk_sharing.capture(self.actor, depths) as trunks:
-                        logprobs, per_token_entropy = self.action_logprobs(
-                            self.actor, sequences, attention_mask, prompt_len, entropy=True
-                        )
+                    actor_graph, per_token_entropy, trunks = actor_pass(None)
+            logprobs = actor_graph.detach()
             entropy = M.masked_mean(per_token_entropy, action_mask)
             with self.reference_mode() as ref:
                 ref.eval()
@@ -416,6 +439,7 @@ class PPOTrainer:
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
             scores=scores, prompt_len=prompt_len, packed=packed,
             trunk=trunks.get(self.trunk_depths.get("actor", 0)) if h.generation_batches == 1 else None,
+            actor_graph=actor_graph if fused else None,
         )  # fmt: skip
         lengths = action_mask.sum(1)
         stats = {

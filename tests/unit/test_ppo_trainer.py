@@ -390,3 +390,34 @@ def test_rollouts_end_at_the_templates_end_of_turn_when_it_is_not_eos(tokenizer,
     prompt_tokens = mask.sum(1).tolist()
     expect = [p + n - s for p, n, s in zip(prompt_tokens, lengths, stopped) for _ in range(2)]
     assert scores.masks[0].sum(1).tolist() == expect
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        ((), True),  # 16 prompts per round, 16 per update, one epoch: DeepSpeed-Chat's geometry
+        (
+            ("--n_samples_per_prompt", "2", "--per_device_training_batch_size", "32"),
+            True,
+        ),  # 32 rows, one update
+        (("--per_device_training_batch_size", "8"), False),  # two updates: the second from new weights
+        (("--n_samples_per_prompt", "2"), False),  # 32 rows per round, 16 per update
+        (("--ppo_epochs", "2"), False),
+        (("--generation_batches", "2"), False),
+        (("--actor_dropout", "0.1"), False),  # the experience pass runs in train mode: dropout would differ
+        (("--actor_lora_dim", "4", "--actor_lora_dropout", "0.1"), False),
+        (("--actor_lora_dim", "4"), True),
+    ],
+)
+def test_one_update_per_round_is_decided_from_the_options(argv, want):
+    """Step 3's options as its parser resolves them: the experience pass is the update's forward only
+    where the round is one update from unchanged weights and the forward is deterministic."""
+    from dschat.rlhf.models import RLHFOptions, one_update_per_round
+
+    spec = importlib.util.spec_from_file_location("dschat_train_py_ppo", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train
+    spec.loader.exec_module(train)
+    base = ("--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16")
+    groups = train.parse_step(train.STEPS[3], [*base, *argv])
+    assert one_update_per_round(RLHFOptions(*groups)) is want

@@ -285,3 +285,70 @@ def test_an_evaluation_memo_that_does_not_reproduce_the_model_stops_with_a_warni
     with caplog.at_level("WARNING", logger="dschat"):
         assert torch.equal(memo(ids, mask), full)  # the full pass's values, not the replayed ones
     assert "computing it in full" in caplog.text and memo.depth == 0 and not memo.kept
+
+
+def count_actor_passes(ppo) -> list[int]:
+    """How many log-prob passes the trainer runs on its actor (a list holding one count; generation
+    does not count)."""
+    runs, score = [0], ppo.action_logprobs
+
+    def counted(engine, *args, **kw):
+        runs[0] += engine is ppo.actor
+        return score(engine, *args, **kw)
+
+    ppo.action_logprobs = counted
+    return runs
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("kl_in", ["reward", "loss"])
+def test_one_update_per_round_reuses_the_experience_pass_and_learns_the_same(tokenizer, share_prompt, kl_in):
+    """Where a round is one update (one_update_per_round), the update's forward is the experience pass's,
+    kept with its graph: three rounds give the same log-probs, losses and trained weights as separate
+    passes (fp32; packed and with the shared frozen trunk, or neither), and the actor's log-prob pass
+    runs once per round instead of twice."""
+    result = {}
+    for fused in (True, False):
+        actor, reference, rm = models(tokenizer)
+        ppo = trainer(Engine(actor, lr=0.5), Engine(reference), tokenizer, temperature=1.0, share_prompt=share_prompt,
+                      scores=RewardModelSource(Engine(rm)), kl_in=kl_in, kl_estimator="k3" if kl_in == "loss" else "k1",
+                      share_frozen_trunk=share_prompt, one_update_per_round=fused)  # fmt: skip
+        runs = count_actor_passes(ppo)
+        torch.manual_seed(5)
+        logs = []
+        for _ in range(3):
+            exp, stats = ppo.make_experience(*prompts(tokenizer))
+            assert (exp.actor_graph is not None) == fused
+            assert not exp.logprobs.requires_grad  # the old log-probs are values, never differentiated
+            logs.append((exp.sequences, exp.logprobs, stats["kl_sum"], stats["entropy_sum"], ppo.train(exp)))
+        result[fused] = logs, {k: v.clone() for k, v in actor.state_dict().items()}, runs[0]
+    (logs, weights, runs), (want_logs, want_weights, want_runs) = result[True], result[False]
+    checks = 1 if share_prompt else 0  # the first batch's packing check runs the actor once more
+    assert (runs, want_runs) == (3 + checks, 6 + checks)
+    for (seq, lp, kl, ent, out), (want_seq, want_lp, want_kl, want_ent, want_out) in zip(logs, want_logs):
+        assert torch.equal(seq, want_seq)  # the same rollouts: the weights stayed equal round by round
+        assert torch.allclose(lp, want_lp, atol=1e-6)
+        assert kl == pytest.approx(want_kl, abs=1e-5) and ent == pytest.approx(want_ent, rel=1e-5)
+        assert out.keys() == want_out.keys()
+        for k in out:
+            assert out[k] == pytest.approx(want_out[k], abs=1e-5), k
+    for k, v in want_weights.items():
+        assert torch.allclose(weights[k], v, atol=1e-6), k
+    assert not torch.equal(want_weights["model.layers.1.mlp.up_proj.weight"],
+                           models(tokenizer)[0].state_dict()["model.layers.1.mlp.up_proj.weight"])  # fmt: skip
+
+
+def test_a_round_split_over_minibatches_keeps_no_graph_in_its_parts(tokenizer):
+    """A minibatch that is part of the round cannot take the round's graph (its second part would run a
+    backward through a freed graph): it computes its own forward."""
+    actor, reference, rm = models(tokenizer)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0,
+                  scores=RewardModelSource(Engine(rm)), one_update_per_round=True)  # fmt: skip
+    torch.manual_seed(5)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    assert exp.slice(0, 2).actor_graph is None and exp.slice(2, 4).actor_graph is None
+    assert exp.slice(0, 4).actor_graph is not None
+    # a freezing round (the critic learns alone) keeps no graph either
+    torch.manual_seed(5)
+    frozen, _ = ppo.make_experience(*prompts(tokenizer), train_actor=False)
+    assert frozen.actor_graph is None and not actor.training

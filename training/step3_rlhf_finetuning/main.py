@@ -140,8 +140,9 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
     over them in minibatches. Returns the round's mean KL per sequence over all ranks and the sequence
     count, for the KL controller."""
     ppo, device = o.ppo, m.actor.device
+    train_actor = state.step + 1 > ppo.freezing_actor_steps  # this round's, counted from 1
     exp, stats = trainer.make_experience(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                         batch["prompts"])  # fmt: skip
+                                         batch["prompts"], train_actor=train_actor)  # fmt: skip
     window.add(**stats)
     # this round's mean KL per sequence over all ranks: the adaptive controller follows every round
     round_kl, round_rows = dist.all_reduce_sum([stats["kl_sum"], stats["rows"]])
@@ -154,7 +155,6 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
         for _ in range(ppo.ppo_epochs):
             for s in range(0, len(collected), mb):
                 unsup = {k: v.to(device) for k, v in next(rounds.unsup).items()} if rounds.unsup else None
-                train_actor = state.step > ppo.freezing_actor_steps
                 stats = trainer.train(collected.slice(s, s + mb), unsup, train_actor=train_actor)
                 window.add(updates=1, actor_updates=float(train_actor), **stats)
                 if m.ema is not None:
