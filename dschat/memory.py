@@ -326,6 +326,9 @@ class RLHFWorkload:
     inference_copy: bool = False  # the hybrid engine's copy of the actor in the training dtype
     inference_tp_size: int = 1  # the copy's matrices are split over this many ranks
     share_frozen_trunk: bool = False  # --share_frozen_trunk: hidden states kept at the actor's frozen depth
+    # a round is one update below ZeRO-3 (config.one_update_per_round at stage 0): the experience pass
+    # keeps the actor's training graph through the other models' passes
+    one_update_per_round: bool = False
 
 
 def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
@@ -361,14 +364,18 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
             work.actor, work.training_batch, s, w, gc, "lm", work.actor_trainable_layers
         ),
     }
+    fused = work.one_update_per_round and choice.zero_stage < 3
     if work.share_frozen_trunk and work.actor_trainable_layers and choice.zero_stage < 3:
         # The experience pass keeps the hidden states (rows, p + a, h) where each model starts from the
         # actor's frozen bottom (at most one depth per model: the reference, the reward models, the
-        # actor's update), and the update holds the actor's own while it trains.
+        # actor's update unless that is the experience pass itself), and the update holds the actor's
+        # own while it trains.
         one = rows * s * work.actor.hidden_size * w
-        kept = 1 + work.reference + work.reward_model + (work.judge is not None)
+        kept = (not fused) + work.reference + work.reward_model + (work.judge is not None)
         phases["experience (forward passes)"] += kept * one
-        phases["actor training"] += one
+        phases["actor training"] += 0 if fused else one
+    if fused:  # the update's graph is built in the experience pass and held through the others' forwards
+        phases["experience (forward passes)"] += phases["actor training"]
     if work.critic_trained:
         phases["critic training"] = activation_bytes(work.critic, work.training_batch, s, w, gc, "score",
                                                      work.critic_trainable_layers)  # fmt: skip

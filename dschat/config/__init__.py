@@ -29,7 +29,7 @@ from dschat.config.groups import (
     RunArgs,
 )
 from dschat.config.parsing import ArgumentParser, GroupSpec, add_group, from_namespace, parse_groups, to_dict
-from dschat.config.rlhf import PPOArgs, RLHFEngineArgs, Step3Models, step3_models
+from dschat.config.rlhf import PPOArgs, RLHFEngineArgs, Step3Models, one_update_per_round, step3_models
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -56,6 +56,7 @@ __all__ = [
     "add_group",
     "check_zero_stage",
     "from_namespace",
+    "one_update_per_round",
     "opt",
     "parse_data_split",
     "parse_groups",

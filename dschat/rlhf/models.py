@@ -232,22 +232,6 @@ def make_generator(
                            release_cache=eng.release_inference_cache, unpin=eng.unpin_actor_parameters)  # fmt: skip
 
 
-def one_update_per_round(o: RLHFOptions) -> bool:
-    """Whether each round's rows make exactly one update of the actor from the weights that generated
-    them, with a forward equal to the experience pass's (no dropout: that pass runs in train mode too):
-    then PPOTrainer runs that forward once (``PPOHyper.one_update_per_round``). DeepSpeed-Chat's own
-    default geometry (generation batch = training batch, one PPO epoch) is such a run."""
-    ppo = o.ppo
-    rows = ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt
-    no_dropout = o.actor.dropout == 0.0 and (o.actor_lora.lora_dim == 0 or o.actor_lora.lora_dropout == 0.0)
-    return (
-        ppo.generation_batches == 1
-        and ppo.ppo_epochs == 1
-        and rows <= ppo.per_device_training_batch_size
-        and no_dropout
-    )
-
-
 def make_trainer(o: RLHFOptions, m: Models, generator, tokenizer) -> PPOTrainer:
     ppo = o.ppo
     kl_ctl = (M.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.kl_target
@@ -260,6 +244,6 @@ def make_trainer(o: RLHFOptions, m: Models, generator, tokenizer) -> PPOTrainer:
                      cliprange_high=ppo.cliprange_high, loss_agg=ppo.loss_agg, max_answer_len=ppo.max_answer_seq_len,
                      kl_estimator=ppo.kl_estimator, kl_in=ppo.kl_in, truncation_penalty=ppo.truncation_penalty,
                      share_prompt=ppo.share_prompt, share_frozen_trunk=ppo.share_frozen_trunk,
-                     generation_batches=ppo.generation_batches, one_update_per_round=one_update_per_round(o))  # fmt: skip
+                     generation_batches=ppo.generation_batches, one_update_per_round=C.one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage))  # fmt: skip
     return PPOTrainer(actor=m.actor, reference=m.reference, critic=m.critic, reward_source=m.reward,
                       generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=m.judge)  # fmt: skip

@@ -64,11 +64,10 @@ class PPOHyper:
     # Rounds collected before an update (--generation_batches): with more than one, the rounds are
     # concatenated and packed anew, so a round's rows and trunk are not kept for the update.
     generation_batches: int = 1
-    # A round is one update of the actor from the weights that made it (one round per update, one PPO
-    # epoch, the round's rows in one training batch, no dropout): the experience pass's forward then *is*
-    # the update's, so it runs once, with its graph kept for the update (the old log-probs are its values,
-    # detached; TRL's GRPO skips the recomputation the same way). Exact, and no extra memory: the graph
-    # is the one the update would have built (``one_update_per_round``).
+    # A round is one update of the actor from the weights that made it (dschat.config.one_update_per_round):
+    # the experience pass's forward then *is* the update's, so it runs once, with its graph kept for the
+    # update (the old log-probs are its values, detached; TRL's GRPO skips the recomputation the same way).
+    # Exact; the graph, the one the update builds anyway, is held through the other models' passes.
     one_update_per_round: bool = False
 
 
@@ -368,7 +367,8 @@ class PPOTrainer:
             packed = self.pack(sequences, attention_mask, prompt_len)
             if self.pack_wanted and dist.any_rank(packed is None):  # the checks below are collective
                 packed = None
-            depths = {d for d in self.trunk_depths.values() if d}
+            # the hidden states each consumer starts from (the actor's own update too, unless it is this pass)
+            depths = {d for k, d in self.trunk_depths.items() if d and not (fused and k == "actor")}
 
             def actor_pass(packed: PackedRollouts | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 # the actor's pass keeps the hidden states the others (and the update) start from
@@ -384,7 +384,7 @@ class PPOTrainer:
                     sequences, attention_mask, prompt_len, packed, actor_graph.detach(), action_mask
                 )
                 if not self.share_prompt:
-                    packed = None
+                    packed = actor_graph = per_token_entropy = trunks = None  # one graph at a time
                     actor_graph, per_token_entropy, trunks = actor_pass(None)
             logprobs = actor_graph.detach()
             entropy = M.masked_mean(per_token_entropy, action_mask)
@@ -438,7 +438,7 @@ class PPOTrainer:
             sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
             scores=scores, prompt_len=prompt_len, packed=packed,
-            trunk=trunks.get(self.trunk_depths.get("actor", 0)) if h.generation_batches == 1 else None,
+            trunk=trunks.get(self.trunk_depths.get("actor", 0)) if h.generation_batches == 1 and not fused else None,
             actor_graph=actor_graph if fused else None,
         )  # fmt: skip
         lengths = action_mask.sum(1)

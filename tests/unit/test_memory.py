@@ -354,3 +354,47 @@ def test_config_sources(tmp_path):
         S.load_model_config("builtin:nope")
     with pytest.raises(UserError, match="no 'hidden_size'"):
         S.shape_from_config({"model_type": "llama", "vocab_size": 3})
+
+
+def test_rlhf_estimate_holds_the_actors_graph_through_the_experience_pass_where_a_round_is_one_update(small):
+    """one_update_per_round: the update's activations are built in the experience pass and held through
+    the other models' forwards, so that phase carries both (below ZeRO-3 only, as the step decides)."""
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+
+    def activations(choice: M.Choice, **kw) -> tuple[str, int]:
+        work = M.RLHFWorkload(small, small, 4, 4, 2, 1, 2, critic_trained=False, **kw)
+        [(name, value)] = [(k, v) for k, v in M.estimate_rlhf(work, choice, hw).parts.items()
+                           if k.startswith("activations")]  # fmt: skip
+        return name, value
+
+    zero0, z3 = M.Choice(0, False, False), M.Choice(3, False, False)
+    training = M.activation_bytes(small, 4, 3, 2, False, "lm")
+    assert activations(zero0, one_update_per_round=True) == (
+        "activations: experience (forward passes)",
+        M.forward_only_bytes(small, 4, 3, 2) + training,
+    )
+    assert activations(zero0)[1] == max(
+        training, M.kv_cache_bytes(small, 4, 3, 2), M.forward_only_bytes(small, 4, 3, 2)
+    )
+    assert activations(z3, one_update_per_round=True) == activations(z3)
+    # with the shared frozen trunk the actor's own hidden states are not kept: the pass is the update's
+    one = 4 * 3 * 8 * 2
+    fused = activations(zero0, one_update_per_round=True, share_frozen_trunk=True, actor_trainable_layers=1)[
+        1
+    ]
+    frozen_training = M.activation_bytes(small, 4, 3, 2, False, "lm", 1)
+    assert fused == M.forward_only_bytes(small, 4, 3, 2) + 2 * one + frozen_training
+
+
+def test_make_plan_reads_one_update_per_round_from_step3s_options():
+    from dschat.config import DataArgs, LoraArgs, ModelArgs, PPOArgs, RLHFEngineArgs
+
+    hw = M.Hardware(gpus_per_node=1, on_gpu=False, cpu_node_bytes=8 * M.GIB)
+
+    def workload(**ppo):
+        m = ModelArgs(model_name_or_path="builtin:micro-llama", dropout=0.0)
+        groups = (m, m, LoraArgs(), LoraArgs(), DataArgs(), RLHFEngineArgs(), PPOArgs(**ppo))
+        return P.make_plan(3, groups, [], hw).workload
+
+    assert workload(per_device_generation_batch_size=8, per_device_training_batch_size=8).one_update_per_round
+    assert not workload(per_device_generation_batch_size=8, per_device_training_batch_size=4).one_update_per_round

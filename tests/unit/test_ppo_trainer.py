@@ -407,17 +407,20 @@ def test_rollouts_end_at_the_templates_end_of_turn_when_it_is_not_eos(tokenizer,
         (("--actor_dropout", "0.1"), False),  # the experience pass runs in train mode: dropout would differ
         (("--actor_lora_dim", "4", "--actor_lora_dropout", "0.1"), False),
         (("--actor_lora_dim", "4"), True),
+        (("--actor_zero_stage", "2"), True),
+        (("--actor_zero_stage", "3"), False),  # ZeRO-3 saves memory: no graph held across the other passes
     ],
 )
 def test_one_update_per_round_is_decided_from_the_options(argv, want):
     """Step 3's options as its parser resolves them: the experience pass is the update's forward only
     where the round is one update from unchanged weights and the forward is deterministic."""
-    from dschat.rlhf.models import RLHFOptions, one_update_per_round
+    from dschat.config import one_update_per_round
+    from dschat.rlhf.models import RLHFOptions
 
     spec = importlib.util.spec_from_file_location("dschat_train_py_ppo", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = train
     spec.loader.exec_module(train)
     base = ("--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16")
-    groups = train.parse_step(train.STEPS[3], [*base, *argv])
-    assert one_update_per_round(RLHFOptions(*groups)) is want
+    o = RLHFOptions(*train.parse_step(train.STEPS[3], [*base, *argv]))
+    assert one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage) is want
