@@ -86,11 +86,9 @@ class Experience:
             if f.name == "prompt_len":
                 out[f.name] = prompt_len
                 continue
-            if f.name in (
-                "packed",
-                "trunk",
-                "actor_graph",
-            ):  # rounds packed apart: the update packs them anew
+            # one round's own state: rounds packed apart are packed anew by the update, which also runs
+            # the actor's forward itself (a part of several rounds is never one update)
+            if f.name in ("packed", "trunk", "actor_graph"):
                 continue
             vals = []
             for p in parts:

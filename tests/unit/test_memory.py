@@ -397,4 +397,6 @@ def test_make_plan_reads_one_update_per_round_from_step3s_options():
         return P.make_plan(3, groups, [], hw).workload
 
     assert workload(per_device_generation_batch_size=8, per_device_training_batch_size=8).one_update_per_round
-    assert not workload(per_device_generation_batch_size=8, per_device_training_batch_size=4).one_update_per_round
+    assert not workload(
+        per_device_generation_batch_size=8, per_device_training_batch_size=4
+    ).one_update_per_round

@@ -256,13 +256,18 @@ def test_uniform_groups_are_counted_without_the_filter_and_stay_in_the_update(to
 
 
 # ---------------------------------------------------------------- item 6: no dropout by default in step 3
-def step3_model_args(*argv: str):
-    """(actor, critic) ModelArgs as step 3's own parser resolves them (its STEP_DEFAULTS included)."""
+def step3_groups(*argv: str) -> tuple:
+    """Step 3's option groups as its own parser resolves them (its STEP_DEFAULTS included)."""
     spec = importlib.util.spec_from_file_location("dschat_train_py_ppo", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = train
     spec.loader.exec_module(train)
-    groups = train.parse_step(train.STEPS[3], list(argv))
+    return train.parse_step(train.STEPS[3], list(argv))
+
+
+def step3_model_args(*argv: str):
+    """(actor, critic) ModelArgs as step 3's own parser resolves them."""
+    groups = step3_groups(*argv)
     return groups[0], groups[1]
 
 
@@ -417,10 +422,6 @@ def test_one_update_per_round_is_decided_from_the_options(argv, want):
     from dschat.config import one_update_per_round
     from dschat.rlhf.models import RLHFOptions
 
-    spec = importlib.util.spec_from_file_location("dschat_train_py_ppo", ROOT / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train
-    spec.loader.exec_module(train)
     base = ("--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16")
-    o = RLHFOptions(*train.parse_step(train.STEPS[3], [*base, *argv]))
+    o = RLHFOptions(*step3_groups(*base, *argv))
     assert one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage) is want
