@@ -192,6 +192,11 @@ class PPOArgs:
         return SamplingConfig(max_new_tokens=self.max_answer_seq_len, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, draw=self.sampling_draw)  # fmt: skip
 
+    @property
+    def rows_per_round(self) -> int:
+        """Sequences generated per rank per round: prompts x --n_samples_per_prompt."""
+        return self.per_device_generation_batch_size * self.n_samples_per_prompt
+
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
                      "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len"):  # fmt: skip
@@ -199,9 +204,7 @@ class PPOArgs:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.n_samples_per_prompt < 1:
             raise UserError(f"--n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
-        collected = (
-            self.per_device_generation_batch_size * self.n_samples_per_prompt * self.generation_batches
-        )
+        collected = self.rows_per_round * self.generation_batches
         if collected % self.per_device_training_batch_size:
             raise UserError(
                 f"--per_device_training_batch_size {self.per_device_training_batch_size} must divide the generated batch "
@@ -270,7 +273,7 @@ def step3_models(engine: RLHFEngineArgs, ppo: PPOArgs) -> Step3Models:
         judge=bool(engine.judge_reward_model),
         inference_copy=engine.enable_hybrid_engine and not engine.unpin_actor_parameters,
         inference_tp_size=engine.inference_tp_size,
-        rollouts_per_round=ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt,
+        rollouts_per_round=ppo.rows_per_round,
     )
 
 
@@ -281,9 +284,10 @@ def one_update_per_round(ppo: PPOArgs, actor: ModelArgs, actor_lora: LoraArgs, a
     deterministic (no dropout: that pass runs in train mode). Then the forward runs once and its graph is
     kept through the reference, reward and critic passes. Not under ZeRO-3: there the actor's gathered
     weights could stay live across those passes too, and ZeRO-3 is chosen to save memory."""
-    rows = ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt
     no_dropout = actor.dropout == 0.0 and (actor_lora.lora_dim == 0 or actor_lora.lora_dropout == 0.0)
     one_update = (
-        ppo.generation_batches == 1 and ppo.ppo_epochs == 1 and rows == ppo.per_device_training_batch_size
+        ppo.generation_batches == 1
+        and ppo.ppo_epochs == 1
+        and ppo.rows_per_round == ppo.per_device_training_batch_size
     )
     return one_update and no_dropout and actor_zero_stage < 3

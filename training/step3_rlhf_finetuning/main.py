@@ -116,7 +116,7 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
     total = min(total, ppo.max_steps) if ppo.max_steps else total
     # the schedules' lengths: the optimizer steps the loop will take (the actor's skip the frozen rounds)
     actor_updates, critic_updates = M.ppo_optimizer_steps(
-        total, rows_per_round=ppo.per_device_generation_batch_size * ppo.n_samples_per_prompt,
+        total, rows_per_round=ppo.rows_per_round,
         generation_batches=ppo.generation_batches, micro_batch=ppo.per_device_training_batch_size,
         ppo_epochs=ppo.ppo_epochs, freezing_actor_steps=ppo.freezing_actor_steps,
     )  # fmt: skip
