@@ -110,6 +110,23 @@ def test_rw_eval_table_and_json(trained_rm, tmp_path):
     assert len(json.loads(single.stdout)["scores"]) == 2
 
 
+def test_lora_reward_model_learns_and_saves_a_plain_model(tmp_path):
+    """LoRA on a *ForSequenceClassification body (DeepSpeed-Chat's --lora_dim on step 2): it trains with
+    only the adapters and the head, and the saved model is a plain one with the adapters merged in. peft's
+    causal-LM wrapper crashed on it (the classifier has no generation hooks)."""
+    from transformers import AutoModelForSequenceClassification
+
+    data = preference_file(tmp_path / "pairs.jsonl", n=640)
+    out = tmp_path / "step2"
+    assert_ok(step2(out, *FAST, "--max_steps", "40", "--data_path", str(data), "--data_split", "0,1,0",
+                    "--lora_dim", "8", "--only_optimize_lora", "--lora_learning_rate", "5e-3"))  # fmt: skip
+    s = json.loads((out / "summary.json").read_text())
+    assert s["lora_dim"] == 8
+    assert s["eval_accuracy_end"] > s["eval_accuracy_start"] + 0.2, s
+    auto = AutoModelForSequenceClassification.from_pretrained(out)
+    assert not [n for n, _ in auto.named_parameters() if "lora_" in n]
+
+
 def test_rw_eval_refuses_a_causal_lm(tmp_path):
     from dschat.models.builtin import materialize
 

@@ -221,14 +221,21 @@ def test_freezing_actor_steps_trains_the_critic_alone(models, tmp_path):
 
 
 def test_lora_actor_shares_the_reference(models, tmp_path):
+    """LoRA on both models (the critic is a scalar-head model: peft's causal-LM wrapper failed on it)."""
     actor, rm = models
     out = tmp_path / "lora"
-    proc = step3(out, actor, rm, *EASY, "--max_steps", "3", "--actor_lora_dim", "4", "--only_optimize_lora",
-                 "--share_reference_with_actor", "--enable_ema")  # fmt: skip
+    critic_before = load_file(rm / "model.safetensors")
+    proc = step3(out, actor, rm, *EASY, "--max_steps", "3", "--actor_lora_dim", "4", "--critic_lora_dim", "4",
+                 "--only_optimize_lora", "--share_reference_with_actor", "--enable_ema")  # fmt: skip
     assert_ok(proc)
     assert "actor without adapter" in proc.stdout
     assert (out / "actor_ema" / "model.safetensors").exists()
     assert not any("lora" in k for k in load_file(out / "actor" / "model.safetensors"))
+    critic_after = load_file(out / "critic" / "model.safetensors")
+    assert set(critic_after) == set(critic_before)  # merged: the reward model's own names, no adapter
+    assert any(not (critic_before[k] == critic_after[k]).all() for k in critic_after), (
+        "the critic did not learn"
+    )
 
 
 def test_a_shared_frozen_trunk_changes_no_number(models, tmp_path):

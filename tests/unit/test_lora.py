@@ -47,6 +47,28 @@ def test_trainable_parameters(only_lora):
         assert trainable == {n for n, _ in model.named_parameters()}
 
 
+def test_a_scalar_head_model_takes_lora_and_keeps_its_head():
+    """A reward model or critic (no generation hooks): peft's causal-LM wrapper failed on it."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = build_config("micro-llama", vocab_size=64)
+    config.num_labels = 1
+    base = LlamaForSequenceClassification(config).eval()
+    ids = torch.randint(3, 64, (2, 9))
+    with torch.no_grad():
+        reference = base(input_ids=ids).logits.clone()
+    model = inject_lora(base, dim=4, only_optimize_lora=True)
+    assert model.get_base_model() is base
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference)
+    # The head is the model's own module, not a modules_to_save copy: the saved names do not change.
+    assert "score.weight" in {n.removeprefix("base_model.model.") for n, _ in model.named_parameters()}
+    assert type(inject_lora(tiny_model(), dim=4)).__name__ == "PeftModelForCausalLM"  # causal LMs keep it
+
+
 def test_fresh_lora_is_identity_and_merged_equals_unmerged():
     base = tiny_model()
     ids = torch.randint(3, 64, (2, 9))
