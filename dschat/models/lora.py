@@ -53,19 +53,13 @@ def inject_lora(
         # peft's causal-LM wrapper hooks into generation, which a reward model or critic
         # (*ForSequenceClassification) lacks: it fails on them. Its SEQ_CLS wrapper would copy the head into
         # modules_to_save under new names; the plain PeftModel wraps the body and leaves the head as it is.
-        task_type="CAUSAL_LM" if _generates(model) else None,
+        task_type="CAUSAL_LM" if model.can_generate() else None,
     )
     peft_model = get_peft_model(model, cfg)
     if not only_optimize_lora:
         for p in peft_model.parameters():
             p.requires_grad_(True)
     return peft_model
-
-
-def _generates(model: nn.Module) -> bool:
-    """A causal LM (transformers' ``can_generate``), as opposed to a scalar-head model."""
-    can = getattr(model, "can_generate", None)
-    return bool(can()) if callable(can) else False
 
 
 def is_lora_param(name: str) -> bool:
