@@ -40,8 +40,16 @@ from pathlib import Path
 from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["--trainable_layers", "8", "--per_device_train_batch_size", "16", "--eval_interval", "0",
-          "--log_interval", "10"]  # fmt: skip
+COMMON = ["--per_device_train_batch_size", "16", "--eval_interval", "0", "--log_interval", "10"]  # fmt: skip
+
+
+def what_trains(args: argparse.Namespace) -> list[str]:
+    """The top 8 layers in full (``--lora_dim 0``), or rank-R LoRA (alpha 2R) in every layer with the base
+    frozen: the backward pass then runs through all layers, about 3x slower per token on 2 CPU cores."""
+    if not args.lora_dim:
+        return ["--trainable_layers", "8"]
+    return ["--lora_dim", str(args.lora_dim), "--lora_alpha", str(2 * args.lora_dim), "--only_optimize_lora",
+            "--lora_learning_rate", str(args.lora_learning_rate)]  # fmt: skip
 
 
 def run(cmd: list[str]) -> None:
@@ -60,7 +68,7 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
              "--eval_generation_samples", "200"]  # fmt: skip
     dpo = out / "step2_dpo"
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
-         str(step1), *COMMON, *tasks, "--learning_rate", str(args.learning_rate), "--beta", str(args.beta),
+         str(step1), *COMMON, *what_trains(args), *tasks, "--learning_rate", str(args.learning_rate), "--beta", str(args.beta),
          "--sft_coef", str(args.sft_coef), "--seed", str(args.seed), "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
          "384", "--policy_negatives_per_prompt", "4", "--policy_negatives_max_new_tokens", "12"])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
@@ -114,7 +122,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     else:
         length = ["--max_steps", str(args.max_steps)] if args.max_steps else []
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
-         start, *COMMON, "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
+         start, *COMMON, *what_trains(args), "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
          "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", "--learning_rate",
          str(args.learning_rate), "--beta", str(args.beta), "--seed", str(args.seed), *length])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
@@ -192,6 +200,15 @@ def main() -> None:
         help="default: 60 verifiable, 80 hh (1280 of the 4000 pairs, about 32 minutes on 2 cores); 0: a whole "
         "epoch (hh: 242 steps, about 100 minutes)",
     )
+    p.add_argument(
+        "--lora_dim",
+        type=int,
+        default=0,
+        help="0: train the top 8 layers in full; R: rank-R LoRA (alpha 2R) in every layer, base frozen",
+    )
+    p.add_argument(
+        "--lora_learning_rate", type=float, help="with --lora_dim: the adapters' learning rate (3e-4)"
+    )
     p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")
     args = p.parse_args()
     if args.suite == "hh" and not (HH / "train.jsonl").exists():
@@ -209,6 +226,11 @@ def main() -> None:
         if getattr(args, name) is not None and not args.labeller:
             p.error(f"--{name} needs --labeller")
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.lora_dim < 0:
+        p.error(f"--lora_dim {args.lora_dim}: must be 0 (no LoRA) or a positive rank")
+    if args.lora_learning_rate is not None and not args.lora_dim:
+        p.error("--lora_learning_rate needs --lora_dim")
+    args.lora_learning_rate = args.lora_learning_rate or 3e-4
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     # hh, measured 2026-11-25: lr 5e-6 learned nothing in 130 steps (train accuracy 0.51, margins 0.002);
@@ -221,7 +243,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
     print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "start": args.start, "learning_rate": args.learning_rate,
-                      "beta": args.beta, "sft_coef": args.sft_coef, "seed": args.seed,
+                      "beta": args.beta, "sft_coef": args.sft_coef, "seed": args.seed, "lora_dim": args.lora_dim,
+                      **({"lora_learning_rate": args.lora_learning_rate} if args.lora_dim else {}),
                       **({name: getattr(args, name) for name in online} if args.labeller else {}),
                       **result}, indent=2))  # fmt: skip
 
