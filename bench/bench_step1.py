@@ -8,7 +8,8 @@ Each configuration runs the real step-1 entry (``deepspeed.initialize``, real da
 ``--steps`` optimizer steps and reads its ``summary.json``. Throughput counts real (non-padding)
 tokens. MFU = 6 x parameters x tokens/s / peak, where the peak is the matmul rate measured here in
 the training dtype (about 180 GFLOP/s fp32 and 750 GFLOP/s bf16 on the 2-core CPU machines; about
-990 TFLOP/s bf16 dense on an H100 SXM).
+990 TFLOP/s bf16 dense on an H100 SXM). Each result also carries the evaluation loss before and after
+and ``learned`` (it fell by at least 1%): a throughput counts only for a run that learned.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 / best
 
 
+def learning(summary: dict) -> dict:
+    """The run's evaluation loss before and after, and ``learned``: whether it fell by at least 1%.
+    A throughput is a speed-up only for a run that learned: a lever that breaks the gradients (as
+    torch.compile did on an H100, 2026-11-27: 1.75x the tokens/s, the loss unchanged) is no gain.
+    ``None`` where the run evaluated nothing."""
+    start, end = summary.get("eval_loss_start"), summary.get("eval_loss_end")
+    learned = None if start is None or end is None else bool(end < 0.99 * start)
+    return {"eval_loss_start": start, "eval_loss_end": end, "learned": learned}
+
+
 def run_one(
     model: str, steps: int, batch: int, accum: int, data: str, max_seq_len: int, extra: list[str]
 ) -> dict:
@@ -85,6 +96,7 @@ def run_one(
         "tokens_per_sec_steady": tps,
         "tokens_per_sec_whole_run": summary["train_tokens_per_sec"],
         "model_tflops_per_sec": 6 * summary["parameters"] * tps / 1e12,
+        **learning(summary),
     }
 
 

@@ -73,3 +73,21 @@ def test_the_rank_torchrun_names_as_the_root_cause_is_reported_not_a_peers_knock
         "Root Cause (first observed failure):\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1\n"
     )
     assert bench_hybrid_engine.failure_lines(stderr, keep=1) == ["[rank1]: ValueError: the real cause"]
+
+
+def test_step1_throughput_is_reported_as_a_speed_only_when_the_run_learned():
+    import bench_step1
+
+    # a compiled run on an H100 (2026-11-27): 1.75x the tokens/s, the evaluation loss unchanged
+    flat = {"eval_loss_start": 5.7833, "eval_loss_end": 5.7833}
+    assert bench_step1.learning(flat) == {
+        "eval_loss_start": 5.7833,
+        "eval_loss_end": 5.7833,
+        "learned": False,
+    }
+    fell = {"eval_loss_start": 5.7833, "eval_loss_end": 3.0646}
+    assert bench_step1.learning(fell)["learned"] is True
+    rose = {"eval_loss_start": 3.0, "eval_loss_end": 3.2}
+    assert bench_step1.learning(rose)["learned"] is False
+    # a run without an evaluation cannot show that it learned
+    assert bench_step1.learning({})["learned"] is None
