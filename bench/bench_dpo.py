@@ -209,6 +209,8 @@ def main() -> None:
     p.add_argument(
         "--lora_learning_rate", type=float, help="with --lora_dim: the adapters' learning rate (3e-4)"
     )
+    # the options that only a mode reads (its flag -> their defaults); they are recorded only where it is on
+    dependent = {"labeller": online, "lora_dim": {"lora_learning_rate": 3e-4}}
     p.add_argument("--output_dir", help="keep the run here (a new directory; default: a temporary one)")
     args = p.parse_args()
     if args.suite == "hh" and not (HH / "train.jsonl").exists():
@@ -222,15 +224,13 @@ def main() -> None:
         p.error(
             "--max_steps is for offline DPO; with --labeller the run reads --epochs of the on-policy pairs"
         )
-    for name, default in online.items():
-        if getattr(args, name) is not None and not args.labeller:
-            p.error(f"--{name} needs --labeller")
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if args.lora_dim < 0:
         p.error(f"--lora_dim {args.lora_dim}: must be 0 (no LoRA) or a positive rank")
-    if args.lora_learning_rate is not None and not args.lora_dim:
-        p.error("--lora_learning_rate needs --lora_dim")
-    args.lora_learning_rate = args.lora_learning_rate or 3e-4
+    for parent, options in dependent.items():  # an option of a mode is refused without it, else defaulted
+        for name, default in options.items():
+            if getattr(args, name) is not None and not getattr(args, parent):
+                p.error(f"--{name} needs --{parent}")
+            setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     # hh, measured 2026-11-25: lr 5e-6 learned nothing in 130 steps (train accuracy 0.51, margins 0.002);
@@ -244,8 +244,8 @@ def main() -> None:
     result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
     print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "start": args.start, "learning_rate": args.learning_rate,
                       "beta": args.beta, "sft_coef": args.sft_coef, "seed": args.seed, "lora_dim": args.lora_dim,
-                      **({"lora_learning_rate": args.lora_learning_rate} if args.lora_dim else {}),
-                      **({name: getattr(args, name) for name in online} if args.labeller else {}),
+                      **{name: getattr(args, name) for parent, options in dependent.items() if getattr(args, parent)
+                         for name in options},
                       **result}, indent=2))  # fmt: skip
 
 

@@ -8,8 +8,9 @@ Each configuration runs the real step-1 entry (``deepspeed.initialize``, real da
 ``--steps`` optimizer steps and reads its ``summary.json``. Throughput counts real (non-padding)
 tokens. MFU = 6 x parameters x tokens/s / peak, where the peak is the matmul rate measured here in
 the training dtype (about 180 GFLOP/s fp32 and 750 GFLOP/s bf16 on the 2-core CPU machines; 744-777
-TFLOP/s bf16 measured on the lent H100s, against its 990 dense on paper). Each result also carries the evaluation loss before and after
-and ``learned`` (it fell by at least 1%): a throughput counts only for a run that learned.
+TFLOP/s bf16 measured on the lent H100s, against its 990 dense on paper). Each result also carries the
+evaluation loss before and after and ``learned`` (it fell by at least 1%): a throughput counts only for
+a run that learned.
 """
 
 from __future__ import annotations
