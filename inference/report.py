@@ -35,6 +35,7 @@ TRAIN_PANELS = [
     (("response_length",), "answer length (tokens)"),
     (("entropy",), "entropy of the sampled tokens"),
     (("truncated_fraction",), "answers cut off at the token budget"),
+    (("clipped_score_fraction",), "scores clipped at +-clip_reward_value"),
 ]
 
 

@@ -117,6 +117,7 @@ class PPOTrainer:
             "kl_to_reference": w["kl_sum"] / rows, "kl_coef": self.kl_ctl.value, "entropy": w["entropy_sum"] / rows,
             "response_length": w["length_sum"] / rows, "truncated_fraction": w["truncated_rows"] / rows,
             "uniform_group_fraction": w["uniform_group_rows"] / rows,
+            "clipped_score_fraction": w["clipped_score_rows"] / rows,
             **{f"{k}_seconds": v for k, v in self.timing.items()}, "actor_lr": self.actor.get_lr()[0],
         }  # fmt: skip
         if self.critic is not None:
@@ -407,7 +408,7 @@ class PPOTrainer:
             )  # fmt: skip
 
             truncated = truncated_rows(sequences, prompt_len, stops)
-            clipped = scores.float().clamp(-h.clip_reward_value, h.clip_reward_value)
+            clipped, was_clipped = M.clip_scores(scores, h.clip_reward_value)
             clipped = clipped - h.truncation_penalty * truncated.float()
             # With --kl_in loss the penalty is the actor's loss term (train), not a per-token reward.
             reward_kl_coef = self.kl_ctl.value if h.kl_in == "reward" else 0.0
@@ -452,6 +453,7 @@ class PPOTrainer:
             "entropy_sum": float(entropy) * len(lengths),
             "length_sum": float(lengths.sum()),
             "truncated_rows": float(truncated.sum()),
+            "clipped_score_rows": float(was_clipped.sum()),
             "uniform_group_rows": float(uniform.sum()),
             "rows": float(len(lengths)),
         }

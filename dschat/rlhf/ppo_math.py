@@ -88,6 +88,19 @@ def kl_estimate(
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
+def clip_scores(score: torch.Tensor, clip_reward_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) reward-model scores -> (the scores clamped to +-``clip_reward_value`` in fp32 (B,), which of
+    them the clamp changed (B,) bool).
+
+    A pairwise-trained reward model's offset is arbitrary (its loss sees only differences), so a fixed
+    clip can flatten much of what it says: on the default job's reward model (2026-11-27) 63% of the
+    step-1 model's sampled answers scored beyond +-5, right answers at +2 on average and wrong ones at
+    -9. Step 3 logs the clipped share so that a clip which eats the signal shows on the curves.
+    """
+    s = score.float()
+    return s.clamp(-clip_reward_value, clip_reward_value), s.abs() > clip_reward_value
+
+
 def kl_shaped_rewards(
     score: torch.Tensor,
     logprobs: torch.Tensor,
@@ -106,7 +119,7 @@ def kl_shaped_rewards(
     kl = kl_estimate(logprobs, ref_logprobs, action_mask, estimator)
     rewards = -kl_coef * kl
     last = last_action_index(action_mask)
-    clipped = score.float().clamp(-clip_reward_value, clip_reward_value)
+    clipped, _ = clip_scores(score, clip_reward_value)
     rewards = rewards.clone()
     rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += clipped
     return masked(rewards, action_mask), kl

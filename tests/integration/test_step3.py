@@ -102,7 +102,7 @@ def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path, variant)
     assert 0.0 <= s["true_accuracy_sampled_start"] <= 1.0 and 0.0 <= s["true_accuracy_sampled_end"] <= 1.0
     cfg = json.loads((out / "dschat_config.json").read_text())
     assert cfg["advantage_estimator"] == name and cfg["n_samples_per_prompt"] == 4
-    for key in ("truncated_fraction", "uniform_group_fraction"):
+    for key in ("truncated_fraction", "uniform_group_fraction", "clipped_score_fraction"):
         assert 0.0 <= rows[-1][key] <= 1.0, key
     assert s["truncated_fraction_end"] is not None and s["entropy_end"] is not None
     if variant == "stabilisers":  # every stabiliser is saved with the run and logged

@@ -15,6 +15,7 @@ from dschat.rlhf.ppo_math import (
     FixedKLController,
     action_mask_from,
     aggregate,
+    clip_scores,
     discounted_returns,
     gae,
     group_relative_scores,
@@ -639,6 +640,13 @@ def test_dr_grpo_is_the_group_mean_without_std():
 def test_uniform_groups_marks_every_row_of_an_all_equal_group():
     out = uniform_groups(t([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 5.0, 5.0, 5.0]), 3)
     assert out.tolist() == [True] * 3 + [False] * 3 + [True] * 3
+
+
+def test_clip_scores_clamps_and_marks_what_the_clamp_changed():
+    # an uncentred reward model: right answers near +2, wrong ones near -9 (the default job's, 2026-11-27)
+    clipped, was = clip_scores(t([2.0, -9.0, 5.0, -5.0, 7.5], dtype=torch.bfloat16), 5.0)
+    assert clipped.dtype == torch.float32 and close(clipped, [2.0, -5.0, 5.0, -5.0, 5.0])
+    assert was.tolist() == [False, True, False, False, True]  # exactly +-5 is kept, not clipped
 
 
 def test_truncated_rows_are_those_without_eos_in_the_response():

@@ -178,7 +178,8 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
     # the rollouts' reward and scores; and the signs of collapse or of gaming the length: sampled
     # answers' entropy, length and cut-off share
     train = {"reward": "reward_mean", "score": "score_mean", "judge_score": "judge_score_mean", "entropy": "entropy",
-             "response_length": "response_length", "truncated_fraction": "truncated_fraction"}  # fmt: skip
+             "response_length": "response_length", "truncated_fraction": "truncated_fraction",
+             "clipped_score_fraction": "clipped_score_fraction"}  # fmt: skip
     held_out = ("held_out_reward", "held_out_judge_score", "true_accuracy", "true_accuracy_sampled")
     per_task = {
         f"{k}_end": v
