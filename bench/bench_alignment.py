@@ -85,6 +85,7 @@ def step3(out: Path, jobdir: Path, flags: list[str], extra: list[str]) -> dict:
         "entropy_end": s.get("entropy_end"),
         "response_length_end": s.get("response_length_end"),
         "truncated_fraction_end": s.get("truncated_fraction_end"),
+        "clipped_score_fraction_start": s.get("clipped_score_fraction_start"),
         "rounds": s.get("steps"),
         "wall_seconds": s.get("wall_seconds"),
     }
