@@ -51,6 +51,7 @@ from dschat.tasks.accuracy import rank_slice
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.io import atomic_write_text
+from dschat.utils.metrics import mean_std
 
 LOG = logging.getLogger("dschat")
 
@@ -93,6 +94,9 @@ def selection_metrics(scores: torch.Tensor, right: torch.Tensor, weight: torch.T
         "sampled": float((right.mean(dim=1) * w).sum()),
         "any": float((right.amax(dim=1) * w).sum()),
         "n": float(w.sum()),
+        # every answer's score, weighted by its prompt's weight: the policy's score distribution
+        "score_sum": float((scores.float() * w.unsqueeze(1)).sum()),
+        "score_sq": float((scores.float() ** 2 * w.unsqueeze(1)).sum()),
     }
     k = scores.shape[1]
     if k > 1:  # the sums of advantage_correlation, per answer, weighted by its prompt's weight
@@ -311,10 +315,14 @@ def selection_accuracy(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Te
     keys = sorted(sums)
     total = dict(zip(keys, dist.all_reduce_sum([sums[key] for key in keys])))
     n = max(total["n"], 1.0)
+    score_mean, score_std = mean_std(total["score_sum"], total["score_sq"], total["n"] * samples.k)
     out = {
         "best_of_k_accuracy": total["best"] / n,
         "sampled_accuracy": total["sampled"] / n,
         "pass_at_k": total["any"] / n,
+        "score_mean": score_mean,  # over every answer: the policy's score distribution
+        "score_std": score_std,
+        "answers": total["n"] * samples.k,
     }
     if "adv_n" in total:
         out["advantage_correlation"] = advantage_correlation(total)

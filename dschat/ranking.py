@@ -7,6 +7,7 @@ import torch
 from dschat.losses import gather_last
 from dschat.models.reward import pair_values
 from dschat.utils import dist
+from dschat.utils.metrics import mean_std
 
 
 def ranking_sums(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor, rejected_len: torch.Tensor,
@@ -24,6 +25,8 @@ def ranking_sums(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch
         "right": float(right.sum()),
         "chosen": float((chosen * w).sum()),
         "rejected": float((rejected * w).sum()),
+        "chosen_sq": float((chosen.float() ** 2 * w).sum()),
+        "rejected_sq": float((rejected.float() ** 2 * w).sum()),
         "n_chosen_longer": float(longer.sum()),
         "right_chosen_longer": float((right * (chosen_len > rejected_len)).sum()),
         "n_chosen_shorter": float(shorter.sum()),
@@ -39,6 +42,14 @@ def ranking_metrics(s: dict[str, float]) -> dict[str, float]:
         "chosen_mean": s["chosen"] / n,
         "rejected_mean": s["rejected"] / n,
         "margin": (s["chosen"] - s["rejected"]) / n,
+        # over both sides of every pair: what step 3's --normalize_reward standardises with where step 2
+        # has no policy samples (OpenRLHF measures its reward normalisation the same way)
+        **dict(
+            zip(
+                ("score_mean", "score_std"),
+                mean_std(s["chosen"] + s["rejected"], s["chosen_sq"] + s["rejected_sq"], 2 * n),
+            )
+        ),
         "longer_response_baseline": s["longer_wins"] / n,
         "pairs": s["n"],
     }

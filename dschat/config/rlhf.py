@@ -141,6 +141,13 @@ class PPOArgs:
         "loss = kl_coef * KL added to the actor's loss with its gradient (GRPO; use k2 or k3)",
         choices=("reward", "loss"),
     )
+    normalize_reward: bool = opt(
+        False,
+        "standardise the reward model's scores with the mean and std that step 2 measured on the step-1 policy's "
+        "own answers (saved in its config.json), before --clip_reward_value: a pairwise-trained reward model's "
+        "offset and scale are arbitrary, standardised scores make the clip and --kl_coef mean the same with any "
+        "(Ziegler et al. 2019; OpenRLHF's --normalize_reward)",
+    )
     clip_reward_value: float = opt(5.0, "reward-model score clipped to +-this before it enters the reward")
     truncation_penalty: float = opt(
         0.0,

@@ -9,7 +9,10 @@ and gives the same scores.
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,6 +30,65 @@ from dschat.models.loading import apply_dropout, has_value_head, load_config
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
+
+
+@dataclass(frozen=True)
+class ScoreNormalization:
+    """The mean and standard deviation of a reward model's scores, measured by step 2 and saved in the
+    model's ``config.json`` (key :attr:`CONFIG_KEY`), so that step 3 can standardise them
+    (``--normalize_reward``).
+
+    A pairwise loss sees only differences of scores, so a reward model's offset and scale are arbitrary:
+    on the default job's reward model (2026-11-27) the step-1 policy's right answers scored +2 on average
+    and its wrong ones -9, and a clip at +-5 flattened 63% of the scores. Standardised scores make the
+    clip, the KL coefficient and the truncation penalty mean the same with every reward model. Step 2
+    measures on the step-1 policy's own sampled answers where it has them (``source="policy_samples"``:
+    Ziegler et al. 2019 normalise the reward model to mean 0, variance 1 under the initial policy), else
+    on both answers of its evaluation pairs (``"eval_pairs"``, as OpenRLHF's ``--normalize_reward``).
+    """
+
+    mean: float
+    std: float
+    source: str  # "policy_samples" | "eval_pairs"
+    n: float  # answers measured
+
+    CONFIG_KEY = "score_normalization"
+
+    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B,) raw scores -> (B,) fp32 standardised scores."""
+        return (scores.float() - self.mean) / self.std
+
+    @classmethod
+    def from_eval(cls, ev: dict[str, float]) -> ScoreNormalization | None:
+        """From step 2's evaluation (:class:`RankingEval`'s dict): the policy samples' score moments where
+        it scored some, else the evaluation pairs'; None where neither has a spread to divide by."""
+        for source, prefix, n in (("policy_samples", "policy_", ev.get("policy_answers", 0.0)),
+                                  ("eval_pairs", "", 2 * ev.get("pairs", 0.0))):  # fmt: skip
+            std = ev.get(f"{prefix}score_std", 0.0)
+            if n and std > 1e-6:
+                return cls(mean=ev[f"{prefix}score_mean"], std=std, source=source, n=n)
+        return None
+
+    def to_config(self, config) -> None:
+        """Record on a Hugging Face config (saved with the model's ``config.json``)."""
+        setattr(config, self.CONFIG_KEY, asdict(self))
+
+    @classmethod
+    def read(cls, path: str, flag: str) -> ScoreNormalization:
+        """A saved reward model's normalisation (``path``: its directory), or one line saying it has none."""
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        stats = cfg.get(cls.CONFIG_KEY)
+        if (
+            not isinstance(stats, dict)
+            or not {"mean", "std", "source", "n"} <= set(stats)
+            or not stats["std"] > 0
+        ):
+            raise UserError(
+                f"{flag} {path}: --normalize_reward needs the score mean and std that step 2 saves in the reward "
+                f"model's config.json ({cls.CONFIG_KEY!r}); this one has none: retrain it with this version's step 2, "
+                "or drop --normalize_reward"
+            )
+        return cls(**{k: stats[k] for k in ("mean", "std", "source", "n")})
 
 
 class ScalarHeadModel(nn.Module):

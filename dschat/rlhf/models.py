@@ -30,7 +30,7 @@ from dschat.models.loading import (
     load_tokenizer,
     resolve,
 )
-from dschat.models.reward import ScalarHeadModel, load_reward_model
+from dschat.models.reward import ScalarHeadModel, ScoreNormalization, load_reward_model
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.ppo import PPOHyper, PPOTrainer
 from dschat.rlhf.rewards import FunctionSource, RewardModelSource, SumSource
@@ -73,6 +73,8 @@ class ModelPaths:
     critic: str | None  # None: no critic (critic-free estimators)
     reward: str | None  # None: no reward model (--reward_fn ... --reward_fn_mode replace)
     judge: str | None  # scored beside the reward, never optimised
+    # --normalize_reward: the reward model's saved score mean and std (read before any slow start-up)
+    reward_normalization: ScoreNormalization | None = None
 
 
 @dataclass
@@ -98,6 +100,9 @@ def check_options(o: RLHFOptions) -> None:
         raise UserError(
             f"--critic_lora_dim needs a critic, and --advantage_estimator {o.ppo.advantage_estimator} has none"
         )
+    if o.ppo.normalize_reward and not o.held.reward_model:
+        raise UserError(f"--normalize_reward standardises a reward model's scores, and --reward_fn {o.ppo.reward_fn} "
+                        "--reward_fn_mode replace uses none: drop one of them")  # fmt: skip
     if o.engine.share_reference_with_actor and not (o.actor_lora.lora_dim and only_lora):
         raise UserError("--share_reference_with_actor needs --actor_lora_dim > 0 and --only_optimize_lora "
                         "(otherwise the base weights move and are no longer the reference)")  # fmt: skip
@@ -138,6 +143,8 @@ def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
     if paths.reward:
         check_same_tokenizer(paths.reward, specs["reward"][1], tokenizer, owner="actor",
                              owner_path=paths.actor, trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
+        if o.ppo.normalize_reward:
+            paths.reward_normalization = ScoreNormalization.read(paths.reward, specs["reward"][1])
     if paths.judge:
         if not has_value_head(paths.judge):
             raise UserError(f"--judge_reward_model {o.engine.judge_reward_model}: not a trained reward model (no "
@@ -152,15 +159,16 @@ def optim_for(o: RLHFOptions, optimizer: C.OptimizerArgs) -> C.OptimArgs:
     return C.OptimArgs.of(optimizer, per_device_train_batch_size=o.ppo.per_device_training_batch_size)
 
 
-def frozen_reward_model(path: str, flag: str, o: RLHFOptions, tokenizer, dtype: str) -> RewardModelSource:
+def frozen_reward_model(path: str, flag: str, o: RLHFOptions, tokenizer, dtype: str,
+                        normalization: ScoreNormalization | None = None) -> RewardModelSource:  # fmt: skip
     """A trained reward model (the reward, or the judge) as a frozen engine behind the reward-source
-    call: at ZeRO-3 when the critic is, else unpartitioned."""
+    call: at ZeRO-3 when the critic is, else unpartitioned; its scores standardised by ``normalization``."""
     frozen = dict(zero_stage=dsc.frozen_stage(o.critic_ds.zero_stage), offload=o.engine.offload_reward_model,
                   dtype=dtype, micro_batch=o.ppo.per_device_generation_batch_size)  # fmt: skip
     with engine_core.zero3_loading(T.frozen_ds_config(**frozen)):
         model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=o.critic.trust_remote_code,
                                   require_trained_head=True, flag=flag)  # fmt: skip
-    return RewardModelSource(T.build_frozen_engine(model, **frozen))
+    return RewardModelSource(T.build_frozen_engine(model, **frozen), normalization)
 
 
 def build_models(
@@ -203,7 +211,8 @@ def build_models(
 
     sources = []
     if o.held.reward_model:
-        sources.append(frozen_reward_model(paths.reward, "--reward_model_name_or_path", o, tokenizer, dtype))
+        sources.append(frozen_reward_model(paths.reward, "--reward_model_name_or_path", o, tokenizer, dtype,
+                                           paths.reward_normalization))  # fmt: skip
     if ppo.reward_fn:
         sources.append(FunctionSource(ppo.reward_fn))
     reward = sources[0] if len(sources) == 1 else SumSource(*sources)

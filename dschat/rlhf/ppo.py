@@ -23,6 +23,7 @@ from dschat.models.layers import accepts
 from dschat.rlhf import ppo_math as M
 from dschat.rlhf.experience import Experience
 from dschat.utils import dist
+from dschat.utils.metrics import mean_std
 
 LOG = logging.getLogger("dschat")
 
@@ -109,10 +110,9 @@ class PPOTrainer:
         over all ranks): per-sequence means over the rollouts, per-update means of the losses (the
         policy's over actor updates only), the KL coefficient, time so far and learning rates."""
         rows = max(w["rows"], 1.0)
-        score_mean = w["score_sum"] / rows
+        score_mean, score_std = mean_std(w["score_sum"], w["score_sq_sum"], rows)
         row = {
-            "reward_mean": w["reward_sum"] / rows, "score_mean": score_mean,
-            "score_std": max(w["score_sq_sum"] / rows - score_mean**2, 0.0) ** 0.5,
+            "reward_mean": w["reward_sum"] / rows, "score_mean": score_mean, "score_std": score_std,
             **({"judge_score_mean": w["judge_score_sum"] / rows} if "judge_score_sum" in w else {}),
             "kl_to_reference": w["kl_sum"] / rows, "kl_coef": self.kl_ctl.value, "entropy": w["entropy_sum"] / rows,
             "response_length": w["length_sum"] / rows, "truncated_fraction": w["truncated_rows"] / rows,
@@ -425,13 +425,13 @@ class PPOTrainer:
                 self.critic.eval()
                 values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
                 rewards, _ = M.kl_shaped_rewards(clipped, logprobs, ref_logprobs, action_mask, reward_kl_coef,
-                                                 float("inf"), h.kl_estimator)  # fmt: skip
+                                                 h.kl_estimator)  # fmt: skip
                 advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
             else:  # per-prompt baseline: the clipped score minus the other responses' scores, then reward-to-go
                 values = torch.zeros_like(logprobs)
                 relative = M.group_relative_scores(clipped, h.n_samples_per_prompt, h.advantage_estimator)
                 rewards, _ = M.kl_shaped_rewards(relative, logprobs, ref_logprobs, action_mask, reward_kl_coef,
-                                                 float("inf"), h.kl_estimator)  # fmt: skip
+                                                 h.kl_estimator)  # fmt: skip
                 advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
             if h.whiten_advantages:  # over the rows that train
                 advantages = M.masked_whiten(advantages, train_mask)

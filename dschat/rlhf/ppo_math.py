@@ -102,26 +102,24 @@ def clip_scores(score: torch.Tensor, clip_reward_value: float) -> tuple[torch.Te
 
 
 def kl_shaped_rewards(
-    score: torch.Tensor,
+    terminal: torch.Tensor,
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     action_mask: torch.Tensor,
     kl_coef: float,
-    clip_reward_value: float,
     estimator: str = "k1",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards ``-kl_coef * k(logp, ref_logp)`` plus the clipped score on the last action.
+    """Per-token rewards ``-kl_coef * k(logp, ref_logp)`` plus the sequence's reward on its last action.
 
-    score: (B,); the others (B, T-1); ``k`` is :func:`kl_estimate`'s ``estimator`` (k1 = ``logp -
-    ref_logp``, DeepSpeed-Chat's). Returns (rewards (B, T-1), per-token KL estimate (B, T-1)), both zero
-    outside the action mask.
+    terminal: (B,) the sequence-level reward as step 3 shaped it (the score clipped by :func:`clip_scores`,
+    less any truncation penalty, or its group-relative form); the others (B, T-1); ``k`` is
+    :func:`kl_estimate`'s ``estimator`` (k1 = ``logp - ref_logp``, DeepSpeed-Chat's). Returns (rewards
+    (B, T-1), per-token KL estimate (B, T-1)), both zero outside the action mask.
     """
     kl = kl_estimate(logprobs, ref_logprobs, action_mask, estimator)
-    rewards = -kl_coef * kl
+    rewards = (-kl_coef * kl).clone()
     last = last_action_index(action_mask)
-    clipped, _ = clip_scores(score, clip_reward_value)
-    rewards = rewards.clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += clipped
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += terminal.float()
     return masked(rewards, action_mask), kl
 
 

@@ -13,6 +13,7 @@ import torch
 
 from dschat.data.packing import PackedRollouts, shared_prompt_mask
 from dschat.losses import gather_last
+from dschat.models.reward import ScoreNormalization
 from dschat.utils.errors import UserError
 
 
@@ -31,22 +32,26 @@ class RewardModelSource:
     """A frozen reward engine (``ScalarHeadModel``) scoring prompt + response at its last real token.
 
     ``attention_mask`` must cover the prompt and the response *without* its EOS, matching how step 2
-    trained the model (scores sit on the last response token). ``packed``: the same rows packed by
+    trained the model (scores sit on the last response token). With ``normalization``
+    (``--normalize_reward``) the scores come out standardised. ``packed``: the same rows packed by
     prompt (:func:`dschat.data.packing.pack_rollouts` of that mask), scored with each prompt run once.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, normalization: ScoreNormalization | None = None) -> None:
         self.engine = engine
+        self.normalization = normalization  # --normalize_reward: step 2's saved score mean and std
 
     @torch.no_grad()
     def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
         if packed is None:
-            return gather_last(self.engine(sequences, attention_mask), attention_mask).float()
-        p, dev = packed.packed, sequences.device
-        values = self.engine(
-            p.input_ids.to(dev), shared_prompt_mask(p.segments.to(dev)), p.position_ids.to(dev)
-        )
-        return values[packed.group.to(dev), packed.last.to(dev)].float()  # (G, L) -> (R,)
+            raw = gather_last(self.engine(sequences, attention_mask), attention_mask).float()
+        else:
+            p, dev = packed.packed, sequences.device
+            values = self.engine(
+                p.input_ids.to(dev), shared_prompt_mask(p.segments.to(dev)), p.position_ids.to(dev)
+            )
+            raw = values[packed.group.to(dev), packed.last.to(dev)].float()  # (G, L) -> (R,)
+        return raw if self.normalization is None else self.normalization.apply(raw)
 
 
 class FunctionSource:

@@ -17,6 +17,14 @@ from dschat.utils import dist
 LOG = logging.getLogger("dschat")
 
 
+def mean_std(total: float, sq_total: float, n: float) -> tuple[float, float]:
+    """Mean and (population) standard deviation from a weighted sum, sum of squares and weight, the
+    sums that ranks all-reduce; 0 where ``n`` is 0 or rounding leaves a negative variance."""
+    n = max(n, 1e-12)
+    mean = total / n
+    return mean, max(sq_total / n - mean * mean, 0.0) ** 0.5
+
+
 def setup_logging(output_dir: str | None, *, log_file: bool = True) -> logging.Logger:
     """Console logging on rank 0 (warnings only elsewhere) and ``output_dir/training.log`` on rank 0.
 

@@ -61,6 +61,25 @@ def test_reward_model_learns_to_rank(trained_rm):
     assert {r["split"] for r in rows} == {"train", "eval"}
 
 
+def test_score_normalization_is_saved_with_the_model(trained_rm):
+    """Without policy samples, step 2 measures its scores on both answers of its evaluation pairs and
+    saves their mean and std in config.json, where step 3's --normalize_reward reads them."""
+    s = json.loads((trained_rm / "summary.json").read_text())
+    saved = json.loads((trained_rm / "config.json").read_text())["score_normalization"]
+    assert saved == s["score_normalization"]
+    evals = [
+        r
+        for r in map(json.loads, (trained_rm / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "eval"
+    ]
+    assert saved["source"] == "eval_pairs" and saved["n"] == 2 * evals[-1]["pairs"]
+    assert (saved["mean"], saved["std"]) == (evals[-1]["score_mean"], evals[-1]["score_std"])
+    # the mean over both sides of the same pairs that gave the chosen and rejected means
+    assert saved["mean"] == pytest.approx((s["eval_chosen_mean"] + s["eval_rejected_mean"]) / 2, abs=1e-5)
+    # a reward model that separates the pairs spreads its scores at least half their margin apart
+    assert saved["std"] >= s["eval_margin"] / 2 > 0
+
+
 def test_saved_reward_model_scores_the_same_under_auto_class(trained_rm):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -283,6 +302,9 @@ def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
     )
     rows = [json.loads(x) for x in (out / "policy_negatives_train.jsonl").read_text().splitlines()]
     assert len(rows) == train["pairs"] and all(r["chosen"] != r["rejected"] for r in rows)
+    # the score normalisation is measured on the policy's own answers to the held-out prompts
+    norm = s["score_normalization"]
+    assert norm["source"] == "policy_samples" and norm["n"] == held_out["answers"] and norm["std"] > 0
 
 
 def test_policy_negatives_from_a_missing_model_is_one_line(tmp_path):

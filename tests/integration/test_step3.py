@@ -201,6 +201,26 @@ def test_judge_reward_model_is_scored_beside_the_reward(models, tmp_path):
     assert json.loads((out / "dschat_config.json").read_text())["judge_reward_model"] == str(rm)
 
 
+def test_normalize_reward_standardises_the_reward_models_scores(models, tmp_path):
+    """--normalize_reward: the reward model's scores become (score - mean) / std with the statistics step 2
+    saved. The same reward model as the judge (never normalised) shows the raw scores beside them."""
+    actor, rm = models
+    norm = json.loads((rm / "config.json").read_text())["score_normalization"]
+    out = tmp_path / "norm"
+    assert_ok(step3(out, actor, rm, "--max_steps", "2", "--normalize_reward", "--judge_reward_model", str(rm),
+                    "--eval_prompts", "8"))  # fmt: skip
+    rows = train_rows(out)
+    expected = [(r["judge_score_mean"] - norm["mean"]) / norm["std"] for r in rows]
+    assert [r["score_mean"] for r in rows] == pytest.approx(expected, abs=1e-4)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["held_out_reward_end"] == pytest.approx(
+        (s["held_out_judge_score_end"] - norm["mean"]) / norm["std"], abs=1e-4
+    )
+    assert s["reward_normalization"] == norm
+    cfg = json.loads((out / "dschat_config.json").read_text())
+    assert cfg["normalize_reward"] is True and cfg["reward_normalization"] == norm
+
+
 def test_freezing_actor_steps_trains_the_critic_alone(models, tmp_path):
     actor, rm = models
     out = tmp_path / "frozen"
@@ -298,6 +318,19 @@ def test_bad_inputs(models, tmp_path):
     error_line(
         step3(tmp_path / "d", actor, rm, "--reward_fn", "no_such_module:f", "--max_steps", "1"), "--reward_fn"
     )
+    # --normalize_reward needs the statistics of this version's step 2, and a reward model to apply them to
+    import shutil
+
+    old_rm = tmp_path / "old_rm"
+    shutil.copytree(rm, old_rm)
+    cfg = json.loads((old_rm / "config.json").read_text())
+    del cfg["score_normalization"]
+    (old_rm / "config.json").write_text(json.dumps(cfg))
+    error_line(step3(tmp_path / "n", actor, old_rm, "--normalize_reward", "--max_steps", "1"),
+               f"--critic_model_name_or_path {old_rm}: --normalize_reward needs the score mean and std")  # fmt: skip
+    error_line(step3(tmp_path / "m", actor, rm, "--normalize_reward", *EASY, "--advantage_estimator", "rloo",
+                     "--n_samples_per_prompt", "2", "--max_steps", "1"),
+               "--normalize_reward standardises a reward model's scores")  # fmt: skip
     # train.py: step 3 without finished steps 1 and 2
     proc = run_cmd([str(ROOT / "train.py"), "--step", "3", "--output-dir", str(tmp_path / "empty")])
     error_line(proc, "needs a finished step 1")

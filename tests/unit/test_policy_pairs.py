@@ -44,8 +44,10 @@ def test_selection_metrics_by_hand():
     right = torch.tensor([[0, 1, 0], [0, 1, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
     weight = torch.tensor([1.0, 1.0, 1.0, 0.0])
     m = selection_metrics(scores, right, weight)
-    assert {k: m[k] for k in ("best", "sampled", "any", "n")} == {
+    assert {k: m[k] for k in ("best", "sampled", "any", "n", "score_sum", "score_sq")} == {
         "best": 1.0, "sampled": pytest.approx(1 / 3 + 2 / 3), "any": 2.0, "n": 3.0,
+        "score_sum": pytest.approx(1.1 + 4.5 + 0.0),  # every answer of the weighted prompts
+        "score_sq": pytest.approx(0.01 + 4 + 1 + 9 + 1 + 0.25),
     }  # fmt: skip
 
 
@@ -93,8 +95,10 @@ def test_selection_accuracy_lets_a_real_reward_model_pick(tmp_path):
     m = selection_accuracy(rm.score, tokenizer, samples, batch_size=2, max_len=64, device="cpu")
     # RLOO advantages (K = 3, scores +-8): prompt a (-8, 16, -8) against the verifier's (-1/2, 1, -1/2),
     # prompt b (-8, -8, 16) against (0, 0, 0): sum xy = 24, sum x^2 = 768, sum y^2 = 3/2 -> 1 / sqrt(2)
+    # the six scores (-8, 8, -8, -8, -8, 8): mean -8/3, mean square 64, std sqrt(64 - 64/9)
     assert m == {"best_of_k_accuracy": 0.5, "sampled_accuracy": pytest.approx(1 / 6), "pass_at_k": 0.5,
-                 "advantage_correlation": pytest.approx(1 / 2**0.5, abs=1e-3)}  # fmt: skip
+                 "advantage_correlation": pytest.approx(1 / 2**0.5, abs=1e-3), "answers": 6.0,
+                 "score_mean": pytest.approx(-8 / 3, abs=1e-2), "score_std": pytest.approx((64 - 64 / 9) ** 0.5, abs=1e-2)}  # fmt: skip
     moved = PolicySamples([a, b], [" 579", " 578", " 578", " 578", " 578", " 579"],
                           [True, False, False, False, False, False], [1.0, 1.0], 3)  # fmt: skip
     # the same answers elsewhere in their groups, scored in other batches: sums differ in the last digits

@@ -200,12 +200,12 @@ def test_last_action_index():
 def test_kl_shaped_rewards_hand_values():
     mask = t([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
     # row 0: kl = logp - ref on the mask = [0, 0.5, -1.0, 0, 0]; -0.1 * kl = [0, -0.05, 0.1, 0, 0];
-    #        score 7 clipped to 5 added at the last action (index 3)
-    # row 1: kl = [0, -1.0, -2.0, 0, 0]; -0.1 * kl = [0, 0.1, 0.2, 0, 0]; score -9 -> -5 at index 2
-    # row 2: logp == ref -> kl 0; score 3 (inside the clip) at index 4
+    #        the sequence's reward 5 added at the last action (index 3)
+    # row 1: kl = [0, -1.0, -2.0, 0, 0]; -0.1 * kl = [0, 0.1, 0.2, 0, 0]; reward -5 at index 2
+    # row 2: logp == ref -> kl 0; reward 3 at index 4
     logp = t([[9.0, -1.0, -2.0, -0.5, 9.0], [3.0, -2.0, -3.0, 4.0, 4.0], [1.0, 1.0, -1.0, -1.0, -1.0]])
     ref = t([[-9.0, -1.5, -1.0, -0.5, -9.0], [1.0, -1.0, -1.0, 0.0, 0.0], [5.0, 5.0, -1.0, -1.0, -1.0]])
-    rewards, kl = kl_shaped_rewards(t([7.0, -9.0, 3.0]), logp, ref, mask, kl_coef=0.1, clip_reward_value=5)
+    rewards, kl = kl_shaped_rewards(t([5.0, -5.0, 3.0]), logp, ref, mask, kl_coef=0.1)
     assert close(
         rewards,
         [[0, -0.05, 0.1, 5.0, 0], [0, 0.1, 0.2 - 5.0, 0, 0], [0, 0, 0, 0, 3.0]],
@@ -219,7 +219,7 @@ def test_kl_shaped_rewards_does_not_modify_inputs():
     logp, ref = t([[0.0, -1.0, -2.0]]), t([[0.0, -1.5, -1.0]])
     mask = t([[0, 1, 1]])
     before = logp.clone(), ref.clone(), mask.clone()
-    kl_shaped_rewards(t([1.0]), logp, ref, mask, 0.1, 5.0)
+    kl_shaped_rewards(t([1.0]), logp, ref, mask, 0.1)
     assert torch.equal(logp, before[0]) and torch.equal(ref, before[1]) and torch.equal(mask, before[2])
 
 
@@ -399,8 +399,8 @@ def test_masked_slots_holding_inf_or_nan_change_no_reward_advantage_or_loss():
         bad = {k: v.clone() for k, v in dict(logp=logp, ref=ref, values=values, returns=returns).items()}
         for v in bad.values():
             v[0, 0] = v[0, 4] = junk
-        rewards, kl = kl_shaped_rewards(t([1.0]), logp, ref, mask, 0.1, 5.0)
-        rewards_x, kl_x = kl_shaped_rewards(t([1.0]), bad["logp"], bad["ref"], mask, 0.1, 5.0)
+        rewards, kl = kl_shaped_rewards(t([1.0]), logp, ref, mask, 0.1)
+        rewards_x, kl_x = kl_shaped_rewards(t([1.0]), bad["logp"], bad["ref"], mask, 0.1)
         assert torch.equal(rewards_x, rewards) and torch.equal(kl_x, kl), junk
         rewards_junk = rewards.clone()
         rewards_junk[0, 0] = rewards_junk[0, 4] = junk
@@ -623,9 +623,7 @@ def test_k1_and_k3_are_unbiased_and_k2_is_not():
 def test_kl_shaped_rewards_with_k3():
     # d = [0.5, -1] on the two actions: reward = -0.1 * k3 (+ score 2 on the last action)
     logp, ref, mask = t([[0.0, -1.0, -2.0]]), t([[0.0, -1.5, -1.0]]), t([[0, 1, 1]])
-    rewards, kl = kl_shaped_rewards(
-        t([2.0]), logp, ref, mask, kl_coef=0.1, clip_reward_value=5.0, estimator="k3"
-    )
+    rewards, kl = kl_shaped_rewards(t([2.0]), logp, ref, mask, kl_coef=0.1, estimator="k3")
     k3 = [0.0, math.exp(-0.5) - 0.5, math.e - 2.0]
     assert close(kl, [k3], atol=1e-6)
     assert close(rewards, [[0.0, -0.1 * k3[1], -0.1 * k3[2] + 2.0]], atol=1e-6)

@@ -19,6 +19,7 @@ from dschat.losses import (
     pairwise_loss,
 )
 from dschat.ranking import ranking_metrics, ranking_sums
+from dschat.utils.errors import UserError
 
 # ---------------------------------------------------------------- last_token_index / gather_last
 
@@ -271,6 +272,8 @@ def test_ranking_sums_hand_values():
             "right": 3.0,  # p0 (1) + p2 (2)
             "chosen": 8.5,  # 2 + 0.5 + 2*3 + 0
             "rejected": -0.5,  # 1 + 0.5 + 2*(-1) + 0
+            "chosen_sq": 22.25,  # 4 + 0.25 + 2*9 + 0
+            "rejected_sq": 3.25,  # 1 + 0.25 + 2*1 + 0
             "n_chosen_longer": 1.0,  # p0
             "right_chosen_longer": 1.0,
             "n_chosen_shorter": 3.0,  # p1 (1) + p2 (2)
@@ -288,6 +291,8 @@ def test_ranking_metrics_hand_values():
             "chosen_mean": 2.125,  # 8.5 / 4
             "rejected_mean": -0.125,  # -0.5 / 4
             "margin": 2.25,  # 9 / 4
+            "score_mean": 1.0,  # (8.5 - 0.5) / 8, both sides of every pair
+            "score_std": 2.1875**0.5,  # (22.25 + 3.25) / 8 - 1.0**2
             "longer_response_baseline": 0.25,  # 1 / 4
             "pairs": 4.0,
             "accuracy_chosen_longer": 1.0,  # 1 / 1
@@ -321,3 +326,62 @@ def test_ranking_metrics_empty():
     assert m["pairs"] == 0.0
     assert m["accuracy"] == 0.0
     assert "accuracy_chosen_shorter" not in m
+
+
+# ---------------------------------------------------------------- score normalisation (--normalize_reward)
+
+
+def test_mean_std_from_weighted_sums():
+    from dschat.utils.metrics import mean_std
+
+    # values 1, 3 (weight 1 each) and 5 (weight 2): sum 14, sum of squares 60, weight 4
+    assert mean_std(14.0, 60.0, 4.0) == pytest.approx((3.5, (15.0 - 12.25) ** 0.5))
+    assert mean_std(0.0, 0.0, 0.0) == (0.0, 0.0)  # nothing measured
+    assert mean_std(3.0, 3.0 - 1e-9, 3.0)[1] == 0.0  # rounding never gives a negative variance
+
+
+def test_score_normalization_prefers_the_policys_own_answers():
+    from dschat.models.reward import ScoreNormalization
+
+    ev = {"score_mean": 1.0, "score_std": 2.0, "pairs": 100.0}
+    both = {**ev, "policy_score_mean": -3.5, "policy_score_std": 8.0, "policy_answers": 640.0}
+    assert ScoreNormalization.from_eval(both) == ScoreNormalization(-3.5, 8.0, "policy_samples", 640.0)
+    assert ScoreNormalization.from_eval(ev) == ScoreNormalization(1.0, 2.0, "eval_pairs", 200.0)
+    # a policy whose answers all scored alike has no spread to divide by: the pairs' is used
+    flat = {**both, "policy_score_std": 0.0}
+    assert ScoreNormalization.from_eval(flat).source == "eval_pairs"
+    assert ScoreNormalization.from_eval({"score_mean": 0.0, "score_std": 0.0, "pairs": 4.0}) is None
+
+
+def test_score_normalization_applies_and_round_trips_through_config_json(tmp_path):
+    from transformers import LlamaConfig
+
+    from dschat.models.reward import ScoreNormalization
+
+    norm = ScoreNormalization(mean=-3.5, std=8.0, source="policy_samples", n=640.0)
+    scores = torch.tensor([-3.5, 4.5, -11.5], dtype=torch.bfloat16)
+    assert norm.apply(scores).tolist() == [0.0, 1.0, -1.0] and norm.apply(scores).dtype == torch.float32
+    config = LlamaConfig(num_labels=1)
+    norm.to_config(config)
+    config.save_pretrained(tmp_path)
+    assert ScoreNormalization.read(str(tmp_path), "--critic_model_name_or_path") == norm
+    # a reward model saved before step 2 measured its scores: one line naming the flag and the directory
+    LlamaConfig(num_labels=1).save_pretrained(tmp_path / "old")
+    with pytest.raises(
+        UserError, match=f"--critic_model_name_or_path {tmp_path / 'old'}: --normalize_reward"
+    ):
+        ScoreNormalization.read(str(tmp_path / "old"), "--critic_model_name_or_path")
+
+
+def test_reward_model_source_standardises_its_scores():
+    from dschat.models.reward import ScoreNormalization
+    from dschat.rlhf.rewards import RewardModelSource
+
+    def engine(ids, mask):  # per-token values (B, T): the token ids themselves
+        return ids.float()
+
+    ids = torch.tensor([[1, 7, 9], [1, 5, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # last real tokens: 9 and 5
+    assert RewardModelSource(engine).score([], [], ids, mask).tolist() == [9.0, 5.0]
+    norm = ScoreNormalization(mean=5.0, std=2.0, source="eval_pairs", n=2.0)
+    assert RewardModelSource(engine, norm).score([], [], ids, mask).tolist() == [2.0, 0.0]

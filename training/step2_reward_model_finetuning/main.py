@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,13 @@ from dschat.losses import (
     length_log_ratio,
     pairwise_loss,
 )
-from dschat.models.reward import ScalarHeadModel, load_reward_model, pair_values, settle_share_prompt
+from dschat.models.reward import (
+    ScalarHeadModel,
+    ScoreNormalization,
+    load_reward_model,
+    pair_values,
+    settle_share_prompt,
+)
 from dschat.models.trunk import EvalMemo
 from dschat.policy_pairs import PolicySamples, evaluate_selection, mine_step_pairs
 from dschat.ranking import evaluate_ranking
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end = evaluate(state.step)
+    norm = save_score_normalization(engine.module.hf_model.config, eval_end)
     T.export_model(engine.module.model, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
                              lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
@@ -147,11 +154,27 @@ def main(argv: list[str] | None = None) -> int:
         eval_start, eval_end, state, mined, length_w, length_w_accuracy, train_pairs, run_info
     )
     summary["share_prompt"] = collate.share_prompt  # what ran: off where the start-up check fell back
+    summary["score_normalization"] = asdict(norm) if norm else None
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: eval accuracy %.4f -> %.4f, reward model saved to %s", eval_start["accuracy"], eval_end["accuracy"],
              run.output_dir)  # fmt: skip
     return 0
+
+
+def save_score_normalization(config, ev: dict[str, float]) -> ScoreNormalization | None:
+    """Record the scores' mean and std on the model's config (saved in config.json), where step 3's
+    ``--normalize_reward`` reads them: the step-1 policy's sampled answers where step 2 scored some
+    (``--policy_negatives_from``), else both answers of the evaluation pairs."""
+    norm = ScoreNormalization.from_eval(ev)
+    if norm is None:
+        LOG.warning("no score spread measured (no evaluation pairs or policy samples): the reward model is saved "
+                    "without a score normalisation, and step 3's --normalize_reward will refuse it")  # fmt: skip
+        return None
+    norm.to_config(config)
+    LOG.info("scores on %s: mean %.3f, std %.3f over %d answers (saved for --normalize_reward)", norm.source,
+             norm.mean, norm.std, norm.n)  # fmt: skip
+    return norm
 
 
 def length_expert(train: list) -> tuple[float, float]:
@@ -194,6 +217,8 @@ class RankingEval:
                     self.engine, self.tokenizer, self.policy_samples, batch_size=self.optim.per_device_eval_batch_size,
                     max_len=self.data_args.max_seq_len, fmt=self.fmt)  # fmt: skip
                 ev["policy_best_of_k_accuracy"] = sel["best_of_k_accuracy"]
+                # the step-1 policy's score distribution: what step 3's --normalize_reward standardises with
+                ev.update({f"policy_{k}": sel[k] for k in ("score_mean", "score_std", "answers")})
                 if "advantage_correlation" in sel:
                     ev["policy_advantage_correlation"] = sel["advantage_correlation"]
         self.metrics.log(ev, step=step, split="eval")

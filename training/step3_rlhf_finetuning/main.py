@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     world = dist.world_size()
     torch.manual_seed(run.seed)
     paths, tokenizer, fmt = resolve_models(o)
+    norm = asdict(paths.reward_normalization) if paths.reward_normalization else None
+    if norm:
+        log.info("--normalize_reward: the reward model's scores become (score - %.3f) / %.3f (step 2 measured them "
+                 "on %s)", norm["mean"], norm["std"], norm["source"])  # fmt: skip
     prompts = prepare_prompt_data(o.data, tokenizer, seed=run.seed, max_prompt_len=ppo.max_prompt_seq_len, phase=3)  # fmt: skip
     rounds = plan_rounds(o, prompts, tokenizer)
     S.begin_outputs(run)
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = {
         "step": 3, "actor": C.to_dict(o.actor, o.actor_lora, o.actor_optim, o.actor_ds),
         "critic": C.to_dict(o.critic, o.critic_lora, o.critic_optim, o.critic_ds), **C.to_dict(o.engine, ppo, o.data, run), "resolved_actor_path": paths.actor, "resolved_critic_path": paths.critic,
-        "resolved_reward_path": paths.reward, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
+        "resolved_reward_path": paths.reward, "reward_normalization": norm, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
         "total_steps": rounds.total, "actor_optimizer_steps": rounds.actor_updates,
         "critic_optimizer_steps": rounds.critic_updates, "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
     }  # fmt: skip
@@ -319,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     with sw("export"):
         export(m, tokenizer, out)
     summary = summarize(first, last, eval_start, eval_end, trainer, o, state, start_step, sw, dtype)
+    summary["reward_normalization"] = norm
     metrics.close()
     write_summary(run.output_dir, summary)
     log.info("done: reward %s -> %s, true accuracy %s -> %s, KL %s; actor saved to %s", summary["reward_start"],
