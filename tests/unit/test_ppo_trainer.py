@@ -255,6 +255,24 @@ def test_uniform_groups_are_counted_without_the_filter_and_stay_in_the_update(to
     assert torch.equal(exp.action_mask, full)
 
 
+def test_scores_beyond_the_clip_are_clipped_once_and_counted(tokenizer):
+    """--clip_reward_value: scores 7 and -9 become 5 and -5 before the group baseline, 3 and 0.5 stay;
+    the two clipped rows are what clipped_score_fraction reports."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, scores=FixedScores([7.0, -9.0, 3.0, 0.5]),
+                  kl_in="loss", kl_estimator="k3")  # fmt: skip
+    torch.manual_seed(5)
+    exp, stats = ppo.make_experience(*prompts(tokenizer))
+    assert stats["clipped_score_rows"] == 2.0 and stats["rows"] == 4.0
+    # RLOO with 2 answers: each clipped score minus the other's -> (10, -10) and (2.5, -2.5) on every action
+    for i, want in enumerate([10.0, -10.0, 2.5, -2.5]):
+        acts = exp.action_mask[i] > 0
+        assert torch.allclose(exp.advantages[i][acts], torch.tensor(want).expand(int(acts.sum())))
+    assert torch.equal(
+        exp.scores, torch.tensor([7.0, -9.0, 3.0, 0.5])
+    )  # the raw scores are kept for the logs
+
+
 # ---------------------------------------------------------------- item 6: no dropout by default in step 3
 def step3_groups(*argv: str) -> tuple:
     """Step 3's option groups as its own parser resolves them (its STEP_DEFAULTS included)."""
