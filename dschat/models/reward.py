@@ -45,6 +45,8 @@ class ScoreNormalization:
     measures on the step-1 policy's own sampled answers where it has them (``source="policy_samples"``:
     Ziegler et al. 2019 normalise the reward model to mean 0, variance 1 under the initial policy), else
     on both answers of its evaluation pairs (``"eval_pairs"``, as OpenRLHF's ``--normalize_reward``).
+    Step 3's rollouts come from the same policy but are scored as generated (step 2 scores the cleaned
+    answer text), so standardised scores start near, not exactly at, mean 0 and std 1.
     """
 
     mean: float
@@ -72,6 +74,13 @@ class ScoreNormalization:
     def to_config(self, config) -> None:
         """Record on a Hugging Face config (saved with the model's ``config.json``)."""
         setattr(config, self.CONFIG_KEY, asdict(self))
+
+    @classmethod
+    def clear(cls, config) -> None:
+        """Drop statistics a config inherited from the checkpoint it was loaded from (Hugging Face keeps
+        unknown keys): they describe that model's scores, not those of the model about to be saved."""
+        if hasattr(config, cls.CONFIG_KEY):
+            delattr(config, cls.CONFIG_KEY)
 
     @classmethod
     def read(cls, path: str, flag: str) -> ScoreNormalization:

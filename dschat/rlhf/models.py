@@ -203,6 +203,8 @@ def build_models(
         with engine_core.zero3_loading(critic_cfg):
             critic_hf = load_reward_model(paths.critic, tokenizer=tokenizer, dropout=o.critic.dropout,
                                           trust_remote_code=o.critic.trust_remote_code, flag="--critic_model_name_or_path").model  # fmt: skip
+        # the critic starts from the reward model, whose score statistics will not describe its values
+        ScoreNormalization.clear(critic_hf.config)
         critic_hf = T.set_trainable(critic_hf, o.critic_lora, prefix="critic_", keep_trainable=("score.",),
                                     trainable_layers=o.critic.trainable_layers)  # fmt: skip
         critic = T.build_engine(ScalarHeadModel(critic_hf), optim=critic_optim, ds=critic_ds, lora=o.critic_lora,

@@ -144,6 +144,9 @@ def test_lora_reward_model_learns_and_saves_a_plain_model(tmp_path):
     assert s["eval_accuracy_end"] > s["eval_accuracy_start"] + 0.2, s
     auto = AutoModelForSequenceClassification.from_pretrained(out)
     assert not [n for n, _ in auto.named_parameters() if "lora_" in n]
+    # the score statistics reach the merged model's config.json through the peft wrapper
+    saved = json.loads((out / "config.json").read_text())["score_normalization"]
+    assert saved == s["score_normalization"] and saved["std"] > 0
 
 
 def test_rw_eval_refuses_a_causal_lm(tmp_path):

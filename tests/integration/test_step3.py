@@ -238,6 +238,9 @@ def test_freezing_actor_steps_trains_the_critic_alone(models, tmp_path):
     )
     rows = train_rows(out)
     assert "value_loss" in rows[-1] and "policy_loss" not in rows[-1]
+    # the critic started from the reward model, whose score statistics do not describe the trained critic
+    assert "score_normalization" in json.loads((rm / "config.json").read_text())
+    assert "score_normalization" not in json.loads((out / "critic" / "config.json").read_text())
 
 
 def test_lora_actor_shares_the_reference(models, tmp_path):

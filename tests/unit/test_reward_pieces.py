@@ -365,6 +365,13 @@ def test_score_normalization_applies_and_round_trips_through_config_json(tmp_pat
     norm.to_config(config)
     config.save_pretrained(tmp_path)
     assert ScoreNormalization.read(str(tmp_path), "--critic_model_name_or_path") == norm
+    # a config loaded from that directory still carries them until cleared (a step-2 output trained again)
+    loaded = LlamaConfig.from_pretrained(tmp_path)
+    ScoreNormalization.clear(loaded)
+    ScoreNormalization.clear(loaded)  # nothing left to clear: no error
+    loaded.save_pretrained(tmp_path / "again")
+    with pytest.raises(UserError, match="--normalize_reward needs the score mean and std"):
+        ScoreNormalization.read(str(tmp_path / "again"), "--critic_model_name_or_path")
     # a reward model saved before step 2 measured its scores: one line naming the flag and the directory
     LlamaConfig(num_labels=1).save_pretrained(tmp_path / "old")
     with pytest.raises(

@@ -167,6 +167,7 @@ def save_score_normalization(config, ev: dict[str, float]) -> ScoreNormalization
     ``--normalize_reward`` reads them: the step-1 policy's sampled answers where step 2 scored some
     (``--policy_negatives_from``), else both answers of the evaluation pairs."""
     norm = ScoreNormalization.from_eval(ev)
+    ScoreNormalization.clear(config)  # a step-2 output as the starting model carries its own
     if norm is None:
         LOG.warning("no score spread measured (no evaluation pairs or policy samples): the reward model is saved "
                     "without a score normalisation, and step 3's --normalize_reward will refuse it")  # fmt: skip
