@@ -100,8 +100,14 @@ def headline(steps: dict[str, dict], metrics: list[dict]) -> list[str]:
             f"| {name} | {what} | {fmt(s.get(a))} | {fmt(s.get(b))} | {s.get('wall_seconds', 0) / 60:.1f} |"
         )
     train = [r for r in metrics if r.get("split") == "train"]
+    norm = steps.get("step3", {}).get("reward_normalization")  # --normalize_reward: standardised scores
+    score = (
+        f"reward-model score, standardised (raw - {norm['mean']:.3g}) / {norm['std']:.3g},"
+        if norm
+        else "reward-model score"
+    )
     if train:
-        for what, key in (("reward-model score", "score_mean"), ("KL to the reference", "kl_to_reference"),
+        for what, key in ((score, "score_mean"), ("KL to the reference", "kl_to_reference"),
                           ("entropy", "entropy"), ("answer length", "response_length")):  # fmt: skip
             lines.append(
                 f"| step3 | {what} (round 1, last) | {fmt(train[0].get(key))} | {fmt(train[-1].get(key))} | |"

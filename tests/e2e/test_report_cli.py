@@ -20,7 +20,12 @@ def fake_run(root, tiny):
     summaries = {
         "step1": {"true_accuracy_start": 0.0, "true_accuracy_end": 0.66, "wall_seconds": 120.0},
         "step2": {"eval_accuracy_start": 0.5, "eval_accuracy_end": 0.97, "wall_seconds": 600.0},
-        "step3": {"true_accuracy_start": 0.7, "true_accuracy_end": 0.8, "wall_seconds": 900.0},
+        "step3": {
+            "true_accuracy_start": 0.7,
+            "true_accuracy_end": 0.8,
+            "wall_seconds": 900.0,
+            "reward_normalization": {"mean": -2.7, "std": 8.67, "source": "policy_samples", "n": 800.0},
+        },
     }
     for step, s in summaries.items():
         (root / step / "summary.json").write_text(json.dumps(s))
@@ -43,6 +48,11 @@ def test_report_of_a_finished_run(tiny, tmp_path):
     assert "| step1 | true accuracy (greedy) | 0.000 | 0.660 | 2.0 |" in md
     assert "| step2 | held-out pairwise accuracy | 0.500 | 0.970 | 10.0 |" in md
     assert "| step3 | KL to the reference (round 1, last) | 0.010 | 0.200 | |" in md
+    # --normalize_reward: the score row says the scores were standardised, and with what
+    assert (
+        "| step3 | reward-model score, standardised (raw - -2.7) / 8.67, (round 1, last) | 0.100 | 2.000 | |"
+        in md
+    )
     assert "| sort | 0.750 | 0.900 |" in md and "| add | 0.650 | 0.700 |" in md
     for png in ("step3_training.png", "step3_evaluation.png"):
         assert f"]({png})" in md
