@@ -187,6 +187,12 @@ def test_two_ranks_zero3_match_one_rank(reference, tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=2e-3, abs=2e-3)
+    # the saved score statistics: the same pairs counted once across the two ranks' slices
+    norms = [json.loads((d / "summary.json").read_text())["score_normalization"] for d in (one, two)]
+    assert norms[0]["n"] == norms[1]["n"] > 0 and norms[0]["source"] == "eval_pairs"
+    assert (norms[1]["mean"], norms[1]["std"]) == pytest.approx(
+        (norms[0]["mean"], norms[0]["std"]), rel=2e-3, abs=2e-3
+    )
 
 
 def test_shared_prompt_trains_like_unpacked_rows(reference, tmp_path):
