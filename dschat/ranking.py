@@ -37,19 +37,16 @@ def ranking_sums(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch
 
 def ranking_metrics(s: dict[str, float]) -> dict[str, float]:
     n = max(s["n"], 1.0)
+    # over both sides of every pair: what step 3's --normalize_reward standardises with where step 2 has
+    # no policy samples (OpenRLHF measures its reward normalisation the same way)
+    score_mean, score_std = mean_std(s["chosen"] + s["rejected"], s["chosen_sq"] + s["rejected_sq"], 2 * n)
     out = {
         "accuracy": s["right"] / n,
         "chosen_mean": s["chosen"] / n,
         "rejected_mean": s["rejected"] / n,
         "margin": (s["chosen"] - s["rejected"]) / n,
-        # over both sides of every pair: what step 3's --normalize_reward standardises with where step 2
-        # has no policy samples (OpenRLHF measures its reward normalisation the same way)
-        **dict(
-            zip(
-                ("score_mean", "score_std"),
-                mean_std(s["chosen"] + s["rejected"], s["chosen_sq"] + s["rejected_sq"], 2 * n),
-            )
-        ),
+        "score_mean": score_mean,
+        "score_std": score_std,
         "longer_response_baseline": s["longer_wins"] / n,
         "pairs": s["n"],
     }

@@ -117,7 +117,7 @@ def kl_shaped_rewards(
     (B, T-1), per-token KL estimate (B, T-1)), both zero outside the action mask.
     """
     kl = kl_estimate(logprobs, ref_logprobs, action_mask, estimator)
-    rewards = (-kl_coef * kl).clone()
+    rewards = -kl_coef * kl  # a new tensor: the in-place add below leaves the inputs alone
     last = last_action_index(action_mask)
     rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += terminal.float()
     return masked(rewards, action_mask), kl
