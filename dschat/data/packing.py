@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dschat.models.attention import FAST_ATTENTION
+
 # Segment ids of packed tokens: padding, the shared prompt, then continuation k has id CONTINUATION + k.
 PAD, PROMPT, CONTINUATION = 0, 1, 2
 CHOSEN, REJECTED = CONTINUATION, CONTINUATION + 1  # a preference pair's two continuations
@@ -260,16 +262,17 @@ def pair_token_counts(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 # ---------------------------------------------------------------- the mask a model takes
 
-# Attention implementations that take a (G, 1, L, L) mask as given (flash attention takes none).
-CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
+# Attention implementations that take a (G, 1, L, L) mask as given (flash attention takes none);
+# dschat_sdpa (dschat.models.attention) is SDPA computed in fp32 and takes SDPA's mask.
+CUSTOM_MASK_ATTENTION = ("sdpa", FAST_ATTENTION, "eager")
 
 
 def custom_mask(allowed: torch.Tensor, attn_implementation: str | None, dtype: torch.dtype) -> torch.Tensor:
     """A boolean ``(G, 1, L, L)`` mask (True = may attend) in the form ``attn_implementation`` takes: SDPA
-    the boolean mask, eager an additive one in the model's ``dtype`` (0 or the dtype's minimum)."""
+    (and ``dschat_sdpa``) the boolean mask, eager an additive one in the model's ``dtype`` (0 or the dtype's minimum)."""
     if attn_implementation not in CUSTOM_MASK_ATTENTION:
         raise ValueError(f"attention implementation {attn_implementation!r} takes no custom mask")
-    if attn_implementation == "sdpa":
+    if attn_implementation != "eager":
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min

@@ -31,7 +31,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from dschat.generation.attention import fp32_kv_cache
 from dschat.generation.inference_copy import (
     Gather,
     InferenceCopy,
@@ -44,6 +43,7 @@ from dschat.generation.kv_decode import decode, position_ids_from_mask
 from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.stops import stop_ids_for, through_first_stop
+from dschat.models.attention import decode_cache
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 
@@ -198,15 +198,7 @@ class HybridGenerator:
         tokens, kept between rounds; or (``static_cache`` off) None for a dynamic cache, or an fp32
         dynamic cache for a bf16/fp16 copy on CPU (the attention runs in fp32 there)."""
         if not self.static_cache:
-            copy = self.copy
-            if (
-                copy is not None
-                and copy.fast_attention
-                and copy.device.type == "cpu"
-                and copy.dtype != torch.float32
-            ):
-                return fp32_kv_cache(model.config)
-            return None
+            return decode_cache(model)
         from transformers import StaticCache
 
         cache, size = self._caches.get(batch, (None, 0))

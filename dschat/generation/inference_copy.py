@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dschat.generation.attention import FAST_ATTENTION, register_fast_attention
+from dschat.models.attention import FAST_ATTENTION, register_fast_attention
 from dschat.models.layers import contiguous_head_input
 
 LOG = logging.getLogger("dschat")
@@ -251,10 +251,14 @@ class InferenceCopy:
                     )
         with torch.device("meta"):
             model = type(base)(config)
-        self.fast_attention = fast_attention and getattr(config, "_attn_implementation", None) == "sdpa"
+        # the base is already on dschat_sdpa where the steps loaded it (dschat.models.loading)
+        attn = getattr(config, "_attn_implementation", None)
+        self.fast_attention = fast_attention and attn in ("sdpa", FAST_ATTENTION)
         if self.fast_attention:
             register_fast_attention()
             model.config._attn_implementation = FAST_ATTENTION
+        elif attn == FAST_ATTENTION:  # asked for plain SDPA
+            model.config._attn_implementation = "sdpa"
         self.model = contiguous_head_input(model).eval()
         self.fills: list[_Fill] = []
         self._materialize(base)

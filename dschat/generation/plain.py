@@ -21,6 +21,7 @@ import torch
 from dschat.generation.kv_decode import decode
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.stops import stop_ids_for
+from dschat.models.attention import decode_cache
 from dschat.utils import dist
 
 
@@ -65,6 +66,7 @@ class PlainGenerator:
         ``greedy_rows`` (B,) bool: rows decoded greedily, the rest by ``sampling``."""
         # ZeRO-3 forwards are collective: ranks step together until every rank's rows are done
         lockstep = True if self.zero3 and dist.world_size() > 1 else None
-        out = decode(self.engine.module, input_ids, attention_mask, sampling or self.sampling,
+        module = self.engine.module
+        out = decode(module, input_ids, attention_mask, sampling or self.sampling, cache=decode_cache(module),
                      eos_token_id=list(self.stop_ids), pad_token_id=self.tokenizer.pad_token_id, lockstep=lockstep, greedy_rows=greedy_rows)  # fmt: skip
         return out.sequences

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dschat.models import builtin, gguf
+from dschat.models.attention import use_fast_attention
 from dschat.models.layers import contiguous_head_input
 from dschat.utils.errors import UserError
 
@@ -115,7 +116,8 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     flag: str = "--model_name_or_path",
 ):
-    """``AutoModelForCausalLM.from_pretrained`` with the dropout override and, if the tokenizer has
+    """``AutoModelForCausalLM.from_pretrained`` with the dropout override, SDPA computed in fp32 for
+    16-bit weights on CPU (:func:`dschat.models.attention.use_fast_attention`) and, if the tokenizer has
     more tokens than the embedding, embeddings resized up to a multiple of 8."""
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +136,7 @@ def load_causal_lm(
     if tokenizer is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.config.use_cache = False  # training; generation turns it back on
-    return contiguous_head_input(model)
+    return contiguous_head_input(use_fast_attention(model))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

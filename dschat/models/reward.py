@@ -26,6 +26,7 @@ from dschat.data.packing import (
     unpack_pair_values,
 )
 from dschat.losses import gather_last
+from dschat.models.attention import use_fast_attention
 from dschat.models.loading import apply_dropout, has_value_head, load_config
 from dschat.utils.errors import UserError
 
@@ -266,4 +267,4 @@ def load_reward_model(
         raise UserError(
             f"{flag} {path}: {type(model).__name__} has no 'score' head; this architecture is not supported"
         )
-    return ScalarHeadModel(model)
+    return ScalarHeadModel(use_fast_attention(model))

@@ -9,6 +9,7 @@ import torch
 
 from dschat.data.collate import IGNORE_INDEX, PreferenceLMCollator, pair_example
 from dschat.losses import dpo_loss, token_nll
+from dschat.models.attention import FAST_ATTENTION, use_fast_attention
 
 # log pi_c = -10, log pi_r = -12, log ref_c = log ref_r = -11: h = (1) - (-1) = 2
 PC, PR, RC, RR = (torch.tensor([v]) for v in (-10.0, -12.0, -11.0, -11.0))
@@ -169,8 +170,8 @@ def _tiny_lm(arch: str, attn: str):
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0}  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **shapes)).eval()
-    model.config._attn_implementation = attn
-    return model
+    model.config._attn_implementation = "sdpa" if attn == FAST_ATTENTION else attn
+    return use_fast_attention(model) if attn == FAST_ATTENTION else model
 
 
 def _pairs(share: bool):
@@ -186,7 +187,7 @@ def _pairs(share: bool):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", FAST_ATTENTION, "eager"])
 def test_packed_pairs_give_the_unpacked_logprobs(arch, attn):
     from dschat.dpo import response_logps
 

@@ -9,6 +9,7 @@ import torch
 from dschat.data.collate import PairCollator, pair_example
 from dschat.data.packing import CHOSEN, PAD, PROMPT, REJECTED, shared_prompt_mask, unpack_pair_values
 from dschat.losses import gather_last
+from dschat.models.attention import FAST_ATTENTION, use_fast_attention
 from dschat.models.reward import ScalarHeadModel, packing_tolerance, pair_values, settle_share_prompt
 
 
@@ -98,10 +99,12 @@ def _batch():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", FAST_ATTENTION, "eager"])
 def test_packed_pairs_give_the_unpacked_values(arch, attn):
     model = _tiny(arch)
-    model.hf_model.config._attn_implementation = attn
+    model.hf_model.config._attn_implementation = "sdpa" if attn == FAST_ATTENTION else attn
+    if attn == FAST_ATTENTION:
+        use_fast_attention(model.hf_model)
     batch = _batch()
     mask = batch["attention_mask"].bool()
     with torch.no_grad():

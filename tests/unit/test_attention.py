@@ -1,0 +1,103 @@
+"""dschat.models.attention: the steps' models compute SDPA in fp32 for 16-bit weights on CPU, take the same
+masks as SDPA, decode with an fp32 KV cache, and save nothing of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dschat.generation.kv_decode import decode, position_ids_from_mask
+from dschat.generation.sampling import SamplingConfig
+from dschat.models.attention import FAST_ATTENTION, decode_cache, use_fast_attention
+from tests.unit.test_ppo_trainer import micro_llama
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows, the first left-padded by 3: (2, 12)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return ids, mask
+
+
+def _forward_and_grads(model, ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits of the real positions (N, V) and the gradient of the first block's query weight."""
+    model.zero_grad()
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+    ).logits.float()
+    (logits[mask.bool()].logsumexp(-1).sum()).backward()
+    return logits[mask.bool()].detach(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
+
+
+def test_bf16_on_cpu_is_at_least_as_close_to_fp32_as_sdpa_forward_and_backward():
+    """The bf16 model against the same weights in fp32 (left padding, so the mask matters): with the
+    attention computed in fp32 its logits and gradients are no further from fp32 than bf16 SDPA's (a
+    wrong mask or a lost gradient would put it far off)."""
+    ids, mask = _ids()
+    want_logits, want_grad = _forward_and_grads(micro_llama(64, seed=1).train(), ids, mask)
+    err = {}
+    for attn in ("sdpa", FAST_ATTENTION):
+        model = micro_llama(64, seed=1).train().to(torch.bfloat16)
+        if attn == FAST_ATTENTION:
+            use_fast_attention(model)
+        assert model.config._attn_implementation == attn
+        logits, grad = _forward_and_grads(model, ids, mask)
+        err[attn] = (
+            (logits - want_logits).abs().max().item(),
+            ((grad - want_grad).norm() / want_grad.norm()).item(),
+        )
+    assert (
+        err[FAST_ATTENTION][0] <= 1.1 * err["sdpa"][0] and err[FAST_ATTENTION][1] <= 1.1 * err["sdpa"][1]
+    ), err
+    assert err[FAST_ATTENTION][0] < 0.1 and err[FAST_ATTENTION][1] < 0.05, err
+
+
+def test_fp32_weights_run_sdpa_itself():
+    ids, mask = _ids()
+    plain = micro_llama(64, seed=1)
+    fast = use_fast_attention(micro_llama(64, seed=1))
+    with torch.no_grad():
+        assert torch.equal(
+            fast(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
+        )
+
+
+def test_the_fp32_cache_decodes_the_tokens_of_the_16_bit_cache():
+    """The cache only stores each key and value once in fp32 (the attention casts them anyway): the same
+    sampled tokens and log-probs as the model's own bf16 cache. Only a fast-attention bf16 model on CPU
+    gets it."""
+    model = use_fast_attention(micro_llama(64, seed=2).to(torch.bfloat16))
+    ids, mask = _ids()
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    out = {}
+    for name, cache in (("fp32", decode_cache(model)), ("own", None)):
+        out[name] = decode(model, ids, mask, sampling, eos_token_id=None, pad_token_id=0, cache=cache,
+                           generator=torch.Generator().manual_seed(3), return_logprobs=True)  # fmt: skip
+    assert type(decode_cache(model)).__name__ == "Fp32DynamicCache"
+    assert torch.equal(out["fp32"].sequences, out["own"].sequences)
+    assert torch.equal(out["fp32"].logprobs, out["own"].logprobs)
+    assert decode_cache(use_fast_attention(micro_llama(64))) is None  # fp32 weights
+    assert decode_cache(micro_llama(64).to(torch.bfloat16)) is None  # plain sdpa
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "reward_model"])
+def test_the_loaders_switch_and_save_nothing_of_it(tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.loading import load_causal_lm
+    from dschat.models.reward import load_reward_model
+
+    micro_llama(64).save_pretrained(tmp_path / "m")
+    model = (
+        load_causal_lm(str(tmp_path / "m")) if kind == "causal_lm" else load_reward_model(str(tmp_path / "m"))
+    )
+    hf = model if kind == "causal_lm" else model.hf_model
+    assert hf.config._attn_implementation == FAST_ATTENTION
+    hf.save_pretrained(tmp_path / "saved")
+    assert FAST_ATTENTION not in json.dumps(json.loads((tmp_path / "saved" / "config.json").read_text()))
+    if kind == "causal_lm":  # a plain transformers load, without this project's registration, works
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config._attn_implementation == "sdpa"
