@@ -329,6 +329,7 @@ class RLHFWorkload:
     # a round is one update below ZeRO-3 (config.one_update_per_round at stage 0): the experience pass
     # keeps the actor's training graph through the other models' passes
     one_update_per_round: bool = False
+    critic_one_update_per_round: bool = False  # the same for the critic's graph
 
 
 def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
@@ -379,6 +380,8 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
     if work.critic_trained:
         phases["critic training"] = activation_bytes(work.critic, work.training_batch, s, w, gc, "score",
                                                      work.critic_trainable_layers)  # fmt: skip
+        if work.critic_one_update_per_round and choice.zero_stage < 3:  # the critic's graph, likewise
+            phases["experience (forward passes)"] += phases["critic training"]
     peak = max(phases, key=lambda k: phases[k])
     parts[f"activations: {peak}"] = phases[peak]
     return _finish(choice, parts, cpu, hw)

@@ -216,7 +216,8 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             offload_reward=eng.offload_reward_model, critic_trained=held.critic, judge=judge[2] if judge else None,
             samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy,
             inference_tp_size=held.inference_tp_size, share_frozen_trunk=ppo.share_frozen_trunk,
-            one_update_per_round=one_update_per_round(ppo, model_args[0], loras[0], actor_zero_stage=0),
+            one_update_per_round=one_update_per_round(ppo, model_args[0], loras[0], zero_stage=0),
+            critic_one_update_per_round=one_update_per_round(ppo, model_args[1], loras[1], zero_stage=0),
         )  # fmt: skip
         models = [actor, critic, *([judge] if judge else [])]
     fixed = fixed_choice(step, argv)

@@ -284,17 +284,19 @@ def step3_models(engine: RLHFEngineArgs, ppo: PPOArgs) -> Step3Models:
     )
 
 
-def one_update_per_round(ppo: PPOArgs, actor: ModelArgs, actor_lora: LoraArgs, actor_zero_stage: int) -> bool:
-    """Whether step 3's experience pass is also the actor's update forward (``PPOHyper.one_update_per_round``):
-    each round's rows make exactly one update from the weights that generated them (one round per update,
-    one PPO epoch, the round in one training batch; DeepSpeed-Chat's own geometry) and the forward is
-    deterministic (no dropout: that pass runs in train mode). Then the forward runs once and its graph is
-    kept through the reference, reward and critic passes. Not under ZeRO-3: there the actor's gathered
-    weights could stay live across those passes too, and ZeRO-3 is chosen to save memory."""
-    no_dropout = actor.dropout == 0.0 and (actor_lora.lora_dim == 0 or actor_lora.lora_dropout == 0.0)
+def one_update_per_round(ppo: PPOArgs, model: ModelArgs, lora: LoraArgs, zero_stage: int) -> bool:
+    """Whether step 3's experience pass is also the update forward of the actor (or the critic: pass
+    its own model, LoRA and ZeRO stage) (``PPOHyper.one_update_per_round``,
+    ``PPOHyper.critic_one_update_per_round``): each round's rows make exactly one update from the weights
+    that scored them (one round per update, one PPO epoch, the round in one training batch;
+    DeepSpeed-Chat's own geometry) and the forward is deterministic (no dropout: that pass runs in train
+    mode). Then the forward runs once and its graph is kept through the other models' passes. Not under
+    ZeRO-3: there the gathered weights could stay live across those passes too, and ZeRO-3 is chosen to
+    save memory."""
+    no_dropout = model.dropout == 0.0 and (lora.lora_dim == 0 or lora.lora_dropout == 0.0)
     one_update = (
         ppo.generation_batches == 1
         and ppo.ppo_epochs == 1
         and ppo.rows_per_round == ppo.per_device_training_batch_size
     )
-    return one_update and no_dropout and actor_zero_stage < 3
+    return one_update and no_dropout and zero_stage < 3

@@ -37,6 +37,9 @@ class Experience:
     # (B, T-1) the actor's log-probs with their autograd graph: the round's one update reuses the
     # experience pass (PPOHyper.one_update_per_round); None otherwise. Dropped by cat.
     actor_graph: torch.Tensor | None = None
+    # (B, T-1) the critic's values with their graph, the same for the value update
+    # (PPOHyper.critic_one_update_per_round); None otherwise. Dropped by cat.
+    critic_graph: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -48,7 +51,7 @@ class Experience:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         out = Experience(**{k: (v[start:end] if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
         if start > 0 or end < len(self):  # a part of the round: its graph serves one update of all of it
-            out = replace(out, actor_graph=None)
+            out = replace(out, actor_graph=None, critic_graph=None)
         if self.packed is None:
             return replace(out, trunk=self.trunk.rows(start, end) if self.trunk is not None else None)
         whole = rollout_rows(self.packed, start, end)
@@ -87,8 +90,8 @@ class Experience:
                 out[f.name] = prompt_len
                 continue
             # one round's own state: rounds packed apart are packed anew by the update, which also runs
-            # the actor's forward itself (a part of several rounds is never one update)
-            if f.name in ("packed", "trunk", "actor_graph"):
+            # the actor's and critic's forwards itself (a part of several rounds is never one update)
+            if f.name in ("packed", "trunk", "actor_graph", "critic_graph"):
                 continue
             vals = []
             for p in parts:

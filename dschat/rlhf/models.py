@@ -255,6 +255,7 @@ def make_trainer(o: RLHFOptions, m: Models, generator, tokenizer) -> PPOTrainer:
                      cliprange_high=ppo.cliprange_high, loss_agg=ppo.loss_agg, max_answer_len=ppo.max_answer_seq_len,
                      kl_estimator=ppo.kl_estimator, kl_in=ppo.kl_in, truncation_penalty=ppo.truncation_penalty,
                      share_prompt=ppo.share_prompt, share_frozen_trunk=ppo.share_frozen_trunk,
-                     generation_batches=ppo.generation_batches, one_update_per_round=C.one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage))  # fmt: skip
+                     generation_batches=ppo.generation_batches, one_update_per_round=C.one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage),
+                     critic_one_update_per_round=C.one_update_per_round(o.ppo, o.critic, o.critic_lora, o.critic_ds.zero_stage))  # fmt: skip
     return PPOTrainer(actor=m.actor, reference=m.reference, critic=m.critic, reward_source=m.reward,
                       generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=m.judge)  # fmt: skip

@@ -70,6 +70,9 @@ class PPOHyper:
     # update (the old log-probs are its values, detached; TRL's GRPO skips the recomputation the same way).
     # Exact; the graph, the one the update builds anyway, is held through the other models' passes.
     one_update_per_round: bool = False
+    # The same for the critic (its own dropout and ZeRO stage): its experience pass, in train mode with
+    # its graph, gives the old values and is the value update's forward.
+    critic_one_update_per_round: bool = False
 
 
 class PPOTrainer:
@@ -421,9 +424,15 @@ class PPOTrainer:
             train_mask = (
                 action_mask * (~uniform).float().unsqueeze(1) if h.filter_uniform_groups else action_mask
             )
+            critic_graph = None
             if self.critic is not None:  # GAE with the critic's values
-                self.critic.eval()
-                values = self.critic(sequences, attention_mask)[:, :-1] * action_mask
+                # the value update's own forward (train mode, with its graph) where it is this one
+                fused_critic = h.critic_one_update_per_round
+                self.critic.train(fused_critic)
+                with torch.set_grad_enabled(fused_critic):
+                    critic_graph = self.critic(sequences, attention_mask)[:, :-1]
+                values = critic_graph.detach() * action_mask
+                critic_graph = critic_graph if fused_critic else None
                 rewards, _ = M.kl_shaped_rewards(clipped, logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                                  h.kl_estimator)  # fmt: skip
                 advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
@@ -440,7 +449,7 @@ class PPOTrainer:
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
             scores=scores, prompt_len=prompt_len, packed=packed,
             trunk=trunks.get(self.trunk_depths.get("actor", 0)) if h.generation_batches == 1 and not fused else None,
-            actor_graph=actor_graph if fused else None,
+            actor_graph=actor_graph if fused else None, critic_graph=critic_graph,
         )  # fmt: skip
         lengths = action_mask.sum(1)
         stats = {
@@ -478,7 +487,8 @@ class PPOTrainer:
                 return out
             # 2b. critic: clipped value regression towards the GAE returns
             self.critic.train()
-            values = self.critic(exp.sequences, exp.attention_mask)[:, :-1]
+            values = (exp.critic_graph if exp.critic_graph is not None
+                      else self.critic(exp.sequences, exp.attention_mask)[:, :-1])  # fmt: skip
             v_loss, v_stats = M.value_loss(
                 values, exp.values, exp.returns, exp.action_mask, h.cliprange_value
             )

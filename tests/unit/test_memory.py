@@ -386,6 +386,29 @@ def test_rlhf_estimate_holds_the_actors_graph_through_the_experience_pass_where_
     assert fused == M.forward_only_bytes(small, 4, 3, 2) + 2 * one + frozen_training
 
 
+def test_rlhf_estimate_holds_the_critics_graph_through_the_experience_pass_where_its_round_is_one_update(
+    small,
+):
+    """critic_one_update_per_round: the value update's activations are built in the experience pass too."""
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+
+    def experience(choice: M.Choice, **kw) -> int:
+        work = M.RLHFWorkload(small, small, 4, 4, 2, 1, 2, **kw)
+        parts = M.estimate_rlhf(work, choice, hw).parts
+        return max(v for k, v in parts.items() if k.startswith("activations"))
+
+    zero0, z3 = M.Choice(0, False, False), M.Choice(3, False, False)
+    forward = M.forward_only_bytes(small, 4, 3, 2)
+    actor, critic = (
+        M.activation_bytes(small, 4, 3, 2, False, "lm"),
+        M.activation_bytes(small, 4, 3, 2, False, "score"),
+    )
+    both = dict(one_update_per_round=True, critic_one_update_per_round=True)
+    assert experience(zero0, **both) == forward + actor + critic
+    assert experience(zero0, one_update_per_round=True) == forward + actor
+    assert experience(z3, **both) == experience(z3)
+
+
 def test_make_plan_reads_one_update_per_round_from_step3s_options():
     from dschat.config import DataArgs, LoraArgs, ModelArgs, PPOArgs, RLHFEngineArgs
 
@@ -397,6 +420,9 @@ def test_make_plan_reads_one_update_per_round_from_step3s_options():
         return P.make_plan(3, groups, [], hw).workload
 
     assert workload(per_device_generation_batch_size=8, per_device_training_batch_size=8).one_update_per_round
+    assert workload(
+        per_device_generation_batch_size=8, per_device_training_batch_size=8
+    ).critic_one_update_per_round
     assert not workload(
         per_device_generation_batch_size=8, per_device_training_batch_size=4
     ).one_update_per_round

@@ -443,3 +443,24 @@ def test_one_update_per_round_is_decided_from_the_options(argv, want):
     base = ("--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16")
     o = RLHFOptions(*step3_groups(*base, *argv))
     assert one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage) is want
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        ((), True),
+        (("--critic_dropout", "0.1"), False),  # the critic's own dropout decides, not the actor's
+        (("--actor_dropout", "0.1"), True),
+        (("--critic_lora_dim", "4", "--critic_lora_dropout", "0.1"), False),
+        (("--critic_zero_stage", "3"), False),
+        (("--actor_zero_stage", "3"), True),
+        (("--ppo_epochs", "2"), False),
+    ],
+)
+def test_the_critics_one_update_per_round_is_decided_from_its_own_options(argv, want):
+    from dschat.config import one_update_per_round
+    from dschat.rlhf.models import RLHFOptions
+
+    base = ("--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16")
+    o = RLHFOptions(*step3_groups(*base, *argv))
+    assert one_update_per_round(o.ppo, o.critic, o.critic_lora, o.critic_ds.zero_stage) is want

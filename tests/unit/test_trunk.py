@@ -352,3 +352,52 @@ def test_a_round_split_over_minibatches_keeps_no_graph_in_its_parts(tokenizer):
     torch.manual_seed(5)
     frozen, _ = ppo.make_experience(*prompts(tokenizer), train_actor=False)
     assert frozen.actor_graph is None and not actor.training
+
+
+def gae_trainer(actor, reference, critic, rm, tokenizer, fused: bool):
+    """A GAE trainer (one answer per prompt) whose critic's experience pass is its update's or not."""
+    from dschat.generation.plain import PlainGenerator
+    from dschat.generation.sampling import SamplingConfig
+    from dschat.rlhf import ppo_math as M
+    from dschat.rlhf.ppo import PPOHyper, PPOTrainer
+
+    hyper = PPOHyper(clip_reward_value=5.0, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+                     whiten_advantages=False, unsup_coef=0.0, advantage_estimator="gae",
+                     one_update_per_round=fused, critic_one_update_per_round=fused)  # fmt: skip
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0)
+    return PPOTrainer(actor=actor, reference=reference, critic=critic, reward_source=RewardModelSource(Engine(rm)),
+                      generator=PlainGenerator(actor, tokenizer, sampling, zero3=False), tokenizer=tokenizer,
+                      hyper=hyper, kl_ctl=M.FixedKLController(0.1))  # fmt: skip
+
+
+def test_the_critics_experience_pass_is_its_update_forward_and_learns_the_same(tokenizer):
+    """With critic_one_update_per_round the critic runs once per round, in train mode with its graph, and
+    the value update reuses it: three GAE rounds give the same values, value losses and trained critic
+    as an experience pass in eval mode followed by the update's own forward (fp32, no dropout)."""
+    result = {}
+    for fused in (True, False):
+        actor, reference, rm = models(tokenizer)
+        critic = copy.deepcopy(rm).requires_grad_(True)
+        ppo = gae_trainer(
+            Engine(actor, lr=0.5), Engine(reference), Engine(critic, lr=0.5), rm, tokenizer, fused
+        )
+        calls = counting(critic.model)
+        torch.manual_seed(5)
+        logs = []
+        for _ in range(3):
+            exp, _ = ppo.make_experience(*prompts(tokenizer))
+            assert (exp.critic_graph is not None) == fused and not exp.values.requires_grad
+            logs.append((exp.sequences, exp.values, ppo.train(exp)))
+        result[fused] = logs, {k: v.clone() for k, v in critic.state_dict().items()}, calls[0]
+    (logs, weights, calls), (want_logs, want_weights, want_calls) = result[True], result[False]
+    assert (calls, want_calls) == (3, 6)
+    for (seq, values, out), (want_seq, want_values, want_out) in zip(logs, want_logs):
+        assert torch.equal(seq, want_seq)
+        assert torch.allclose(values, want_values, atol=1e-6)
+        assert out["value_loss"] == pytest.approx(want_out["value_loss"], abs=1e-6)
+    for k, v in want_weights.items():
+        assert torch.allclose(weights[k], v, atol=1e-6), k
+    assert not torch.equal(want_weights["model.model.layers.1.mlp.up_proj.weight"],
+                           rm.state_dict()["model.model.layers.1.mlp.up_proj.weight"])  # fmt: skip
+    # a part of the round cannot take the round's graph
+    assert exp.slice(0, 1).critic_graph is None
