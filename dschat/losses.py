@@ -64,9 +64,12 @@ def picked_token_logprobs(
 @torch.no_grad()
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     """(..., V) log-probs -> (...) entropy; a -inf log-prob (a token the tempered policy cannot draw)
-    adds nothing, not 0 * -inf = nan."""
+    adds nothing, not 0 * -inf = nan. The probabilities come from log-probs clamped at -87 (exp(-87) is
+    fp32's smallest normal number, about 1.6e-38): an entry below it adds less than 1e-30 either way,
+    and torch's CPU exp of such values takes a path about 10x slower (log-probs at a low sampling
+    temperature are mostly far below it: 16 x 64 x 4096 at temperature 1e-4, 32 ms against 14)."""
     lp = logp.detach()
-    return -torch.where(lp > float("-inf"), lp.exp() * lp, 0.0).sum(-1)
+    return -torch.where(lp > float("-inf"), lp.clamp_min(-87.0).exp() * lp, 0.0).sum(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
