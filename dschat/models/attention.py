@@ -1,11 +1,11 @@
 """Attention on CPU for 16-bit models: SDPA computed in fp32 for bf16/fp16 tensors, registered with
 transformers under ``dschat_sdpa``, and a KV cache that stores keys and values in fp32 once.
 
-Every model the steps load uses it in place of ``sdpa`` (:func:`use_fast_attention`): PyTorch's CPU SDPA
-runs about 5x slower in bf16 than in fp32 at decoding shapes (one query row) and its backward about 1.7x
-slower at training shapes (16 x 4 heads x 126 positions x 64: 13.3 ms against 7.9 ms for forward and
-backward, measured 2026-11-27 on 2 cores), while the matmuls stay faster in bf16. Elsewhere (fp32
-tensors, a GPU) it is ``sdpa`` itself, so the switch changes nothing there. The mask is SDPA's.
+Every model the steps load uses it in place of ``sdpa`` (:func:`use_fast_attention`). PyTorch's CPU SDPA
+in bf16 is about 2x slower than in fp32 at decoding shapes (one query row, with the fp32 cache) and up to
+1.7x slower forward and backward at short training shapes, while the matmuls stay faster in bf16
+(:func:`_in_fp32` has the measurements, and where bf16 would win). Elsewhere (fp32 tensors, a GPU) it is
+``sdpa`` itself, so the switch changes nothing there. The mask is SDPA's.
 """
 
 from __future__ import annotations
@@ -17,13 +17,26 @@ FAST_ATTENTION = "dschat_sdpa"
 _registered = False
 
 
+def _in_fp32(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether SDPA runs in fp32: for bf16/fp16 tensors on CPU, always.
+
+    Measured on 2 CPU cores (2026-11-27, SmolLM2's 9 heads of 64): one query row against an fp32 KV cache
+    (:func:`fp32_kv_cache`) 1.2 ms against 2.7 in bf16 (64 rows x 110 keys); forward and backward
+    22.4 ms against 34.5 at 16 rows x 144 positions, but 59.1 against 53.3 at 256; a forward without
+    gradient (reference, reward model, evaluation) 11.8 against 6.0 at 16 x 144, the casts included. A
+    finer rule (bf16 for forwards without gradient and for more than 192 keys) was slower end to end all
+    the same: step 3 of the main job, 12 rounds, took 12.8-15.3 s in its updates against 9.1-9.4 with this
+    one (6 and 3 runs; the cause was not found), and its experience passes were no faster."""
+    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+
 def _fast_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                **kwargs):  # fmt: skip
-    """SDPA, computed in fp32 for bf16/fp16 tensors on CPU: PyTorch's CPU SDPA runs about 5x slower in
-    bf16 than in fp32 at decoding shapes (one query row), while the matmuls stay faster in bf16."""
+    """SDPA, computed in fp32 for bf16/fp16 tensors on CPU (:func:`_in_fp32`; the matmuls around it stay
+    in 16 bits); otherwise transformers' SDPA as it is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+    if _in_fp32(query, key):
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
         out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,

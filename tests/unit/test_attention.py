@@ -66,10 +66,12 @@ def test_fp32_weights_run_sdpa_itself():
         )
 
 
-def test_the_fp32_cache_decodes_the_tokens_of_the_16_bit_cache():
-    """The cache only stores each key and value once in fp32 (the attention casts them anyway): the same
-    sampled tokens and log-probs as the model's own bf16 cache. Only a fast-attention bf16 model on CPU
-    gets it."""
+def test_decoding_with_the_fp32_cache_is_at_least_as_close_to_fp32_as_the_16_bit_cache():
+    """A bf16 model decoding with the fp32 cache (attention in fp32 at every new token) against its own bf16
+    cache (bf16 SDPA): the same sampled tokens, and log-probs no further from the same weights run in fp32
+    over those tokens. Only a fast-attention bf16 model on CPU gets the cache."""
+    import copy
+
     model = use_fast_attention(micro_llama(64, seed=2).to(torch.bfloat16))
     ids, mask = _ids()
     sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
@@ -78,8 +80,15 @@ def test_the_fp32_cache_decodes_the_tokens_of_the_16_bit_cache():
         out[name] = decode(model, ids, mask, sampling, eos_token_id=None, pad_token_id=0, cache=cache,
                            generator=torch.Generator().manual_seed(3), return_logprobs=True)  # fmt: skip
     assert type(decode_cache(model)).__name__ == "Fp32DynamicCache"
-    assert torch.equal(out["fp32"].sequences, out["own"].sequences)
-    assert torch.equal(out["fp32"].logprobs, out["own"].logprobs)
+    seq = out["fp32"].sequences
+    assert torch.equal(seq, out["own"].sequences)
+    full = torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        logits = copy.deepcopy(model).float()(input_ids=seq, attention_mask=full,
+                                              position_ids=position_ids_from_mask(full)).logits  # fmt: skip
+    want = torch.log_softmax(logits[:, -9:-1], dim=-1).gather(-1, seq[:, -8:, None]).squeeze(-1)
+    err = {k: (o.logprobs - want).abs().max().item() for k, o in out.items()}
+    assert err["fp32"] <= 1.1 * err["own"] and err["fp32"] < 0.02, err
     assert decode_cache(use_fast_attention(micro_llama(64))) is None  # fp32 weights
     assert decode_cache(micro_llama(64).to(torch.bfloat16)) is None  # plain sdpa
 
@@ -101,3 +110,13 @@ def test_the_loaders_switch_and_save_nothing_of_it(tmp_path, kind):
     assert FAST_ATTENTION not in json.dumps(json.loads((tmp_path / "saved" / "config.json").read_text()))
     if kind == "causal_lm":  # a plain transformers load, without this project's registration, works
         assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config._attn_implementation == "sdpa"
+
+
+def test_fp32_for_16_bit_tensors_on_cpu_only():
+    from dschat.models.attention import _in_fp32
+
+    def qk(dtype):
+        return torch.zeros(2, 4, 3, 8, dtype=dtype), torch.zeros(2, 4, 5, 8, dtype=dtype)
+
+    assert _in_fp32(*qk(torch.bfloat16)) and _in_fp32(*qk(torch.float16))
+    assert not _in_fp32(*qk(torch.float32))
