@@ -47,6 +47,8 @@ from dschat.launch import presets  # hh_judge put the project root on sys.path
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "smollm2-135m"
 VERIFIER = ["--reward_fn", "dschat.tasks:verifier_reward"]
+# Switches of the preset's step 3 that act on a reward model's scores (none takes a value)
+REWARD_MODEL_ONLY = {"--normalize_reward"}
 # One RL-with-verifier run per stabiliser, each on top of rl_verifier's settings.
 STABILISERS = {
     "dr_grpo": ["--advantage_estimator", "dr_grpo"],
@@ -91,6 +93,14 @@ def step3(out: Path, jobdir: Path, flags: list[str], extra: list[str]) -> dict:
     }
 
 
+def verifier_run(flags: list[str], rl: list[str], stabiliser: str | None = None) -> list[str]:
+    """Step 3's flags for a run with the verifier as the reward: the preset's ``flags`` without the options
+    of a reward model's scores (the verifier replaces it: ``--normalize_reward`` would be refused), then
+    the verifier, ``rl`` and the ``stabiliser``'s flags."""
+    kept = [f for f in flags if f not in REWARD_MODEL_ONLY]
+    return [*kept, *VERIFIER, *rl, *(STABILISERS[stabiliser] if stabiliser else [])]
+
+
 def verifiable(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
     preset = presets.read_preset(presets.PRESETS / f"{PRESET}.yaml")
@@ -100,12 +110,10 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
     flags = presets.preset_flags(preset, 3, str(jobdir))
     rl = ["--actor_learning_rate", str(args.rl_learning_rate), "--max_steps", str(args.rl_rounds)]
     runs = {"ppo_rm": step3(out / "ppo_rm", jobdir, flags, [])}
-    runs["rl_verifier"] = step3(out / "rl_verifier", jobdir, flags, VERIFIER + rl)
+    runs["rl_verifier"] = step3(out / "rl_verifier", jobdir, verifier_run(flags, rl), [])
     if args.stabilisers:
         for name in args.only or STABILISERS:
-            runs[f"rl_verifier+{name}"] = step3(
-                out / f"rl_{name}", jobdir, flags, VERIFIER + rl + STABILISERS[name]
-            )
+            runs[f"rl_verifier+{name}"] = step3(out / f"rl_{name}", jobdir, verifier_run(flags, rl, name), [])
     ppo, rlv = runs["ppo_rm"], runs["rl_verifier"]
     return {
         "true_accuracy_step1": ppo["true_accuracy_start"],

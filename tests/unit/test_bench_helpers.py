@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -91,3 +93,21 @@ def test_step1_throughput_is_reported_as_a_speed_only_when_the_run_learned():
     assert bench_step1.learning(rose)["learned"] is False
     # a run without an evaluation cannot show that it learned
     assert bench_step1.learning({})["learned"] is None
+
+
+@pytest.mark.parametrize("stabiliser", [None, "dr_grpo", "kl_loss_k3"])
+def test_the_alignment_benchmarks_verifier_runs_are_valid_step_3_options(stabiliser):
+    """bench_alignment.py verifiable runs step 3 with the preset's flags and the verifier as the reward:
+    every run it builds must pass step 3's own checks (the preset's --normalize_reward, a reward-model
+    option, once made the verifier run exit at start-up)."""
+    import bench_alignment
+
+    from dschat.launch import presets
+    from dschat.rlhf.models import RLHFOptions, check_options
+    from tests.unit.test_ppo_trainer import step3_groups
+
+    preset = presets.read_preset(presets.PRESETS / f"{bench_alignment.PRESET}.yaml")
+    flags = presets.preset_flags(preset, 3, "/job")
+    argv = bench_alignment.verifier_run(flags, ["--max_steps", "2"], stabiliser)
+    argv += ["--actor_model_name_or_path", "/job/step1", "--critic_model_name_or_path", "/job/step2"]
+    check_options(RLHFOptions(*step3_groups(*argv)))
