@@ -17,8 +17,9 @@ FAST_ATTENTION = "dschat_sdpa"
 _registered = False
 
 
-def _in_fp32(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether SDPA runs in fp32: for bf16/fp16 tensors on CPU, always.
+def _in_fp32(x: torch.Tensor) -> bool:
+    """Whether SDPA on ``x`` (a query, or a weight of the model) runs in fp32: for bf16/fp16 tensors on
+    CPU, always.
 
     Measured on 2 CPU cores (2026-11-27, SmolLM2's 9 heads of 64): one query row against an fp32 KV cache
     (:func:`fp32_kv_cache`) 1.2 ms against 2.7 in bf16 (64 rows x 110 keys); forward and backward
@@ -27,7 +28,7 @@ def _in_fp32(query: torch.Tensor, key: torch.Tensor) -> bool:
     finer rule (bf16 for forwards without gradient and for more than 192 keys) was slower end to end all
     the same: step 3 of the main job, 12 rounds, took 12.8-15.3 s in its updates against 9.1-9.4 with this
     one (6 and 3 runs; the cause was not found), and its experience passes were no faster."""
-    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _fast_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -36,7 +37,7 @@ def _fast_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     in 16 bits); otherwise transformers' SDPA as it is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _in_fp32(query, key):
+    if _in_fp32(query):
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
         out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
@@ -82,9 +83,7 @@ def decode_cache(model: nn.Module):
     if getattr(config, "_attn_implementation", None) != FAST_ATTENTION:
         return None
     weight = next(iter(model.parameters()), None)
-    if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return fp32_kv_cache(config)
+    return fp32_kv_cache(config) if weight is not None and _in_fp32(weight) else None
 
 
 def register_fast_attention() -> None:

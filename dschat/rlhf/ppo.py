@@ -430,9 +430,10 @@ class PPOTrainer:
                 fused_critic = h.critic_one_update_per_round
                 self.critic.train(fused_critic)
                 with torch.set_grad_enabled(fused_critic):
-                    critic_graph = self.critic(sequences, attention_mask)[:, :-1]
-                values = critic_graph.detach() * action_mask
-                critic_graph = critic_graph if fused_critic else None
+                    critic_values = self.critic(sequences, attention_mask)[:, :-1]
+                values = critic_values.detach() * action_mask
+                if fused_critic:
+                    critic_graph = critic_values
                 rewards, _ = M.kl_shaped_rewards(clipped, logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                                  h.kl_estimator)  # fmt: skip
                 advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)

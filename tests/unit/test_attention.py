@@ -115,8 +115,8 @@ def test_the_loaders_switch_and_save_nothing_of_it(tmp_path, kind):
 def test_fp32_for_16_bit_tensors_on_cpu_only():
     from dschat.models.attention import _in_fp32
 
-    def qk(dtype):
-        return torch.zeros(2, 4, 3, 8, dtype=dtype), torch.zeros(2, 4, 5, 8, dtype=dtype)
+    def q(dtype):
+        return torch.zeros(2, 4, 3, 8, dtype=dtype)
 
-    assert _in_fp32(*qk(torch.bfloat16)) and _in_fp32(*qk(torch.float16))
-    assert not _in_fp32(*qk(torch.float32))
+    assert _in_fp32(q(torch.bfloat16)) and _in_fp32(q(torch.float16))
+    assert not _in_fp32(q(torch.float32))
