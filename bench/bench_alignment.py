@@ -26,7 +26,8 @@ against A only, with B logged beside it (``--judge_reward_model``). Then both mo
 HH prompts greedily: the mean score of A and of B for each, the win rate of step 3 over step 1 under B
 (ties half), the answers' mean length (tokens), how many answers were cut off at ``--max_new_tokens``
 and B's win rate where neither answer was (B marks an unfinished answer down, so a policy that only
-learns to finish within the budget wins where step 1 ran out), and the KL. Targets: win rate under B at least 0.60 with
+learns to finish within the budget wins where step 1 ran out), and the KL. ``--temperature`` sets the PPO
+run's sampling temperature (the tempered policy it optimises; the judging stays greedy and temperature 1). Targets: win rate under B at least 0.60 with
 the length ratio at most 1.2.
 """
 
@@ -130,6 +131,19 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
     }
 
 
+def hh_ppo_run(args: argparse.Namespace, ppo: Path, rm_a: Path, rm_b: Path, prompts: Path) -> list[str]:
+    """Step 3's flags for the HH run: RLOO from SmolLM2 on the prompts of half a, against reward model A,
+    judge B logged beside it."""
+    return ["--output_dir", str(ppo), "--actor_model_name_or_path", MODEL, "--critic_model_name_or_path", str(rm_a),
+            "--judge_reward_model", str(rm_b), "--data_path", str(prompts), "--data_split", "0,0,1",
+            "--actor_trainable_layers", "8", "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4",
+            "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "32",
+            "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.max_new_tokens), "--actor_learning_rate",
+            str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
+            "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1",
+            "--truncation_penalty", str(args.truncation_penalty), "--temperature", str(args.temperature)]  # fmt: skip
+
+
 def hh(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
     data = hh_halves(out)
@@ -145,14 +159,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     rm_acc = {name: (json.loads((rm / "summary.json").read_text()) if (rm / "summary.json").is_file() else {})
               .get("eval_accuracy_end") for name, rm in (("a", rm_a), ("b", rm_b))}  # fmt: skip
     ppo = out / "ppo"
-    run([str(ROOT / "training/step3_rlhf_finetuning/main.py"), "--output_dir", str(ppo), "--actor_model_name_or_path",
-         MODEL, "--critic_model_name_or_path", str(rm_a), "--judge_reward_model", str(rm_b), "--data_path",
-         str(data["a"]), "--data_split", "0,0,1", "--actor_trainable_layers", "8", "--advantage_estimator", "rloo",
-         "--n_samples_per_prompt", "4", "--per_device_generation_batch_size", "8", "--per_device_training_batch_size",
-         "32", "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.max_new_tokens), "--actor_learning_rate",
-         str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
-         "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1",
-         "--truncation_penalty", str(args.truncation_penalty)])  # fmt: skip
+    run([str(ROOT / "training/step3_rlhf_finetuning/main.py"), *hh_ppo_run(args, ppo, rm_a, rm_b, data["a"])])
     s3 = json.loads((ppo / "summary.json").read_text())
     judged = judge_held_out(out, ppo / "actor", {"a": rm_a, "b": rm_b}, judge="b", prompts=args.judge_prompts,
                             max_new_tokens=args.max_new_tokens, tag="step3")  # fmt: skip
@@ -166,6 +173,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "score_b_train_end": s3.get("judge_score_end"),
         "ppo_rounds": s3.get("steps"),
         "truncation_penalty": args.truncation_penalty,
+        "temperature": args.temperature,
         "ppo_wall_seconds": s3.get("wall_seconds"),
         "target": {"judge_win_rate": 0.60, "length_ratio_at_most": 1.2},
         "target_met": judged["judge_win_rate"] >= 0.60 and judged["length_ratio"] <= 1.2,
@@ -173,7 +181,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("suite", choices=("verifiable", "hh"))
     p.add_argument("--from", dest="src", help="a finished main job (holding step1/ and step2/) to start from")
@@ -204,8 +212,19 @@ def main() -> None:
         help="hh: subtracted from A's score of a training answer cut off at --max_new_tokens",
     )
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="hh: the PPO run's sampling temperature (its rollouts and the tempered policy it optimises)",
+    )
+    p.add_argument(
         "--judge_prompts", type=int, default=JUDGE_PROMPTS, help="hh: held-out prompts answered and judged"
     )
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     if args.suite == "hh" and not (HH / "train.jsonl").is_file():
         print(json.dumps({"skipped": f"{HH} not present"}))

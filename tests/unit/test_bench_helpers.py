@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,22 @@ def test_the_alignment_benchmarks_verifier_runs_are_valid_step_3_options(stabili
     argv = bench_alignment.verifier_run(flags, ["--max_steps", "2"], stabiliser)
     argv += ["--actor_model_name_or_path", "/job/step1", "--critic_model_name_or_path", "/job/step2"]
     check_options(RLHFOptions(*step3_groups(*argv)))
+
+
+@pytest.mark.parametrize("flags", [[], ["--temperature", "0.7", "--truncation_penalty", "0.3"]])
+def test_the_alignment_benchmarks_hh_run_is_valid_step_3_options(flags):
+    """bench_alignment.py hh builds its PPO run from its own flags: the run must pass step 3's checks,
+    and the flags it passes on must arrive (a dropped --temperature would optimise another policy)."""
+    import bench_alignment
+
+    from dschat.rlhf.models import RLHFOptions, check_options
+    from tests.unit.test_ppo_trainer import step3_groups
+
+    args = bench_alignment.parser().parse_args(["hh", *flags])
+    argv = bench_alignment.hh_ppo_run(
+        args, Path("/job/ppo"), Path("/job/rm_a"), Path("/job/rm_b"), Path("/job/a")
+    )
+    opts = RLHFOptions(*step3_groups(*argv))
+    check_options(opts)
+    assert opts.ppo.temperature == args.temperature
+    assert opts.ppo.truncation_penalty == args.truncation_penalty
