@@ -1,0 +1,71 @@
+"""Export to Hugging Face format (write_hf_model): what is written reloads to the same model, and writing it
+builds no second, randomly initialised copy of the model (no random numbers drawn, no fp32 skeleton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dschat.engine.checkpoint import gather_full_state_dict, write_hf_model
+from dschat.models.builtin import build_config
+from dschat.models.lora import inject_lora
+
+
+def _model(kind: str, *, tied: bool, dtype: torch.dtype):
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    config = build_config("micro-llama", vocab_size=64)
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    if kind == "value_head":
+        config.num_labels = 1
+        config.pad_token_id = 0
+        model = LlamaForSequenceClassification(config)
+    else:
+        model = LlamaForCausalLM(config)
+    if kind == "lora":
+        model = inject_lora(model, dim=4, alpha=8)
+        for name, p in model.named_parameters():  # a trained adapter: lora_B starts at zero
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.5)
+    for (
+        p
+    ) in model.parameters():  # the weights only: rotary frequencies stay fp32, as from_pretrained keeps them
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
+def _outputs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied", "dtype"),
+    [
+        ("causal", True, torch.float32),
+        ("causal", False, torch.bfloat16),
+        ("lora", True, torch.float32),
+        ("value_head", False, torch.bfloat16),
+    ],
+)
+def test_export_reloads_the_same_model_and_draws_no_random_numbers(tmp_path, kind, tied, dtype):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model = _model(kind, tied=tied, dtype=dtype)
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    expected = _outputs(model, ids)
+    rng = torch.get_rng_state()
+    write_hf_model(model, gather_full_state_dict(model), None, tmp_path / "out")
+    # A skeleton built the ordinary way initialises every weight at random first (seconds and a full
+    # fp32 copy of the model, for weights that are overwritten at once): the global RNG would move.
+    assert torch.equal(torch.get_rng_state(), rng)
+    auto = AutoModelForSequenceClassification if kind == "value_head" else AutoModelForCausalLM
+    reloaded = auto.from_pretrained(tmp_path / "out", dtype=dtype).eval()
+    assert next(reloaded.parameters()).dtype == dtype
+    assert not any(p.is_meta for p in reloaded.parameters())
+    got = _outputs(reloaded, ids)
+    # LoRA merged into the weights rounds differently from the adapter added beside them
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 if kind == "lora" else 0)
+    if tied:
+        assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
