@@ -63,13 +63,14 @@ def picked_token_logprobs(
 
 @torch.no_grad()
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
-    """(..., V) log-probs -> (...) entropy; a -inf log-prob (a token the tempered policy cannot draw)
-    adds nothing, not 0 * -inf = nan. The probabilities come from log-probs clamped at -87 (exp(-87) is
-    fp32's smallest normal number, about 1.6e-38): an entry below it adds less than 1e-30 either way,
-    and torch's CPU exp of such values takes a path about 10x slower (log-probs at a low sampling
-    temperature are mostly far below it: 16 x 64 x 4096 at temperature 1e-4, 32 ms against 14)."""
-    lp = logp.detach()
-    return -torch.where(lp > float("-inf"), lp.clamp_min(-87.0).exp() * lp, 0.0).sum(-1)
+    """(..., V) log-probs -> (...) entropy ``-sum p log p``, from log-probs clamped at -87 (exp(-87) is
+    fp32's smallest normal number, about 1.6e-38). An entry below it, -inf included (a token the tempered
+    policy cannot draw), adds less than 1e-35 instead of 0 * -inf = nan, and torch's CPU exp of such
+    values takes a path about 10x slower (log-probs at a low sampling temperature are mostly far below
+    it: 16 x 64 x 4096 at temperature 1e-4, 32 ms against 14). Three passes over the (..., V) tensor
+    where masking the -inf entries took five: 177 ms against 255 on (16, 36, 49152) fp32, 2 cores."""
+    lp = logp.detach().clamp_min(-87.0)
+    return -(lp.exp() * lp).sum(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
