@@ -27,7 +27,7 @@ HH prompts greedily: the mean score of A and of B for each, the win rate of step
 (ties half), the answers' mean length (tokens), how many answers were cut off at ``--max_new_tokens``
 and B's win rate where neither answer was (B marks an unfinished answer down, so a policy that only
 learns to finish within the budget wins where step 1 ran out), and the KL. ``--temperature`` sets the PPO
-run's sampling temperature (the tempered policy it optimises; the judging stays greedy and temperature 1). Targets: win rate under B at least 0.60 with
+run's sampling temperature (the tempered policy it optimises), and the sampled answers are judged at it. Targets: win rate under B at least 0.60 with
 the length ratio at most 1.2.
 """
 
@@ -162,7 +162,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     run([str(ROOT / "training/step3_rlhf_finetuning/main.py"), *hh_ppo_run(args, ppo, rm_a, rm_b, data["a"])])
     s3 = json.loads((ppo / "summary.json").read_text())
     judged = judge_held_out(out, ppo / "actor", {"a": rm_a, "b": rm_b}, judge="b", prompts=args.judge_prompts,
-                            max_new_tokens=args.max_new_tokens, tag="step3")  # fmt: skip
+                            max_new_tokens=args.max_new_tokens, tag="step3", temperature=args.temperature)  # fmt: skip
     return {
         **judged,
         "reward_model_accuracy": rm_acc,

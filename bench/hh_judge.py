@@ -49,6 +49,7 @@ def judge_held_out(
     max_new_tokens: int,
     tag: str,
     sampled: bool = True,
+    temperature: float = 1.0,
 ) -> dict:
     """Greedy answers of the untuned model (``step1``: SmolLM2 is already instruction-tuned) and of
     ``policy`` to the first ``prompts`` HH test prompts, scored by every reward model in ``reward_models``.
@@ -58,22 +59,25 @@ def judge_held_out(
     lengths in tokens and ``length_ratio`` (policy over step 1); how many answers of each were cut off at
     ``max_new_tokens`` and the judge's win rate where neither was (``judge_win_rate_both_ended``) and in
     each other such group (``judge_win_rate_by_cut_off``). With ``sampled``, the same again for
-    one answer each sampled at temperature 1 (the distribution RL optimises; seed 0 for both models),
-    under keys ending in ``_sampled``: greedy decoding shows only the mode, which a small policy
-    update may leave unchanged."""
+    one answer each sampled at ``temperature`` (the distribution RL optimises, when it is the policy's
+    training temperature; seed 0 for both models), under keys ending in ``_sampled``: greedy decoding
+    shows only the mode, which a small policy update may leave unchanged."""
     rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][:prompts]
     prompts_file = out / "held_out_prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
     result = judged_answers(out, policy, reward_models, prompts_file, judge, max_new_tokens, tag, "greedy")
     if sampled:
-        more = judged_answers(out, policy, reward_models, prompts_file, judge, max_new_tokens, tag, "sample")
+        more = judged_answers(out, policy, reward_models, prompts_file, judge, max_new_tokens, tag, "sample",
+                              temperature)  # fmt: skip
         result.update({f"{k}_sampled": v for k, v in more.items() if k != "held_out_prompts"})
+        result["sampled_temperature"] = temperature
     return result
 
 
 def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prompts_file: Path, judge: str,
-                   max_new_tokens: int, tag: str, decoding: str) -> dict:  # fmt: skip
-    """Both models' answers to ``prompts_file`` with ``decoding`` (prompt_eval.py), and their scores."""
+                   max_new_tokens: int, tag: str, decoding: str, temperature: float = 1.0) -> dict:  # fmt: skip
+    """Both models' answers to ``prompts_file`` with ``decoding`` (prompt_eval.py; ``sample`` at
+    ``temperature``), and their scores."""
     from dschat.compare import win_rate
     from dschat.data.prompt_format import as_dialogue, prompt_format
     from dschat.models.loading import load_tokenizer, resolve
@@ -84,7 +88,7 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
     cmd = [str(ROOT / "inference/prompt_eval.py"), "--model_name_or_path_baseline", MODEL,
            "--model_name_or_path_finetune", str(policy), "--prompts_file", str(prompts_file),
            "--max_new_tokens", str(max_new_tokens), "--decoding", decoding, "--seed", "0",
-           "--output", str(report)]  # fmt: skip
+           *(["--temperature", str(temperature)] if decoding == "sample" else []), "--output", str(report)]  # fmt: skip
     proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
     if proc.returncode != 0:
         print(json.dumps({"error": proc.stderr.strip().splitlines()[-3:], "cmd": cmd}))
