@@ -141,7 +141,8 @@ def hh_ppo_run(args: argparse.Namespace, ppo: Path, rm_a: Path, rm_b: Path, prom
             "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.max_new_tokens), "--actor_learning_rate",
             str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
             "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1",
-            "--truncation_penalty", str(args.truncation_penalty), "--temperature", str(args.temperature)]  # fmt: skip
+            "--truncation_penalty", str(args.truncation_penalty), "--temperature", str(args.temperature),
+            "--seed", str(args.seed)]  # fmt: skip
 
 
 def hh(args: argparse.Namespace, out: Path) -> dict:
@@ -174,6 +175,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "ppo_rounds": s3.get("steps"),
         "truncation_penalty": args.truncation_penalty,
         "temperature": args.temperature,
+        "seed": args.seed,
         "ppo_wall_seconds": s3.get("wall_seconds"),
         "target": {"judge_win_rate": 0.60, "length_ratio_at_most": 1.2},
         "target_met": judged["judge_win_rate"] >= 0.60 and judged["length_ratio"] <= 1.2,
@@ -216,6 +218,9 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="hh: the PPO run's sampling temperature (its rollouts and the tempered policy it optimises)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=1234, help="hh: the PPO run's seed (a replicate takes another)"
     )
     p.add_argument(
         "--judge_prompts", type=int, default=JUDGE_PROMPTS, help="hh: held-out prompts answered and judged"

@@ -114,7 +114,9 @@ def test_the_alignment_benchmarks_verifier_runs_are_valid_step_3_options(stabili
     check_options(RLHFOptions(*step3_groups(*argv)))
 
 
-@pytest.mark.parametrize("flags", [[], ["--temperature", "0.7", "--truncation_penalty", "0.3"]])
+@pytest.mark.parametrize(
+    "flags", [[], ["--temperature", "0.7", "--truncation_penalty", "0.3", "--seed", "2"]]
+)
 def test_the_alignment_benchmarks_hh_run_is_valid_step_3_options(flags):
     """bench_alignment.py hh builds its PPO run from its own flags: the run must pass step 3's checks,
     and the flags it passes on must arrive (a dropped --temperature would optimise another policy)."""
@@ -131,3 +133,4 @@ def test_the_alignment_benchmarks_hh_run_is_valid_step_3_options(flags):
     check_options(opts)
     assert opts.ppo.temperature == args.temperature
     assert opts.ppo.truncation_penalty == args.truncation_penalty
+    assert opts.run.seed == args.seed
