@@ -155,7 +155,8 @@ def _merged_skeleton(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     Built on the meta device and filled with ``assign``: an ordinary construction would first initialise
     every weight at random in fp32 (seconds, and a second full copy of the model beside the gathered
     state: 4 more bytes per parameter at the end of a run that may just fit) only to overwrite them.
-    Buffers that the state dict does not carry (a rotary embedding's frequencies) come from ``module``."""
+    Buffers that the state dict does not carry (a rotary embedding's frequencies) come from ``module``;
+    ``state`` itself is left as it was."""
     base, lora_cfg = unwrap_peft(module)
     config = copy.deepcopy(base.config)
     config.use_cache = True
@@ -175,12 +176,14 @@ def _merged_skeleton(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     (skeleton.get_base_model() if lora_cfg is not None else skeleton).tie_weights()  # assign broke the tie
     live = dict(module.named_buffers())
     for name, buf in list(skeleton.named_buffers()):
-        if buf.is_meta:
+        if buf.is_meta and name in live:  # one that is not stays meta and is reported below
             owner, _, attr = name.rpartition(".")
             holder = skeleton.get_submodule(owner) if owner else skeleton
             holder._buffers[attr] = live[name].detach().to("cpu", copy=True)
     if lora_cfg is not None:
-        skeleton = skeleton.merge_and_unload()
+        # safe_merge adds each adapter into a copy of its base weight: in place it would write into the
+        # caller's state (an EMA exports its live copy), merging the adapter again at the next export
+        skeleton = skeleton.merge_and_unload(safe_merge=True)
     left = [n for n, t in [*skeleton.named_parameters(), *skeleton.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"export: {len(left)} tensor(s) not filled ({', '.join(left[:3])})")
