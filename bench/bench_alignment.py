@@ -142,7 +142,7 @@ def hh_ppo_run(args: argparse.Namespace, ppo: Path, rm_a: Path, rm_b: Path, prom
             str(args.ppo_learning_rate), "--kl_coef", str(args.kl_coef), "--max_steps", str(args.ppo_rounds),
             "--eval_prompts", "32", "--eval_interval", "10", "--log_interval", "1",
             "--truncation_penalty", str(args.truncation_penalty), "--temperature", str(args.temperature),
-            "--seed", str(args.seed)]  # fmt: skip
+            "--kl_in", args.kl_in, "--kl_estimator", args.kl_estimator, "--seed", str(args.seed)]  # fmt: skip
 
 
 def hh(args: argparse.Namespace, out: Path) -> dict:
@@ -174,6 +174,9 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "score_b_train_end": s3.get("judge_score_end"),
         "ppo_rounds": s3.get("steps"),
         "truncation_penalty": args.truncation_penalty,
+        "kl_coef": args.kl_coef,
+        "kl_in": args.kl_in,
+        "kl_estimator": args.kl_estimator,
         "temperature": args.temperature,
         "seed": args.seed,
         "ppo_wall_seconds": s3.get("wall_seconds"),
@@ -205,6 +208,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rm_learning_rate", type=float, default=5e-5, help="hh: reward models' learning rate")
     p.add_argument("--ppo_learning_rate", type=float, default=2e-6, help="hh: actor learning rate")
     p.add_argument("--kl_coef", type=float, default=0.05, help="hh: KL coefficient")
+    p.add_argument(
+        "--kl_in",
+        choices=("reward", "loss"),
+        default="reward",
+        help="hh: where the KL penalty acts (step 3's --kl_in): summed into each answer's reward, or a loss term",
+    )
+    p.add_argument(
+        "--kl_estimator", choices=("k1", "k2", "k3"), default="k1", help="hh: step 3's --kl_estimator"
+    )
     p.add_argument("--ppo_rounds", type=int, default=30, help="hh: generation rounds (8 prompts x 4 answers)")
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest answer")
     p.add_argument(

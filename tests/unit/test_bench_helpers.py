@@ -115,7 +115,12 @@ def test_the_alignment_benchmarks_verifier_runs_are_valid_step_3_options(stabili
 
 
 @pytest.mark.parametrize(
-    "flags", [[], ["--temperature", "0.7", "--truncation_penalty", "0.3", "--seed", "2"]]
+    "flags",
+    [
+        [],
+        ["--temperature", "0.7", "--truncation_penalty", "0.3", "--seed", "2"],
+        ["--kl_in", "loss", "--kl_estimator", "k3", "--kl_coef", "0.1"],
+    ],
 )
 def test_the_alignment_benchmarks_hh_run_is_valid_step_3_options(flags):
     """bench_alignment.py hh builds its PPO run from its own flags: the run must pass step 3's checks,
@@ -134,3 +139,8 @@ def test_the_alignment_benchmarks_hh_run_is_valid_step_3_options(flags):
     assert opts.ppo.temperature == args.temperature
     assert opts.ppo.truncation_penalty == args.truncation_penalty
     assert opts.run.seed == args.seed
+    assert (opts.ppo.kl_in, opts.ppo.kl_estimator, opts.ppo.kl_coef) == (
+        args.kl_in,
+        args.kl_estimator,
+        args.kl_coef,
+    )
