@@ -61,12 +61,14 @@ LEVERS: dict[str, tuple[int, list[str], object]] = {
     "full_bf16_ckpt": (1, [*UNGROUPED, "--dtype", "bf16", "--gradient_checkpointing"], "all"),
     "top8_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--trainable_layers", "8"], 8),
     "top8_bf16_grouped": (1, ["--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
+    "top8_fp32_grouped": (1, ["--dtype", "fp32", "--trainable_layers", "8", "--group_by_length"], 8),
     "lora_all_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora"], ("lora", 0)),
     "lora_top8_bf16": (1, [*UNGROUPED, "--dtype", "bf16", "--lora_dim", "16", "--only_optimize_lora", "--trainable_layers", "8"],
                        ("lora", 8)),
     "rm_top8_bf16": (2, [*UNGROUPED, "--no_share_prompt", "--dtype", "bf16", "--trainable_layers", "8"], 8),
     "rm_top8_bf16_grouped": (2, ["--no_share_prompt", "--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
     "rm_top8_bf16_grouped_shared": (2, ["--share_prompt", "--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
+    "rm_top8_fp32_grouped_shared": (2, ["--share_prompt", "--dtype", "fp32", "--trainable_layers", "8", "--group_by_length"], 8),
 }  # fmt: skip
 
 

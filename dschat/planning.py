@@ -133,14 +133,14 @@ def detect_hardware(gpus_per_node: int, nodes: int, device_memory_gib: float | N
 
 def resolve_plan_dtype(dtype: str, on_gpu: bool) -> str:
     """``auto`` as the step will resolve it: bf16 on GPUs (planning assumes a bf16-capable one), on CPU
-    where AVX512-BF16/AMX is present, else fp32."""
+    where bf16 is computed in hardware (AVX512-BF16/AMX), else fp32."""
     if dtype != "auto":
         return dtype
     if on_gpu:
         return "bf16"
-    from dschat.engine.core import bf16_supported  # torch only; no deepspeed import
+    from dschat.engine.core import auto_dtype  # torch only; no deepspeed import
 
-    return "bf16" if bf16_supported() else "fp32"
+    return auto_dtype()
 
 
 # ---------------------------------------------------------------------------------------------- workloads

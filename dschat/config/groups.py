@@ -26,7 +26,10 @@ class ModelArgs:
         input="model",
     )
     dtype: str = opt(
-        "auto", "training dtype; auto = bf16 where the hardware supports it, else fp32", choices=DTYPES
+        "auto",
+        "training dtype; auto = bf16 where the hardware computes in bf16 (a bf16 GPU; a CPU with "
+        "AVX512-BF16 or AMX), else fp32",
+        choices=DTYPES,
     )
     dropout: float | None = opt(None, "override every dropout probability in the model config", type=float)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
