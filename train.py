@@ -56,8 +56,22 @@ from dschat.utils.run import check_output_dir, finished  # noqa: E402
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
-        print(f"error: {message} (see train.py --help)", file=sys.stderr)
+        print(f"error: {message}{self._hint(message)} (see train.py --help)", file=sys.stderr)
         sys.exit(2)
+
+    def _hint(self, message: str) -> str:
+        """The fix for the usual slip: a flag spelt the steps' way (``--output_dir``), or a step's own flag
+        given before ``--``."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        flag = next((a for a in message[len(prefix) :].split() if a.startswith("--")), None)
+        if flag is None:
+            return ""
+        name = flag.split("=", 1)[0]
+        if name.replace("_", "-") in self._option_string_actions:
+            return f"; train.py spells it {name.replace('_', '-')}"
+        return f"; a step's own flags go after --: train.py -- {name} ..."
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -145,3 +145,20 @@ def test_step_line_is_parsed_once_and_puts_the_plan_before_the_users_flags(train
     assert cmd.index("--gradient_checkpointing") < cmd.index("--learning_rate", cmd.index("--output_dir"))
     (ds,) = [g for g in train.parse_step(line.step, cmd) if hasattr(g, "zero_stage")]
     assert ds.zero_stage == 2  # the plan's 3 is overridden by the user's 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        # a step's own spelling of one of train.py's flags
+        (["--output_dir", "/tmp/x"], "train.py spells it --output-dir"),
+        # a step's flag: it goes after --
+        (["--learning_rate", "1e-4"], "a step's own flags go after --: train.py -- --learning_rate"),
+    ],
+)
+def test_a_flag_spelt_the_steps_way_gets_the_fix_in_its_error(train, capsys, argv, hint):
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argv[0] in err and hint in err, err
