@@ -20,6 +20,7 @@ gradient checkpointing not set by any flag are picked to fit the devices (``dsch
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import shlex
@@ -69,8 +70,14 @@ class Parser(argparse.ArgumentParser):
         if flag is None:
             return ""
         name = flag.split("=", 1)[0]
-        if name.replace("_", "-") in self._option_string_actions:
-            return f"; train.py spells it {name.replace('_', '-')}"
+        dashed = name.replace("_", "-").lower()
+        if dashed in self._option_string_actions:
+            return f"; train.py spells it {dashed}"
+        close = difflib.get_close_matches(
+            dashed, [o for o in self._option_string_actions if o.startswith("--")], 1, 0.85
+        )
+        if close:  # a typo of train.py's own flag
+            return f"; did you mean {close[0]}?"
         return f"; a step's own flags go after --: train.py -- {name} ..."
 
 

@@ -132,14 +132,16 @@ def detect_hardware(gpus_per_node: int, nodes: int, device_memory_gib: float | N
 
 
 def resolve_plan_dtype(dtype: str, on_gpu: bool) -> str:
-    """``auto`` as the step will resolve it: bf16 on GPUs (planning assumes a bf16-capable one), on CPU
-    where bf16 is computed in hardware (AVX512-BF16/AMX), else fp32."""
+    """``auto`` as the step will resolve it here (:func:`dschat.engine.core.auto_dtype`); for GPUs planned
+    from a machine without one, bf16 (a bf16-capable GPU is assumed)."""
     if dtype != "auto":
         return dtype
-    if on_gpu:
-        return "bf16"
+    import torch
+
     from dschat.engine.core import auto_dtype  # torch only; no deepspeed import
 
+    if on_gpu and not torch.cuda.is_available():  # planning GPUs from a machine without one
+        return "bf16"
     return auto_dtype()
 
 

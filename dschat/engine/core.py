@@ -154,15 +154,20 @@ def bf16_supported() -> bool:
 
 
 def bf16_native() -> bool:
-    """bf16 matmuls run in hardware: a bf16-capable GPU; on x86, AVX512-BF16 or AMX; elsewhere (Arm)
-    oneDNN's own answer, which is yes only where the CPU has bf16 instructions.
+    """bf16 matmuls run in hardware: a GPU with bf16 units (Ampere and later, not an emulating V100 or
+    T4); on x86, AVX512-BF16 or AMX; elsewhere (Arm) oneDNN's own answer, which is yes only where the CPU
+    has bf16 instructions.
 
     An AVX-512 CPU without either accepts bf16 but converts around every matmul: 3.6x below its fp32
     matmul peak and 2.7-3.1x slower training (2 cores, SmolLM2, measured 2026-11-28)."""
     if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        # private probes of torch.cpu (torch >= 2.1); a torch without them is taken to lack the features
+        def has(feature: str) -> bool:
+            return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)())
+
+        return _onednn_bf16() and (has("avx512_bf16") or has("amx_tile"))
     return _onednn_bf16()
 
 
@@ -182,8 +187,9 @@ def resolve_dtype(dtype: str, flag: str = "--dtype") -> str:
     if dtype == "fp16" and not torch.cuda.is_available():
         raise UserError(f"{flag} fp16: fp16 training needs a GPU (use bf16 or fp32 on CPU)")
     if dtype == "bf16" and not bf16_native():
-        LOG.warning("%s bf16: this CPU has no bf16 instructions (AVX512-BF16 or AMX), so bf16 runs emulated "
-                    "and slower than fp32 (--dtype auto picks fp32 here)", flag)  # fmt: skip
+        where = "GPU has no bf16 units" if torch.cuda.is_available() else "CPU has no bf16 instructions"
+        LOG.warning("%s bf16: this %s, so bf16 runs emulated and slower than fp32 (--dtype auto picks %s "
+                    "here)", flag, where, auto_dtype())  # fmt: skip
     return dtype
 
 

@@ -159,7 +159,7 @@ def inference_dtype(name: str, device: str, flag: str = "--dtype") -> torch.dtyp
     if name == "auto":
         if not cuda:
             return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if name == "fp16" and not cuda:
         raise UserError(f"{flag} fp16: half precision needs a GPU here (use bf16 or fp32 on CPU)")
     try:

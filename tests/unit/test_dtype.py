@@ -31,8 +31,11 @@ def fake_cpu(monkeypatch, *, machine="x86_64", onednn_bf16=True, avx512_bf16=Fal
         ({"avx512_bf16": True}, "bf16"),  # Cooper Lake, Zen 4
         ({"amx": True}, "bf16"),  # Sapphire Rapids and later
         ({"onednn_bf16": False}, "fp32"),  # AVX2 only
+        ({"machine": "AMD64", "avx512_bf16": True}, "bf16"),  # Windows spells x86-64 so
+        ({"avx512_bf16": True, "onednn_bf16": False}, "fp32"),  # a torch without oneDNN's bf16: as explicit
         ({"machine": "aarch64"}, "bf16"),  # Arm: oneDNN says yes only where the BF16 extension is
         ({"machine": "aarch64", "onednn_bf16": False}, "fp32"),
+        ({"machine": "arm64", "onednn_bf16": False}, "fp32"),  # macOS
     ],
 )
 def test_auto_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, features, auto):
@@ -41,11 +44,36 @@ def test_auto_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, features,
     assert resolve_plan_dtype("auto", on_gpu=False) == auto  # the memory planner resolves it the same way
 
 
-def test_asking_for_bf16_on_an_emulating_cpu_runs_it(monkeypatch):
-    """An explicit choice is honoured where bf16 runs at all, if slowly (a user may want bf16's numerics);
-    it is refused only where it does not run."""
+def test_the_real_probes_answer():
+    """Unpatched, on whatever CPU or GPU runs the tests: the private torch probes exist or are skipped."""
+    assert core.auto_dtype() in ("bf16", "fp32")
+
+
+def test_a_torch_without_the_cpu_probes_trains_in_fp32(monkeypatch):
+    fake_cpu(monkeypatch, avx512_bf16=True, amx=True)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert core.resolve_dtype("auto") == "fp32"
+
+
+@pytest.mark.parametrize(("units", "auto"), [(True, "bf16"), (False, "fp32")])
+def test_on_a_gpu_auto_is_bf16_only_with_bf16_units(monkeypatch, units, auto):
+    """torch.cuda.is_bf16_supported() says yes on a V100 or T4, which emulate bf16, unless asked not to
+    count emulation."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation or units
+    )
+    assert core.resolve_dtype("auto") == auto
+
+
+def test_asking_for_bf16_on_an_emulating_cpu_runs_it(monkeypatch, caplog):
+    """An explicit choice is honoured where bf16 runs at all, if slowly (a user may want bf16's numerics),
+    with a warning; it is refused only where it does not run."""
     fake_cpu(monkeypatch)
-    assert core.resolve_dtype("bf16") == "bf16"
+    with caplog.at_level("WARNING", logger="dschat"):
+        assert core.resolve_dtype("bf16") == "bf16"
+    assert "emulated" in caplog.text and "picks fp32" in caplog.text
     fake_cpu(monkeypatch, onednn_bf16=False)
     with pytest.raises(UserError, match="--dtype bf16"):
         core.resolve_dtype("bf16")
