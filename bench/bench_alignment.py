@@ -34,6 +34,7 @@ the length ratio at most 1.2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -43,9 +44,12 @@ from pathlib import Path
 
 from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
 
-from dschat.launch import presets  # hh_judge put the project root on sys.path
+from dschat.config.rlhf import PPOArgs  # hh_judge put the project root on sys.path
+from dschat.launch import presets
+from dschat.utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
+PPO_FIELDS = {f.name: f for f in dataclasses.fields(PPOArgs)}
 PRESET = "smollm2-135m"
 VERIFIER = ["--reward_fn", "dschat.tasks:verifier_reward"]
 # Switches of the preset's step 3 that act on a reward model's scores (none takes a value)
@@ -208,15 +212,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rm_learning_rate", type=float, default=5e-5, help="hh: reward models' learning rate")
     p.add_argument("--ppo_learning_rate", type=float, default=2e-6, help="hh: actor learning rate")
     p.add_argument("--kl_coef", type=float, default=0.05, help="hh: KL coefficient")
-    p.add_argument(
-        "--kl_in",
-        choices=("reward", "loss"),
-        default="reward",
-        help="hh: where the KL penalty acts (step 3's --kl_in): summed into each answer's reward, or a loss term",
-    )
-    p.add_argument(
-        "--kl_estimator", choices=("k1", "k2", "k3"), default="k1", help="hh: step 3's --kl_estimator"
-    )
+    for name in ("kl_in", "kl_estimator"):  # step 3's own options: its choices, default and help
+        f = PPO_FIELDS[name]
+        p.add_argument(
+            f"--{name}", choices=f.metadata["choices"], default=f.default, help=f"hh: {f.metadata['help']}"
+        )
     p.add_argument("--ppo_rounds", type=int, default=30, help="hh: generation rounds (8 prompts x 4 answers)")
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS, help="hh: longest answer")
     p.add_argument(
@@ -243,6 +243,12 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     p = parser()
     args = p.parse_args()
+    if args.suite == "hh":  # step 3's own checks on the PPO flags, before the reward models train
+        try:
+            PPOArgs(kl_coef=args.kl_coef, kl_in=args.kl_in, kl_estimator=args.kl_estimator,
+                    temperature=args.temperature, truncation_penalty=args.truncation_penalty).validate()  # fmt: skip
+        except UserError as e:
+            p.error(str(e))
     if args.suite == "hh" and not (HH / "train.jsonl").is_file():
         print(json.dumps({"skipped": f"{HH} not present"}))
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -144,3 +145,26 @@ def test_the_alignment_benchmarks_hh_run_is_valid_step_3_options(flags):
         args.kl_estimator,
         args.kl_coef,
     )
+
+
+def test_the_alignment_benchmarks_hh_run_refuses_bad_ppo_flags_before_any_work(tmp_path):
+    """--kl_in loss with the default k1 is refused by step 3, which the benchmark reaches only after
+    training two reward models (about 40 minutes): it must stop at once, with step 3's own line."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_alignment.py"),
+            "hh",
+            "--kl_in",
+            "loss",
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--kl_in loss with --kl_estimator k1" in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and not out.exists()
