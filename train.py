@@ -61,8 +61,8 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
     def _hint(self, message: str) -> str:
-        """The fix for the usual slip: a flag spelt the steps' way (``--output_dir``), or a step's own flag
-        given before ``--``."""
+        """The fix for the usual slip: a flag spelt the steps' way (``--output_dir``), a typo of one of
+        train.py's flags, or a step's own flag given before ``--``."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""

@@ -180,16 +180,15 @@ def resolve_dtype(dtype: str, flag: str = "--dtype") -> str:
     """``auto`` -> :func:`auto_dtype`; an explicit choice this device cannot run is an error."""
     if dtype == "auto":
         return auto_dtype()
+    device = "GPU" if torch.cuda.is_available() else "CPU"
     if dtype == "bf16" and not bf16_supported():
-        raise UserError(
-            f"{flag} bf16: this {'GPU' if torch.cuda.is_available() else 'CPU'} does not support bf16"
-        )
-    if dtype == "fp16" and not torch.cuda.is_available():
-        raise UserError(f"{flag} fp16: fp16 training needs a GPU (use bf16 or fp32 on CPU)")
+        raise UserError(f"{flag} bf16: this {device} does not support bf16")
     if dtype == "bf16" and not bf16_native():
-        where = "GPU has no bf16 units" if torch.cuda.is_available() else "CPU has no bf16 instructions"
-        LOG.warning("%s bf16: this %s, so bf16 runs emulated and slower than fp32 (--dtype auto picks %s "
-                    "here)", flag, where, auto_dtype())  # fmt: skip
+        lacks = "bf16 units" if device == "GPU" else "bf16 instructions"
+        LOG.warning("%s bf16: this %s has no %s, so bf16 runs emulated and slower than fp32 (--dtype auto "
+                    "picks %s here)", flag, device, lacks, auto_dtype())  # fmt: skip
+    if dtype == "fp16" and device == "CPU":
+        raise UserError(f"{flag} fp16: fp16 training needs a GPU (use bf16 or fp32 on CPU)")
     return dtype
 
 

@@ -152,10 +152,10 @@ def test_step_line_is_parsed_once_and_puts_the_plan_before_the_users_flags(train
     [
         # a step's own spelling of one of train.py's flags
         (["--output_dir", "/tmp/x"], "train.py spells it --output-dir"),
-        # a step's flag: it goes after --
         (["--Output_Dir=/tmp/x"], "train.py spells it --output-dir"),
         # a typo of train.py's own flag is not a step's flag
         (["--dry-runn"], "did you mean --dry-run?"),
+        # a step's flag: it goes after --
         (["--learning_rate", "1e-4"], "a step's own flags go after --: train.py -- --learning_rate"),
     ],
 )
