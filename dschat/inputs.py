@@ -1,6 +1,7 @@
 """Inputs named on a command line, checked before any slow start-up, one line each naming the flag: a
 model or data path that can only be local and is not there, an unknown built-in model or task, a data
-source that is neither a file, ``builtin[:TASK]`` nor a registered dataset.
+source that is neither a file, ``builtin[:TASK]`` nor a registered dataset, a ``module:function`` that
+does not import.
 
 The option groups mark such fields (``opt(..., input="model" | "data")``); :func:`check_inputs` walks
 them. Light (no torch): ``train.py`` checks every step's data before the first step starts, and each step
@@ -11,14 +12,15 @@ writes is not there yet when ``train.py`` starts, so ``train.py`` leaves models 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dschat.config.fields import flag_name
 from dschat.utils.errors import UserError
 
-MODEL, DATA = "model", "data"
+MODEL, DATA, FUNCTION = "model", "data", "function"
 
 
 def check_model(spec: str, flag: str) -> None:
@@ -49,7 +51,20 @@ def check_data(spec: str, flag: str) -> None:
             raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
 
 
-CHECKS = {MODEL: check_model, DATA: check_data}
+def import_function(spec: str, flag: str) -> Callable:
+    """``module:function`` imported and called back later (``--reward_fn``): the module must import and
+    the name must be a callable in it. The one loader, so the check and the use cannot disagree."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        raise UserError(f"{flag} {spec}: cannot import ({type(exc).__name__}: {exc})") from None
+    if not callable(fn):
+        raise UserError(f"{flag} {spec}: {type(fn).__name__} is not callable")
+    return fn
+
+
+CHECKS = {MODEL: check_model, DATA: check_data, FUNCTION: import_function}
 
 
 def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] = (MODEL, DATA)) -> None:

@@ -98,6 +98,78 @@ def run_cmd(
     )
 
 
+_ENTRY_MODULES: dict[Path, object] = {}
+
+
+def run_main_in_process(
+    script: Path, args: list[str], *, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` for a run that must stop at a bad input, without a new process: the
+    script's ``main(argv)`` under :func:`dschat.utils.errors.run_cli`, as its ``__main__`` runs it, its
+    output captured, its exit status returned. A subprocess spends 3-6 s importing torch, which this
+    worker has already paid (the suite has some 40 such cases).
+
+    The contract checked on top: a bad input is caught before slow start-up work, so the run must not
+    have started torch.distributed (a case that fails later belongs in a subprocess, :func:`run_cmd`).
+    The environment, the console logger and torch's thread count are restored afterwards."""
+    import contextlib
+    import importlib.util
+    import io
+    import logging
+    import traceback
+
+    import torch
+    import torch.distributed as torch_dist
+
+    from dschat.utils.errors import run_cli
+
+    script = Path(script).resolve()
+    if script not in _ENTRY_MODULES:
+        spec = importlib.util.spec_from_file_location(f"_entry_{script.parent.name}", script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        _ENTRY_MODULES[script] = module
+    main = _ENTRY_MODULES[script].main
+
+    saved_env, saved_threads = dict(os.environ), torch.get_num_threads()
+    loggers = [logging.getLogger(), logging.getLogger("dschat")]
+    saved_handlers = [(lg, list(lg.handlers), lg.propagate, lg.level) for lg in loggers]
+    os.environ.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    for name in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                run_cli(lambda: main(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # a bug: the traceback a process would print, exit status 1
+                traceback.print_exc()
+                code = 1
+        started = torch_dist.is_available() and torch_dist.is_initialized()
+        if started:
+            torch_dist.destroy_process_group()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(saved_threads)
+        for lg, handlers, propagate, level in saved_handlers:
+            for h in lg.handlers:
+                if h not in handlers:
+                    h.close()
+            lg.handlers[:] = handlers
+            lg.propagate, lg.level = propagate, level
+    assert not started, (
+        f"{script.name} {args}: torch.distributed started before the error (slow start-up first)"
+    )
+    return subprocess.CompletedProcess(
+        [sys.executable, str(script), *args], code, stdout.getvalue(), stderr.getvalue()
+    )
+
+
 def cpu_ranks_env(ranks: int = 2) -> dict[str, str]:
     """Environment for a test that starts ``ranks`` processes on this machine: CPU ranks (gloo) unless
     there is a GPU for each. The multi-rank tests compare against one CPU rank; on a one-GPU machine

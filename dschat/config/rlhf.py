@@ -178,7 +178,10 @@ class PPOArgs:
         choices=DRAWS,
     )
     reward_fn: str | None = opt(
-        None, "module:function (prompts, responses) -> scores, e.g. dschat.tasks:verifier_reward", type=str
+        None,
+        "module:function (prompts, responses) -> scores, e.g. dschat.tasks:verifier_reward",
+        type=str,
+        input="function",
     )
     reward_fn_mode: str = opt(
         "replace", "the function replaces the reward model or is added to it", choices=("replace", "add")

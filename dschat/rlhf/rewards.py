@@ -5,13 +5,13 @@ A trained reward model, a Python function (rule-based or verifiable rewards), or
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from dschat.data.packing import PackedRollouts, shared_prompt_mask
+from dschat.inputs import import_function
 from dschat.losses import gather_last
 from dschat.models.reward import ScoreNormalization
 from dschat.utils.errors import UserError
@@ -58,13 +58,7 @@ class FunctionSource:
     """``fn(prompts, responses) -> list[float]``, loaded from ``module:function``."""
 
     def __init__(self, spec: str) -> None:
-        module, _, name = spec.partition(":")
-        try:
-            self.fn: Callable = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError, TypeError) as exc:
-            raise UserError(f"--reward_fn {spec}: cannot import ({type(exc).__name__}: {exc})") from None
-        if not callable(self.fn):
-            raise UserError(f"--reward_fn {spec}: {type(self.fn).__name__} is not callable")
+        self.fn: Callable = import_function(spec, "--reward_fn")
         self.spec = spec
 
     def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:

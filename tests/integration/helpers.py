@@ -8,7 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.conftest import ROOT, STEP1, run_cmd
+from tests.conftest import ROOT, STEP1, run_cmd, run_main_in_process
 
 TRAIN_PY = ROOT / "train.py"
 PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
@@ -31,10 +31,14 @@ REFERENCE_1RANK = [*MICRO, *REFERENCE_RUN_FLAGS, "--gradient_accumulation_steps"
 
 
 def step1(
-    out_dir: Path | str, *flags: str, env: dict | None = None, timeout: int = 600
+    out_dir: Path | str, *flags: str, env: dict | None = None, timeout: int = 600, in_process: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run ``training/step1_supervised_finetuning/main.py --output_dir OUT FLAGS``."""
-    return run_cmd([str(STEP1), "--output_dir", str(out_dir), *flags], env=env, timeout=timeout)
+    """Run ``training/step1_supervised_finetuning/main.py --output_dir OUT FLAGS``; ``in_process`` for a
+    run that stops at a bad input (:func:`tests.conftest.run_main_in_process`)."""
+    args = ["--output_dir", str(out_dir), *flags]
+    if in_process:
+        return run_main_in_process(STEP1, args, env=env)
+    return run_cmd([str(STEP1), *args], env=env, timeout=timeout)
 
 
 def train_py(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

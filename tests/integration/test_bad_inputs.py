@@ -13,7 +13,7 @@ from tests.integration.helpers import FAST, error_line, step1, train_py
 
 def run_bad(tmp_path, *flags: str, env: dict | None = None):
     out = tmp_path / "out"
-    proc = step1(out, *FAST, "--max_steps", "5", *flags, env=env)
+    proc = step1(out, *FAST, "--max_steps", "5", *flags, env=env, in_process=True)
     assert not (out / "summary.json").exists()
     return proc
 

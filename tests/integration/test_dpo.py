@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cpu_ranks_env, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_main_in_process
 from tests.integration.helpers import assert_ok, error_line, metrics, summary, train_losses
 from tests.integration.test_step2 import preference_file, write_jsonl
 
@@ -19,8 +19,9 @@ FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch
         "--data_split", "0,1,0"]  # fmt: skip
 
 
-def dpo(out: Path, *flags: str, env: dict | None = None):
-    return run_cmd([str(DPO), "--output_dir", str(out), *flags], env=env)
+def dpo(out: Path, *flags: str, env: dict | None = None, in_process: bool = False):
+    args = ["--output_dir", str(out), *flags]
+    return run_main_in_process(DPO, args, env=env) if in_process else run_cmd([str(DPO), *args], env=env)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_shared_prompt_trains_like_unpacked_rows(pairs, reference, tmp_path):
     ],
 )
 def test_bad_options_are_one_line(tmp_path, flags, needles):
-    error_line(dpo(tmp_path / "out", *FAST, *flags), *needles)
+    error_line(dpo(tmp_path / "out", *FAST, *flags, in_process=True), *needles)
     assert not (tmp_path / "out").exists()
 
 
@@ -163,7 +164,7 @@ def test_pairs_with_identical_sides_are_one_line(tmp_path):
             for i in range(40)]  # fmt: skip
     rows[7]["rejected"] = rows[7]["chosen"] + " "  # the same answer once stripped
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    error_line(dpo(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0"),
+    error_line(dpo(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0", in_process=True),
                str(data), "1 pair(s) have the same chosen and rejected answer")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
@@ -182,7 +183,9 @@ def test_reference_with_another_vocabulary_is_one_line(tmp_path):
     tok.add_tokens(["<not-in-the-policy>"])
     tok.save_pretrained(other)
     line = error_line(
-        dpo(tmp_path / "out", *FAST, "--ref_model_name_or_path", str(other)), str(other), "tokenizer"
+        dpo(tmp_path / "out", *FAST, "--ref_model_name_or_path", str(other), in_process=True),
+        str(other),
+        "tokenizer",
     )
     assert "vocabulary" in line
     assert not (tmp_path / "out").exists()
@@ -243,6 +246,6 @@ def test_reward_model_labels_are_refused_by_the_reward_model_step(tmp_path):
     from tests.integration.test_step2 import step2
 
     proc = step2(tmp_path / "out", "--model_name_or_path", "builtin:micro-llama", "--policy_negatives_from",
-                 "builtin:micro-llama", "--policy_negatives_reward_model", str(tmp_path / "rm"))  # fmt: skip
+                 "builtin:micro-llama", "--policy_negatives_reward_model", str(tmp_path / "rm"), in_process=True)  # fmt: skip
     error_line(proc, "--policy_negatives_reward_model is for DPO")
     assert not (tmp_path / "out").exists()

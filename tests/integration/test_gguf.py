@@ -119,7 +119,14 @@ def test_a_directory_with_two_gguf_files_asks_for_one(tmp_path, micro_gguf):
 def test_step1_refuses_a_truncated_gguf_in_one_line(tmp_path, micro_gguf):
     cut = _bad(tmp_path, "cut.gguf", micro_gguf.read_bytes()[: micro_gguf.stat().st_size // 2])
     cache = tmp_path / "cache"
-    proc = step1(tmp_path / "out", *FAST, "--model_name_or_path", str(cut), env={"DSCHAT_CACHE": str(cache)})
+    proc = step1(
+        tmp_path / "out",
+        *FAST,
+        "--model_name_or_path",
+        str(cut),
+        env={"DSCHAT_CACHE": str(cache)},
+        in_process=True,
+    )
     error_line(proc, str(cut), "truncated or corrupt GGUF file")
     assert not (tmp_path / "out").exists()
     assert [p for p in (cache / "models").glob("gguf-*") if not p.name.endswith(".lock")] == []

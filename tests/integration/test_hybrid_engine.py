@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, cpu_ranks_env, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_main_in_process
 from tests.integration.helpers import assert_ok, error_line
 
 SCRIPT = Path(__file__).with_name("hybrid_script.py")
@@ -124,5 +124,5 @@ def test_step3_with_the_hybrid_engine(tmp_path):
     cfg = json.loads((out / "dschat_config.json").read_text())
     assert cfg["enable_hybrid_engine"] and cfg["tp_gather_partition_size"] == 1
     # hybrid-engine options without the engine are refused with the flag's name
-    error_line(run_cmd([str(STEP3), "--output_dir", str(tmp_path / "x"), "--inference_tp_size", "2"]),
+    error_line(run_main_in_process(STEP3, ["--output_dir", str(tmp_path / "x"), "--inference_tp_size", "2"]),
                "--inference_tp_size needs --enable_hybrid_engine")  # fmt: skip

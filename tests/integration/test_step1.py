@@ -206,7 +206,7 @@ def test_resume_after_interruption_is_bit_identical(reference_run, tmp_path):
     assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
 
     # Rerunning without --resume is refused (and does not clobber the checkpoint).
-    line = error_line(step1(out, *flags), str(out), "--resume")
+    line = error_line(step1(out, *flags, in_process=True), str(out), "--resume")
     assert "--overwrite" in line
     assert latest_tag(ckpt) == "step10"
 
@@ -228,7 +228,7 @@ def test_resume_after_interruption_is_bit_identical(reference_run, tmp_path):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
     # Finished: --resume is refused now (so is a plain rerun: test_bad_inputs), the run is left alone.
-    error_line(step1(out, *flags, "--resume"), str(out), "--overwrite")
+    error_line(step1(out, *flags, "--resume", in_process=True), str(out), "--overwrite")
     assert summary(out) == s
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cpu_ranks_env, run_cmd
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_main_in_process
 from tests.integration.helpers import assert_ok, error_line, train_rows
 
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
@@ -19,8 +19,9 @@ FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch
         "--max_eval_samples", "128", "--eval_interval", "0", "--learning_rate", "2e-3"]  # fmt: skip
 
 
-def step2(out: Path, *flags: str, env: dict | None = None):
-    return run_cmd([str(STEP2), "--output_dir", str(out), *flags], env=env)
+def step2(out: Path, *flags: str, env: dict | None = None, in_process: bool = False):
+    args = ["--output_dir", str(out), *flags]
+    return run_main_in_process(STEP2, args, env=env) if in_process else run_cmd([str(STEP2), *args], env=env)
 
 
 def preference_file(path: Path, n: int = 1200) -> Path:
@@ -152,8 +153,8 @@ def test_lora_reward_model_learns_and_saves_a_plain_model(tmp_path):
 def test_rw_eval_refuses_a_causal_lm(tmp_path):
     from dschat.models.builtin import materialize
 
-    proc = run_cmd(
-        [str(RW_EVAL), "--model", materialize("builtin:micro-llama"), "--prompt", "x", "--response", "y"]
+    proc = run_main_in_process(
+        RW_EVAL, ["--model", materialize("builtin:micro-llama"), "--prompt", "x", "--response", "y"]
     )
     error_line(proc, "not a trained reward model")
 
@@ -275,7 +276,7 @@ def test_length_expert_is_fitted_logged_and_saved(tmp_path):
 
 def test_missing_rejected_field_is_one_clear_line(tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"p{i}", "response": f" r{i}"} for i in range(40)])
-    proc = step2(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0")
+    proc = step2(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0", in_process=True)
     line = error_line(proc, "missing field 'rejected'")
     assert str(data) in line
     assert not (tmp_path / "out" / "summary.json").exists()
@@ -317,5 +318,13 @@ def test_policy_negatives_add_the_policys_own_mistakes(tmp_path):
 
 
 def test_policy_negatives_from_a_missing_model_is_one_line(tmp_path):
-    proc = step2(tmp_path / "o", *FAST, "--max_steps", "1", "--policy_negatives_from", str(tmp_path / "nope"))
+    proc = step2(
+        tmp_path / "o",
+        *FAST,
+        "--max_steps",
+        "1",
+        "--policy_negatives_from",
+        str(tmp_path / "nope"),
+        in_process=True,
+    )
     error_line(proc, "--policy_negatives_from", str(tmp_path / "nope"))

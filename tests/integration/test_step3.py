@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_main_in_process
 from tests.integration.helpers import assert_ok, error_line, train_rows
 
 STEP3 = ROOT / "training" / "step3_rlhf_finetuning" / "main.py"
@@ -38,10 +38,13 @@ def step3(
     *flags: str,
     env: dict | None = None,
     launcher: list[str] | None = None,
+    in_process: bool = False,
 ):
-    cmd = [*(launcher or []), str(STEP3), "--output_dir", str(out), "--actor_model_name_or_path", actor,
-           "--critic_model_name_or_path", str(critic), *PPO, *flags]  # fmt: skip
-    return run_cmd(cmd, env={"PYTHONPATH": str(ROOT), **(env or {})})
+    args = ["--output_dir", str(out), "--actor_model_name_or_path", actor, "--critic_model_name_or_path",
+            str(critic), *PPO, *flags]  # fmt: skip
+    if in_process:  # the reward functions under tests/ are importable here already
+        return run_main_in_process(STEP3, args, env=env)
+    return run_cmd([*(launcher or []), str(STEP3), *args], env={"PYTHONPATH": str(ROOT), **(env or {})})
 
 
 @pytest.mark.slow  # 40 rounds: half a minute; marked so that its module starts early under xdist
@@ -305,21 +308,25 @@ def test_a_function_reward_without_a_critic_reads_no_critic_path(models, tmp_pat
 def test_bad_inputs(models, tmp_path):
     actor, rm = models
     # the reward model must have a trained value head
-    error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1"),
+    error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1", in_process=True),
                "not a trained reward model")  # fmt: skip
     # so must the judge, checked before the engines start
-    error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1"),
+    error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1", in_process=True),
                f"--judge_reward_model {actor}: not a trained reward model")  # fmt: skip
     # the PPO minibatch must divide the generated batch
     error_line(
-        step3(tmp_path / "b", actor, rm, "--per_device_training_batch_size", "5"),
+        step3(tmp_path / "b", actor, rm, "--per_device_training_batch_size", "5", in_process=True),
         "--per_device_training_batch_size 5",
     )
     error_line(
-        step3(tmp_path / "c", actor, rm, "--share_reference_with_actor"), "--share_reference_with_actor"
+        step3(tmp_path / "c", actor, rm, "--share_reference_with_actor", in_process=True),
+        "--share_reference_with_actor",
     )
     error_line(
-        step3(tmp_path / "d", actor, rm, "--reward_fn", "no_such_module:f", "--max_steps", "1"), "--reward_fn"
+        step3(
+            tmp_path / "d", actor, rm, "--reward_fn", "no_such_module:f", "--max_steps", "1", in_process=True
+        ),
+        "--reward_fn",
     )
     # --normalize_reward needs the statistics of this version's step 2, and a reward model to apply them to
     import shutil
@@ -329,10 +336,10 @@ def test_bad_inputs(models, tmp_path):
     cfg = json.loads((old_rm / "config.json").read_text())
     del cfg["score_normalization"]
     (old_rm / "config.json").write_text(json.dumps(cfg))
-    error_line(step3(tmp_path / "n", actor, old_rm, "--normalize_reward", "--max_steps", "1"),
+    error_line(step3(tmp_path / "n", actor, old_rm, "--normalize_reward", "--max_steps", "1", in_process=True),
                f"--critic_model_name_or_path {old_rm}: --normalize_reward needs the score mean and std")  # fmt: skip
     error_line(step3(tmp_path / "m", actor, rm, "--normalize_reward", *EASY, "--advantage_estimator", "rloo",
-                     "--n_samples_per_prompt", "2", "--max_steps", "1"),
+                     "--n_samples_per_prompt", "2", "--max_steps", "1", in_process=True),
                "--normalize_reward standardises a reward model's scores")  # fmt: skip
     # train.py: step 3 without finished steps 1 and 2
     proc = run_cmd([str(ROOT / "train.py"), "--step", "3", "--output-dir", str(tmp_path / "empty")])

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from dschat import config as C
-from dschat.inputs import DATA, check_data, check_inputs, check_model
+from dschat.inputs import DATA, FUNCTION, check_data, check_inputs, check_model, import_function
 from dschat.utils.errors import UserError
 
 
@@ -44,6 +44,28 @@ def test_data_sources(tmp_path, monkeypatch):
         check_data("missing.jsonl", "--data_path")
     with pytest.raises(UserError, match=r"^--data_path someone/data: not a local file or directory"):
         check_data("someone/data", "--data_path")
+
+
+def test_a_function_must_import_and_be_callable():
+    assert import_function("os.path:join", "--reward_fn")("a", "b") == "a/b"
+    with pytest.raises(
+        UserError, match=r"^--reward_fn no_such_module:f: cannot import \(ModuleNotFoundError: "
+    ):
+        import_function("no_such_module:f", "--reward_fn")
+    with pytest.raises(UserError, match=r"^--reward_fn os\.path:nope: cannot import \(AttributeError: "):
+        import_function("os.path:nope", "--reward_fn")
+    with pytest.raises(UserError, match=r"^--reward_fn os:sep: str is not callable$"):
+        import_function("os:sep", "--reward_fn")
+
+
+def test_step3s_reward_function_is_checked_with_the_inputs():
+    # before the process group: the step checks DATA and FUNCTION fields (models by the ones it holds)
+    from dschat.config.rlhf import PPOArgs
+
+    specs, good = (PPOArgs,), (PPOArgs(reward_fn="os.path:join"),)
+    check_inputs(specs, good, kinds=(DATA, FUNCTION))
+    with pytest.raises(UserError, match=r"^--reward_fn no_such_module:f: cannot import"):
+        check_inputs(specs, (PPOArgs(reward_fn="no_such_module:f"),), kinds=(DATA, FUNCTION))
 
 
 def test_check_inputs_walks_the_marked_fields_and_names_prefixed_flags(tmp_path):

@@ -39,7 +39,7 @@ from dschat.data.collate import PromptCollator, SFTCollator
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
-from dschat.inputs import DATA, check_inputs
+from dschat.inputs import DATA, FUNCTION, check_inputs
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters
 from dschat.rlhf import ppo_math as M
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ppo, run = o.ppo, o.run
     # 1. setup: checks across groups, the inputs named, then every model and the data, before any engine starts
     check_options(o)
-    check_inputs(GROUPS, groups, kinds=(DATA,))
+    check_inputs(GROUPS, groups, kinds=(DATA, FUNCTION))
     check_model_paths(o)
     log = setup_logging(None)
     check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
