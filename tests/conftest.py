@@ -179,6 +179,22 @@ def cpu_ranks_env(ranks: int = 2) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""} if 0 < torch.cuda.device_count() < ranks else {}
 
 
+def build_deepspeed_shared_memory_op() -> None:
+    """JIT-build (or load, once built) DeepSpeed's shared-memory collective op, which every CPU rank loads
+    as its process group starts: the first run after a new virtualenv compiles it, about a minute on 2
+    cores, and a test that times a run must not time that. No-op where the ranks are GPUs (NCCL)."""
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        return
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    from dschat.engine.core import clear_stale_build_lock
+
+    clear_stale_build_lock(ShareMemCommBuilder.NAME)
+    ShareMemCommBuilder().load(verbose=False)
+
+
 def shared_data(*parts: str) -> Path:
     """A file under ../shared/data, or skip the test where the shared data is absent."""
     p = SHARED_DATA.joinpath(*parts)

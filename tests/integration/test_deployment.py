@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import cpu_ranks_env
+from tests.conftest import build_deepspeed_shared_memory_op, cpu_ranks_env
 from tests.integration.helpers import (
     assert_ok,
     train_py,
@@ -30,6 +30,7 @@ pytestmark = [
 def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):
     """Rank 1 exits abruptly (os._exit, like an OOM kill) after 3 steps: rank 0 is blocked in a gloo
     collective; the launcher must end the job within seconds, non-zero, and train.py must name rank 1."""
+    build_deepspeed_shared_memory_op()  # else the first test after a new virtualenv times its compilation
     t0 = time.monotonic()
     proc = train_py(
         "--step", "1", "--deployment-type", "single_node", "--num-gpus", "2", "--actor-model", "builtin:micro-llama",
