@@ -125,7 +125,7 @@ def run_main_in_process(
 
     script = Path(script).resolve()
     if script not in _ENTRY_MODULES:
-        spec = importlib.util.spec_from_file_location(f"_entry_{script.parent.name}", script)
+        spec = importlib.util.spec_from_file_location(f"_entry_{script.parent.name}_{script.stem}", script)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
