@@ -3,10 +3,11 @@ model or data path that can only be local and is not there, an unknown built-in 
 source that is neither a file, ``builtin[:TASK]`` nor a registered dataset, a ``module:function`` that
 does not import.
 
-The option groups mark such fields (``opt(..., input="model" | "data")``); :func:`check_inputs` walks
-them. Light (no torch): ``train.py`` checks every step's data before the first step starts, and each step
-checks its models and data before its process group starts (a model that an earlier step of the same job
-writes is not there yet when ``train.py`` starts, so ``train.py`` leaves models to the step).
+The option groups mark such fields (``opt(..., input="model" | "data" | "function")``);
+:func:`check_inputs` walks them. Light (no torch): ``train.py`` checks every step's data before the first
+step starts, and each step checks its models, data and functions before its process group starts (a model
+that an earlier step of the same job writes is not there yet when ``train.py`` starts, so ``train.py``
+leaves models to the step; a function's own module may import torch, so it leaves functions too).
 """
 
 from __future__ import annotations
