@@ -1,7 +1,7 @@
 """Inputs named on a command line, checked before any slow start-up, one line each naming the flag: a
 model or data path that can only be local and is not there, an unknown built-in model or task, a data
 source that is neither a file, ``builtin[:TASK]`` nor a registered dataset, a ``module:function`` that
-does not import.
+names no module.
 
 The option groups mark such fields (``opt(..., input="model" | "data" | "function")``);
 :func:`check_inputs` walks them. Light (no torch): ``train.py`` checks every step's data before the first
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -65,7 +66,20 @@ def import_function(spec: str, flag: str) -> Callable:
     return fn
 
 
-CHECKS = {MODEL: check_model, DATA: check_data, FUNCTION: import_function}
+def check_function(spec: str, flag: str) -> None:
+    """The module of a ``module:function`` must be there. Found, not imported: the step imports it
+    (:func:`import_function`) after its rank has its device and its seed, in case the module does GPU or
+    random work on import."""
+    module = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError) as exc:  # a missing parent package, an empty name
+        raise UserError(f"{flag} {spec}: cannot import ({type(exc).__name__}: {exc})") from None
+    if not found:
+        raise UserError(f"{flag} {spec}: cannot import (ModuleNotFoundError: No module named {module!r})")
+
+
+CHECKS = {MODEL: check_model, DATA: check_data, FUNCTION: check_function}
 
 
 def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] = (MODEL, DATA)) -> None:

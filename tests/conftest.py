@@ -101,26 +101,46 @@ def run_cmd(
 _ENTRY_MODULES: dict[Path, object] = {}
 
 
+class _ProcessGroupStarted(BaseException):
+    """Raised in place of starting torch.distributed inside :func:`run_main_in_process` (a BaseException,
+    so that no ``except Exception`` on the way turns it into something else)."""
+
+
+# What a plain ``python script.py`` shows of warnings (Python's default filters): pytest's own filters
+# would hide some, or show deprecations a user never sees.
+_CLI_WARNING_FILTERS = (
+    ("default", DeprecationWarning, "__main__"),
+    ("ignore", DeprecationWarning, ""),
+    ("ignore", PendingDeprecationWarning, ""),
+    ("ignore", ImportWarning, ""),
+    ("ignore", ResourceWarning, ""),
+)
+
+
 def run_main_in_process(
     script: Path, args: list[str], *, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``python SCRIPT ARGS`` for a run that must stop at a bad input, without a new process: the
-    script's ``main(argv)`` under :func:`dschat.utils.errors.run_cli`, as its ``__main__`` runs it, its
-    output captured, its exit status returned. A subprocess spends 3-6 s importing torch, which this
-    worker has already paid (the suite has some 40 such cases).
+    """``python SCRIPT ARGS`` for a run that must stop at a bad input before its process group starts,
+    without a new process: the script's ``main(argv)`` under :func:`dschat.utils.errors.run_cli`, as its
+    ``__main__`` runs it, from the project root, its output and Python warnings captured, its exit status
+    returned. A subprocess spends 3-6 s importing torch, which this worker has already paid.
 
-    The contract checked on top: a bad input is caught before slow start-up work, so the run must not
-    have started torch.distributed (a case that fails later belongs in a subprocess, :func:`run_cmd`).
-    The environment, the console logger and torch's thread count are restored afterwards."""
+    Starting the process group (``dschat.engine.core.init_distributed``) fails the test: such a bad input
+    was found after slow start-up work, and a case that is found later by design belongs in a subprocess
+    (:func:`run_cmd`), which also keeps DeepSpeed's process-wide state out of this worker. The environment,
+    working directory, warning filters, the console logger, torch's thread count and random state are
+    restored afterwards. Text that C++ code writes straight to file descriptor 2 is not captured: the
+    e2e tests run the real processes."""
     import contextlib
     import importlib.util
     import io
     import logging
     import traceback
+    import warnings
 
     import torch
-    import torch.distributed as torch_dist
 
+    from dschat.engine import core as engine_core
     from dschat.utils.errors import run_cli
 
     script = Path(script).resolve()
@@ -132,30 +152,48 @@ def run_main_in_process(
         _ENTRY_MODULES[script] = module
     main = _ENTRY_MODULES[script].main
 
-    saved_env, saved_threads = dict(os.environ), torch.get_num_threads()
+    def refuse_to_start(*_, **__):
+        raise _ProcessGroupStarted
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_threads, saved_rng = torch.get_num_threads(), torch.random.get_rng_state()
     loggers = [logging.getLogger(), logging.getLogger("dschat")]
     saved_handlers = [(lg, list(lg.handlers), lg.propagate, lg.level) for lg in loggers]
+    saved_init = engine_core.init_distributed
     os.environ.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     for name in ("RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
+    os.chdir(ROOT)  # where run_cmd starts its processes
+    engine_core.init_distributed = refuse_to_start
     stdout, stderr = io.StringIO(), io.StringIO()
+    started = False
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        with (
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+            warnings.catch_warnings(),
+        ):
+            warnings.resetwarnings()
+            for action, category, module in reversed(_CLI_WARNING_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
+            warnings.showwarning = warnings._showwarning_orig  # to sys.stderr, not pytest's record
             try:
                 run_cli(lambda: main(args))
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except _ProcessGroupStarted:
+                started = True
             except BaseException:  # a bug: the traceback a process would print, exit status 1
                 traceback.print_exc()
                 code = 1
-        started = torch_dist.is_available() and torch_dist.is_initialized()
-        if started:
-            torch_dist.destroy_process_group()
     finally:
+        engine_core.init_distributed = saved_init
+        os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(saved_threads)
+        torch.random.set_rng_state(saved_rng)
         for lg, handlers, propagate, level in saved_handlers:
             for h in lg.handlers:
                 if h not in handlers:
@@ -163,7 +201,7 @@ def run_main_in_process(
             lg.handlers[:] = handlers
             lg.propagate, lg.level = propagate, level
     assert not started, (
-        f"{script.name} {args}: torch.distributed started before the error (slow start-up first)"
+        f"{script.name} {args}: reached its process group without an error (slow start-up first)"
     )
     return subprocess.CompletedProcess(
         [sys.executable, str(script), *args], code, stdout.getvalue(), stderr.getvalue()

@@ -11,15 +11,21 @@ import pytest
 from tests.integration.helpers import FAST, error_line, step1, train_py
 
 
-def run_bad(tmp_path, *flags: str, env: dict | None = None):
+def run_bad(tmp_path, *flags: str, env: dict | None = None, in_process: bool = False):
+    """Step 1 stopped by a bad input; ``in_process`` where it must stop before the process group (flags and
+    named inputs), a subprocess where it is found later by design (file contents, the tokenizer, the hub)."""
     out = tmp_path / "out"
-    proc = step1(out, *FAST, "--max_steps", "5", *flags, env=env, in_process=True)
+    proc = step1(out, *FAST, "--max_steps", "5", *flags, env=env, in_process=in_process)
     assert not (out / "summary.json").exists()
     return proc
 
 
 def test_missing_data_file(tmp_path):
-    error_line(run_bad(tmp_path, "--data_path", "/nonexistent.jsonl"), "/nonexistent.jsonl", "not found")
+    error_line(
+        run_bad(tmp_path, "--data_path", "/nonexistent.jsonl", in_process=True),
+        "/nonexistent.jsonl",
+        "not found",
+    )
 
 
 def test_malformed_json_line_names_file_and_line(tmp_path):
@@ -62,7 +68,7 @@ def test_unknown_model_name_offline(tmp_path):
     ids=["only-optimize-lora-without-lora", "zero-stage-5", "unknown-flag"],
 )
 def test_bad_flags(tmp_path, flags, needles):
-    proc = run_bad(tmp_path, *flags)
+    proc = run_bad(tmp_path, *flags, in_process=True)
     error_line(proc, *needles)
 
 

@@ -164,7 +164,7 @@ def test_pairs_with_identical_sides_are_one_line(tmp_path):
             for i in range(40)]  # fmt: skip
     rows[7]["rejected"] = rows[7]["chosen"] + " "  # the same answer once stripped
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    error_line(dpo(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0", in_process=True),
+    error_line(dpo(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0"),
                str(data), "1 pair(s) have the same chosen and rejected answer")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
@@ -183,7 +183,7 @@ def test_reference_with_another_vocabulary_is_one_line(tmp_path):
     tok.add_tokens(["<not-in-the-policy>"])
     tok.save_pretrained(other)
     line = error_line(
-        dpo(tmp_path / "out", *FAST, "--ref_model_name_or_path", str(other), in_process=True),
+        dpo(tmp_path / "out", *FAST, "--ref_model_name_or_path", str(other)),
         str(other),
         "tokenizer",
     )

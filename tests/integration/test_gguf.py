@@ -125,7 +125,6 @@ def test_step1_refuses_a_truncated_gguf_in_one_line(tmp_path, micro_gguf):
         "--model_name_or_path",
         str(cut),
         env={"DSCHAT_CACHE": str(cache)},
-        in_process=True,
     )
     error_line(proc, str(cut), "truncated or corrupt GGUF file")
     assert not (tmp_path / "out").exists()

@@ -276,7 +276,7 @@ def test_length_expert_is_fitted_logged_and_saved(tmp_path):
 
 def test_missing_rejected_field_is_one_clear_line(tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"p{i}", "response": f" r{i}"} for i in range(40)])
-    proc = step2(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0", in_process=True)
+    proc = step2(tmp_path / "out", *FAST, "--data_path", str(data), "--data_split", "0,1,0")
     line = error_line(proc, "missing field 'rejected'")
     assert str(data) in line
     assert not (tmp_path / "out" / "summary.json").exists()

@@ -308,10 +308,10 @@ def test_a_function_reward_without_a_critic_reads_no_critic_path(models, tmp_pat
 def test_bad_inputs(models, tmp_path):
     actor, rm = models
     # the reward model must have a trained value head
-    error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1", in_process=True),
+    error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1"),
                "not a trained reward model")  # fmt: skip
     # so must the judge, checked before the engines start
-    error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1", in_process=True),
+    error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1"),
                f"--judge_reward_model {actor}: not a trained reward model")  # fmt: skip
     # the PPO minibatch must divide the generated batch
     error_line(
@@ -336,7 +336,7 @@ def test_bad_inputs(models, tmp_path):
     cfg = json.loads((old_rm / "config.json").read_text())
     del cfg["score_normalization"]
     (old_rm / "config.json").write_text(json.dumps(cfg))
-    error_line(step3(tmp_path / "n", actor, old_rm, "--normalize_reward", "--max_steps", "1", in_process=True),
+    error_line(step3(tmp_path / "n", actor, old_rm, "--normalize_reward", "--max_steps", "1"),
                f"--critic_model_name_or_path {old_rm}: --normalize_reward needs the score mean and std")  # fmt: skip
     error_line(step3(tmp_path / "m", actor, rm, "--normalize_reward", *EASY, "--advantage_estimator", "rloo",
                      "--n_samples_per_prompt", "2", "--max_steps", "1", in_process=True),

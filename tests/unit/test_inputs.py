@@ -59,13 +59,24 @@ def test_a_function_must_import_and_be_callable():
 
 
 def test_step3s_reward_function_is_checked_with_the_inputs():
-    # before the process group: the step checks DATA and FUNCTION fields (models by the ones it holds)
+    # before the process group: the step checks DATA and FUNCTION fields (models by the ones it holds); the
+    # module is found, not imported (the rank imports it once it has its device and seed)
     from dschat.config.rlhf import PPOArgs
 
     specs, good = (PPOArgs,), (PPOArgs(reward_fn="os.path:join"),)
     check_inputs(specs, good, kinds=(DATA, FUNCTION))
-    with pytest.raises(UserError, match=r"^--reward_fn no_such_module:f: cannot import"):
+    for bad, error in (("no_such_module:f", "No module named 'no_such_module'"),
+                       ("no_such_package.mod:f", "No module named 'no_such_package'")):  # fmt: skip
+        with pytest.raises(
+            UserError, match=rf"^--reward_fn {bad}: cannot import \(ModuleNotFoundError: {error}\)$"
+        ):
+            check_inputs(specs, (PPOArgs(reward_fn=bad),), kinds=(DATA, FUNCTION))
+    # same line as the loader's, where the check and the use meet the same missing module
+    with pytest.raises(UserError) as loaded:
+        import_function("no_such_module:f", "--reward_fn")
+    with pytest.raises(UserError) as checked:
         check_inputs(specs, (PPOArgs(reward_fn="no_such_module:f"),), kinds=(DATA, FUNCTION))
+    assert str(checked.value) == str(loaded.value)
 
 
 def test_check_inputs_walks_the_marked_fields_and_names_prefixed_flags(tmp_path):
