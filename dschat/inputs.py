@@ -53,14 +53,20 @@ def check_data(spec: str, flag: str) -> None:
             raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
 
 
+def _cannot_import(flag: str, spec: str, exc: Exception) -> UserError:
+    """The one line for a ``module:function`` that does not import, from the check and from the loader."""
+    return UserError(f"{flag} {spec}: cannot import ({type(exc).__name__}: {exc})")
+
+
 def import_function(spec: str, flag: str) -> Callable:
     """``module:function`` imported and called back later (``--reward_fn``): the module must import and
-    the name must be a callable in it. The one loader, so the check and the use cannot disagree."""
+    the name must be a callable in it. The one loader (the step's check before its process group only
+    finds the module: :func:`check_function`)."""
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:
-        raise UserError(f"{flag} {spec}: cannot import ({type(exc).__name__}: {exc})") from None
+        raise _cannot_import(flag, spec, exc) from None
     if not callable(fn):
         raise UserError(f"{flag} {spec}: {type(fn).__name__} is not callable")
     return fn
@@ -74,9 +80,9 @@ def check_function(spec: str, flag: str) -> None:
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError) as exc:  # a missing parent package, an empty name
-        raise UserError(f"{flag} {spec}: cannot import ({type(exc).__name__}: {exc})") from None
-    if not found:
-        raise UserError(f"{flag} {spec}: cannot import (ModuleNotFoundError: No module named {module!r})")
+        raise _cannot_import(flag, spec, exc) from None
+    if not found:  # what importing it would raise
+        raise _cannot_import(flag, spec, ModuleNotFoundError(f"No module named {module!r}"))
 
 
 CHECKS = {MODEL: check_model, DATA: check_data, FUNCTION: check_function}

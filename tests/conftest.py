@@ -208,6 +208,16 @@ def run_main_in_process(
     )
 
 
+def run_entry(
+    script: Path, args: list[str], *, env: dict | None = None, timeout: int = 600, in_process: bool = False
+) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS``: a new process (:func:`run_cmd`), or ``in_process`` for a run that must stop at
+    a bad input before its process group (:func:`run_main_in_process`)."""
+    if in_process:
+        return run_main_in_process(script, args, env=env)
+    return run_cmd([str(script), *args], env=env, timeout=timeout)
+
+
 def cpu_ranks_env(ranks: int = 2) -> dict[str, str]:
     """Environment for a test that starts ``ranks`` processes on this machine: CPU ranks (gloo) unless
     there is a GPU for each. The multi-rank tests compare against one CPU rank; on a one-GPU machine

@@ -8,7 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.conftest import ROOT, STEP1, run_cmd, run_main_in_process
+from tests.conftest import ROOT, STEP1, run_cmd, run_entry
 
 TRAIN_PY = ROOT / "train.py"
 PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
@@ -35,10 +35,9 @@ def step1(
 ) -> subprocess.CompletedProcess:
     """Run ``training/step1_supervised_finetuning/main.py --output_dir OUT FLAGS``; ``in_process`` for a
     run that stops at a bad input (:func:`tests.conftest.run_main_in_process`)."""
-    args = ["--output_dir", str(out_dir), *flags]
-    if in_process:
-        return run_main_in_process(STEP1, args, env=env)
-    return run_cmd([str(STEP1), *args], env=env, timeout=timeout)
+    return run_entry(
+        STEP1, ["--output_dir", str(out_dir), *flags], env=env, timeout=timeout, in_process=in_process
+    )
 
 
 def train_py(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_main_in_process
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_entry
 from tests.integration.helpers import assert_ok, error_line, metrics, summary, train_losses
 from tests.integration.test_step2 import preference_file, write_jsonl
 
@@ -20,8 +20,7 @@ FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch
 
 
 def dpo(out: Path, *flags: str, env: dict | None = None, in_process: bool = False):
-    args = ["--output_dir", str(out), *flags]
-    return run_main_in_process(DPO, args, env=env) if in_process else run_cmd([str(DPO), *args], env=env)
+    return run_entry(DPO, ["--output_dir", str(out), *flags], env=env, in_process=in_process)
 
 
 @pytest.fixture(scope="module")

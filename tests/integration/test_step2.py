@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_main_in_process
+from tests.conftest import ROOT, cpu_ranks_env, run_cmd, run_entry, run_main_in_process
 from tests.integration.helpers import assert_ok, error_line, train_rows
 
 STEP2 = ROOT / "training" / "step2_reward_model_finetuning" / "main.py"
@@ -20,8 +20,7 @@ FAST = ["--model_name_or_path", "builtin:micro-llama", "--per_device_train_batch
 
 
 def step2(out: Path, *flags: str, env: dict | None = None, in_process: bool = False):
-    args = ["--output_dir", str(out), *flags]
-    return run_main_in_process(STEP2, args, env=env) if in_process else run_cmd([str(STEP2), *args], env=env)
+    return run_entry(STEP2, ["--output_dir", str(out), *flags], env=env, in_process=in_process)
 
 
 def preference_file(path: Path, n: int = 1200) -> Path:

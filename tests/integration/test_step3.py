@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, run_cmd, run_main_in_process
+from tests.conftest import ROOT, run_cmd, run_entry
 from tests.integration.helpers import assert_ok, error_line, train_rows
 
 STEP3 = ROOT / "training" / "step3_rlhf_finetuning" / "main.py"
@@ -37,14 +37,12 @@ def step3(
     critic: Path,
     *flags: str,
     env: dict | None = None,
-    launcher: list[str] | None = None,
     in_process: bool = False,
 ):
     args = ["--output_dir", str(out), "--actor_model_name_or_path", actor, "--critic_model_name_or_path",
             str(critic), *PPO, *flags]  # fmt: skip
-    if in_process:  # the reward functions under tests/ are importable here already
-        return run_main_in_process(STEP3, args, env=env)
-    return run_cmd([*(launcher or []), str(STEP3), *args], env={"PYTHONPATH": str(ROOT), **(env or {})})
+    env = {"PYTHONPATH": str(ROOT), **(env or {})}  # a new process imports the reward functions under tests/
+    return run_entry(STEP3, args, env=env, in_process=in_process)
 
 
 @pytest.mark.slow  # 40 rounds: half a minute; marked so that its module starts early under xdist
