@@ -326,8 +326,14 @@ def main(argv: list[str] | None = None) -> int:
             memory_plan(StepLine.of(n, args, extra, preset), args, extra, preset)
         return 0
     launcher(args)  # every launch flag checked before any step starts
+    actions = resume_actions(args, steps)
     lines: dict[int, StepLine] = {}
+    per_step: dict[int, argparse.Namespace] = {}
     for n in steps:
+        if actions.get(n) == KEEP:
+            continue
+        # --resume reaches only the step that holds a checkpoint; the steps after it start afresh
+        per_step[n] = step_ns = argparse.Namespace(**{**vars(args), "resume": actions.get(n) == RESUME})
         for needed in (1, 2) if n == 3 else ():
             if needed not in steps and not finished(Path(args.output_dir) / f"step{needed}"):
                 if needed == 2 and args.reward_model:
@@ -336,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"--step 3 needs a finished step {needed} in {Path(args.output_dir) / f'step{needed}'} "
                     f"(run --step {needed} first, or add it: --step 1 2 3)"
                 )
-        check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite, resume=args.resume,
-                         flag="--output-dir")  # fmt: skip
-        lines[n] = StepLine.of(n, args, extra, preset)  # every step's flags, before any runs
+        check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite,
+                         resume=step_ns.resume, flag="--output-dir")  # fmt: skip
+        lines[n] = StepLine.of(n, step_ns, extra, preset)  # every step's flags, before any runs
         # its data too (its models may be written by an earlier step of this job: the step checks those)
         check_inputs(importlib.import_module(lines[n].step.module).GROUPS, lines[n].groups, kinds=(DATA,))
     env = launcher_env(args)
@@ -347,17 +353,20 @@ def main(argv: list[str] | None = None) -> int:
     # With torchrun every node runs this script: node 0 writes training.log, the others their own file.
     node = f".node{args.node_rank}" if args.launcher == "torchrun" and args.node_rank else ""
     remote = args.deployment_type == "multi_node" and args.launcher != "torchrun"  # the DeepSpeed runner
+    for n in steps:
+        if actions.get(n) == KEEP:
+            print(f"==> step {n} ({step_of(n, args).name}): finished, kept (--resume)", flush=True)
     for n, line in lines.items():
-        step = line.step
+        step, step_ns = line.step, per_step[n]
         # the launcher again for each step: a port found free now (one found before step 1 may be taken by
         # the time step 3 starts, an hour later)
-        cmd = [*launcher(args), str(step.entry), *line.command(memory_plan(line, args, extra, preset))]
+        cmd = [*launcher(args), str(step.entry), *line.command(memory_plan(line, step_ns, extra, preset))]
         out_dir = Path(args.output_dir) / step.dir_name
         print(f"==> step {n} ({step.name}): {shlex.join(cmd)}", flush=True)
         if args.dry_run:
             continue
         log = out_dir / f"training{node}.log"
-        code, failed = run_step(cmd, log, append=args.resume, env=env, remote=remote)
+        code, failed = run_step(cmd, log, append=step_ns.resume, env=env, remote=remote)
         if code != 0:
             print(
                 f"error: step {n} ({step.name}) failed with exit code {code}"
@@ -380,6 +389,35 @@ def main(argv: list[str] | None = None) -> int:
         for line in next_commands(args, steps, preset):
             print(line, flush=True)
     return 0
+
+
+KEEP, RESUME, START = "keep", "resume", "start"
+
+
+def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]:
+    """With ``--resume``, what each step of the job does: a finished step is kept (not run again), the step
+    holding checkpoints continues from its latest one, the steps after it start afresh. So ``train.py
+    --resume`` continues a three-step job that stopped anywhere. Empty without ``--resume``.
+
+    Refused: nothing to resume (no step finished or checkpointed: a mistyped ``--output-dir``?), and a
+    finished step after one that runs again (its inputs would change under it)."""
+    if not args.resume or args.overwrite:  # with both, each step's own parser refuses the pair
+        return {}
+    out = Path(args.output_dir)
+    actions = {}
+    for n in steps:
+        d = out / step_of(n, args).dir_name
+        actions[n] = KEEP if finished(d) else RESUME if (d / "checkpoints" / "latest").exists() else START
+    if all(a == START for a in actions.values()):
+        raise UserError(f"--resume: nothing to resume in {out} (no step of this job finished or saved a "
+                        "checkpoint there)")  # fmt: skip
+    runs = [n for n in steps if actions[n] != KEEP]
+    if runs and (later := [n for n in steps if n > runs[0] and actions[n] == KEEP]):
+        raise UserError(
+            f"--resume: step {later[0]} is finished but step {runs[0]} before it is not, so step {later[0]} would "
+            f"not match it; pass --overwrite to run the job again, or --step {later[0]} alone"
+        )
+    return actions
 
 
 def check_models(args: argparse.Namespace) -> None:

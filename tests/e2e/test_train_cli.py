@@ -61,3 +61,49 @@ def test_an_unfinished_step_resumes_with_either_spelling_of_resume(tmp_path, spe
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("==> step 1 ("))
     assert shlex.split(line.split(": ", 1)[1]).count("--resume") == 1
+
+
+def _job_dir(tmp_path, finished=(), checkpointed=()):
+    """An output directory of a job that stopped: steps in ``finished`` wrote their summary, steps in
+    ``checkpointed`` saved a checkpoint and no summary."""
+    for n in finished:
+        (tmp_path / f"step{n}").mkdir(parents=True)
+        (tmp_path / f"step{n}" / "summary.json").write_text("{}")
+    for n in checkpointed:
+        ckpt = tmp_path / f"step{n}" / "checkpoints"
+        ckpt.mkdir(parents=True)
+        (ckpt / "latest").write_text("step5\n")
+
+
+JOB = ["--dry-run", "--actor-model", "builtin:micro-llama", "--preset", "none"]
+
+
+def test_resume_continues_a_job_where_it_stopped(tmp_path):
+    """A three-step job stopped in step 2: --resume keeps step 1 (finished: not run, not overwritten),
+    resumes step 2 from its checkpoint and starts step 3 afresh (no --resume: it has nothing to resume)."""
+    import shlex
+
+    _job_dir(tmp_path, finished=[1], checkpointed=[2])
+    error_line(train_py(*JOB, "--output-dir", str(tmp_path)), "step1", "holds a finished run")
+    proc = train_py(*JOB, "--output-dir", str(tmp_path), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert "==> step 1 (supervised fine-tuning): finished, kept (--resume)" in out
+    assert not any(x.startswith("==> step 1 (") and "main.py" in x for x in out)
+    cmds = {n: next(x for x in out if x.startswith(f"==> step {n} (") and "main.py" in x) for n in (2, 3)}
+    assert shlex.split(cmds[2].split(": ", 1)[1]).count("--resume") == 1
+    assert "--resume" not in shlex.split(cmds[3].split(": ", 1)[1])
+    assert (tmp_path / "step1" / "summary.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    ("finished", "checkpointed", "needles"),
+    [
+        ((), (), ["--resume", "nothing to resume"]),
+        ((2,), (1,), ["--resume", "step 2 is finished but step 1 before it is not", "--overwrite"]),
+    ],
+    ids=["nothing-to-resume", "finished-after-unfinished"],
+)
+def test_resume_refuses_a_job_it_cannot_continue(tmp_path, finished, checkpointed, needles):
+    _job_dir(tmp_path, finished=finished, checkpointed=checkpointed)
+    error_line(train_py(*JOB, "--output-dir", str(tmp_path), "--resume"), *needles)
