@@ -47,6 +47,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of the current epoch consumed (per rank)
+    micro_batch_samples: int = 0  # samples of one micro-batch over all ranks (0: not yet known)
     tokens: float = 0.0  # real (non-padding) tokens processed, all ranks
     positions: float = 0.0  # token positions processed, padding included, all ranks
     train_seconds: float = 0.0
@@ -193,7 +194,8 @@ def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
     if saved.get("global_batch_size") != global_batch_size:
         raise UserError(
             f"--resume: checkpoint {tag} was trained with global batch {saved.get('global_batch_size')}, this run has "
-            f"{global_batch_size} (the same batch size, accumulation and number of ranks keep the data order)"
+            f"{global_batch_size} (the data order and the schedule follow the global batch: keep per-device batch x "
+            "accumulation x ranks)"
         )
     fields = {f.name for f in dataclasses.fields(TrainState)}
     state = TrainState(**{k: v for k, v in saved.items() if k in fields})
@@ -202,7 +204,15 @@ def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
 
 
 def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
-    """Micro-batches from ``state.epoch`` / ``state.batch_in_epoch`` on, advancing ``state`` as it goes."""
+    """Micro-batches from ``state.epoch`` / ``state.batch_in_epoch`` on, advancing ``state`` as it goes.
+
+    A run resumed with another split of the same global batch (a smaller micro-batch and more accumulation
+    after running out of memory) goes on from the same sample: the saved position counts
+    the saved run's micro-batches, and checkpoints fall on optimizer steps, whole global batches."""
+    per = loader.sampler.world * loader.sampler.batch_size
+    if state.micro_batch_samples and state.micro_batch_samples != per:
+        state.batch_in_epoch = state.batch_in_epoch * state.micro_batch_samples // per
+    state.micro_batch_samples = per
     # test hook: rank DSCHAT_TEST_KILL_RANK dies (no clean-up, like a crash or an OOM kill) once
     # DSCHAT_TEST_KILL_AT_STEP optimizer steps are done; the launcher must then end the whole job
     kill_rank = os.environ.get("DSCHAT_TEST_KILL_RANK")

@@ -147,3 +147,34 @@ def test_indices_of_run_are_exactly_what_the_ranks_draw(world, accumulation, mic
             epoch += 1
     assert samplers[0].indices_of_run(micro) == drawn
     assert len(drawn) < 50 or micro * world * 4 >= 50  # a short run needs only part of the data
+
+
+@pytest.mark.parametrize(("before", "after"), [((2, 4), (4, 2)), ((8, 1), (2, 4)), ((4, 2), (4, 2))])
+def test_resume_with_another_split_of_the_global_batch_goes_on_from_the_same_sample(before, after):
+    """Global batch 8 as micro-batch x accumulation: a run stopped after 3 optimizer steps (over two
+    epochs of 40 samples) and resumed with another split reads the samples the uninterrupted run reads.
+    The saved position counts the first run's micro-batches; read as the new run's it skipped 24 samples
+    instead of 12 (2 x 4 -> 4 x 2) or 6 instead of 24 (8 x 1 -> 2 x 4)."""
+    import dataclasses
+
+    from torch.utils.data import DataLoader
+
+    from dschat.trainer import TrainState, micro_batches
+
+    def loader(bs, accumulation):
+        sampler = ResumableDistributedSampler(
+            40, batch_size=bs, rank=0, world=1, seed=3, accumulation=accumulation
+        )
+        return DataLoader(list(range(40)), batch_size=bs, sampler=sampler)
+
+    (bs0, acc0), (bs1, acc1) = before, after
+    whole = micro_batches(loader(bs1, acc1), TrainState(global_batch_size=8), num_epochs=2)
+    expected = [i for b in whole for i in b.tolist()]
+    state = TrainState(global_batch_size=8)
+    first = micro_batches(loader(bs0, acc0), state, num_epochs=2)
+    got = [i for _ in range(3 * acc0) for i in next(first).tolist()]
+    saved = dataclasses.asdict(state)  # what a checkpoint holds
+    got += [
+        i for b in micro_batches(loader(bs1, acc1), TrainState(**saved), num_epochs=2) for i in b.tolist()
+    ]
+    assert got == expected and len(got) == 80
