@@ -361,13 +361,24 @@ def should_log(step: int, interval: int, total: int) -> bool:
     return step == total or (interval > 0 and step % interval == 0)
 
 
-def open_metrics(run: RunArgs, resolved: dict[str, Any]) -> MetricsLogger:
-    """metrics.jsonl (appended to on --resume), plus TensorBoard and W&B when asked for."""
+def open_metrics(run: RunArgs, resolved: dict[str, Any], state: TrainState) -> MetricsLogger:
+    """metrics.jsonl (on --resume: its rows up to the checkpoint's step kept, the run's appended), plus
+    TensorBoard and W&B when asked for."""
     return MetricsLogger(
         run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
         tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
-        run_name=Path(run.output_dir).name, append=run.resume,
+        run_name=Path(run.output_dir).name, append=run.resume, keep_through=state.step,
     )  # fmt: skip
+
+
+def start_of_run(state: TrainState, key: str, measure: Callable[[], Any]) -> Any:
+    """A measurement of where the run started (the evaluation before its first step, its first log row):
+    taken once and kept in ``state.extra``, which every checkpoint saves, so that a resumed run reports
+    the start of the run in its summary (``*_start``), not the step it resumed from, and does not log
+    that evaluation again."""
+    if key not in state.extra:
+        state.extra[key] = measure()
+    return state.extra[key]
 
 
 def open_run(
@@ -375,4 +386,4 @@ def open_run(
 ) -> tuple[TrainState, int, MetricsLogger]:
     """The run's state (:func:`resume_state`), the step it starts from and its metrics loggers."""
     state = resume_state(engine, run, global_batch_size)
-    return state, state.step, open_metrics(run, resolved)
+    return state, state.step, open_metrics(run, resolved, state)

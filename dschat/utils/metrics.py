@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.utils import dist
+from dschat.utils.io import atomic_write_text
 
 LOG = logging.getLogger("dschat")
 
@@ -46,6 +47,14 @@ def setup_logging(output_dir: str | None, *, log_file: bool = True) -> logging.L
     return LOG
 
 
+def _step_of(line: str) -> float:
+    """The step of one metrics.jsonl row; a torn last line (the process died writing it) sorts last."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLogger:
     """One place every metric goes through: jsonl line, TensorBoard scalar, W&B log.
 
@@ -63,7 +72,12 @@ class MetricsLogger:
         wandb_project: str = "dschat",
         run_name: str | None = None,
         append: bool = False,
+        keep_through: int | None = None,
     ) -> None:
+        """``append``: add to an earlier process's metrics.jsonl (a resumed run). ``keep_through``: with
+        ``append``, first drop its rows after that step: a run resumed from the checkpoint of step N logs
+        the steps after N again, and rows the interrupted run wrote after its last checkpoint would stay
+        beside them twice."""
         self.active = dist.is_main()
         self._tb = None
         self._wandb = None
@@ -71,7 +85,12 @@ class MetricsLogger:
         if not self.active:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self._file = open(Path(output_dir) / "metrics.jsonl", "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+        path = Path(output_dir) / "metrics.jsonl"
+        if append and keep_through is not None and path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if _step_of(line) <= keep_through]  # fmt: skip
+            atomic_write_text(path, "".join(kept))
+        self._file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

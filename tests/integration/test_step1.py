@@ -197,9 +197,11 @@ def test_resume_after_interruption_is_bit_identical(reference_run, tmp_path):
     out = tmp_path / "run"
     flags = [*REFERENCE_1RANK, "--zero_stage", "3", "--save_steps", "10"]
 
-    # Killed right after the step-10 checkpoint: no summary, a complete checkpoint named by `latest`.
-    proc = step1(out, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "10"})
-    assert proc.returncode == 17, proc.stderr[-3000:]
+    # Killed 3 steps after the step-10 checkpoint (rows 11-13 logged): no summary, a complete checkpoint
+    # named by `latest`.
+    proc = step1(out, *flags, env={"DSCHAT_TEST_KILL_RANK": "0", "DSCHAT_TEST_KILL_AT_STEP": "13"})
+    assert proc.returncode == 13, proc.stderr[-3000:]
+    assert max(train_losses(out)) == 13
     assert not (out / "summary.json").exists()
     ckpt = out / "checkpoints"
     assert latest_tag(ckpt) == "step10"
@@ -221,11 +223,17 @@ def test_resume_after_interruption_is_bit_identical(reference_run, tmp_path):
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert float((a[k] - b[k]).abs().max()) == 0.0, k
     assert s["eval_loss_end"] == summary(ref)["eval_loss_end"]
-    # metrics.jsonl is appended: steps 1..20 once each, and the resumed steps equal the reference's.
+    # The start is the run's, not the resume's (the resumed run used to re-measure it at step 10).
+    assert s["eval_loss_start"] == summary(ref)["eval_loss_start"]
+    assert s["eval_perplexity_start"] == summary(ref)["eval_perplexity_start"]
+    # metrics.jsonl is appended: the interrupted run's rows after its checkpoint (11-13) are dropped, so
+    # steps 1..20 once each (train_losses fails on a repeat), and the resumed steps equal the reference's;
+    # the evaluations at the same steps (no extra one at the resume).
     got, want = train_losses(out), train_losses(ref)
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    assert [step for step, _ in eval_losses(out)] == [step for step, _ in eval_losses(ref)]
 
     # Finished: --resume is refused now (so is a plain rerun: test_bad_inputs), the run is left alone.
     error_line(step1(out, *flags, "--resume", in_process=True), str(out), "--overwrite")

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                  f", true {fmt_acc(acc)}" if acc else "")  # fmt: skip
         return ev, acc
 
-    eval_start, acc_start = evaluate(state.step, with_accuracy=True)
+    eval_start, acc_start = T.start_of_run(state, "eval", lambda: evaluate(state.step, with_accuracy=True))
 
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                  ev["margin"], ev["loss"], f", true accuracy {acc['accuracy']:.3f}" if acc else "")  # fmt: skip
         return ev, acc
 
-    eval_start, acc_start = evaluate(state.step, with_accuracy=True)
+    eval_start, acc_start = T.start_of_run(state, "eval", lambda: evaluate(state.step, with_accuracy=True))
 
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "margin", ".4f"), ("lr", "lr", ".2e"))  # fmt: skip

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     memo = EvalMemo(engine, "step 2's evaluation")
     evaluate = RankingEval(memo, tokenizer, setup.fmt, evals, policy_evals, policy_samples, optim, data_args,
                            pairs_args, metrics, sw)  # fmt: skip
-    eval_start = evaluate(state.step)
+    eval_start = T.start_of_run(state, "eval", lambda: evaluate(state.step))
 
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("lr", "lr", ".2e"),
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     T.export_model(engine.module.model, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
                              lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
-    train_pairs = (state.step - start_step) * global_batch
+    train_pairs = state.step * global_batch  # the whole run's, as state.train_seconds (kept by a resume)
     summary = summarize(
         eval_start, eval_end, state, mined, length_w, length_w_accuracy, train_pairs, run_info
     )

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3. resume or start; held-out evaluation
     state = resume(m, trainer, run, global_batch)
     start_step = state.step
-    metrics = T.open_metrics(run, resolved)
+    metrics = T.open_metrics(run, resolved, state)
     sw = Stopwatch()
     held_out = prompts.eval_prompts[: ppo.eval_prompts]
     cut, longest = answers_cut_by_budget(tokenizer, held_out, ppo.max_answer_seq_len, fmt)
@@ -282,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens with EOS): they cannot be answered in full", ppo.max_answer_seq_len, cut, len(held_out), longest)  # fmt: skip
     evaluate = HeldOutEval(m.actor, generator, m.reward, m.judge, tokenizer, fmt, held_out, sampling,
                            zero3=o.actor_ds.zero_stage == 3, seed=run.seed, metrics=metrics, timer=sw)  # fmt: skip
-    eval_start = evaluate(state.step)
+    eval_start = T.start_of_run(state, "eval", lambda: evaluate(state.step))
 
     # 4. PPO rounds: experience, updates, log, KL coefficient, evaluation, checkpoint
     buffer: list[Experience] = []
     window = T.MetricWindow()
-    first: dict[str, float] = {}
+    first: dict[str, float] = state.extra.get("first_log_row", {})  # a resumed run's: see T.start_of_run
     last: dict[str, float] = {}
     bar = tqdm(total=rounds.total, initial=state.step, disable=not dist.is_main(), desc="step 3 (PPO)",
                dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         window.add(round_seconds=time.perf_counter() - t0)
         if T.should_log(state.step, run.log_interval, rounds.total):
             last = trainer.log_row(window.reduce())
-            first = first or last
+            first = T.start_of_run(state, "first_log_row", lambda row=last: row)
             metrics.log(last, step=state.step, split="train")
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}", kl=f"{last['kl_to_reference']:.3f}")
             if not sys.stdout.isatty():
