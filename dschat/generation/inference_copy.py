@@ -273,25 +273,32 @@ class InferenceCopy:
         )
 
     def _materialize(self, base: nn.Module) -> None:
-        """Real tensors for every meta parameter (sliced shapes under TP; tied parameters stay tied),
+        """Real tensors for every meta parameter (sliced shapes under TP; tied parameters stay tied unless a holder has an adapter),
         buffers copied from the training model (same values, e.g. its rotary frequencies)."""
         made: dict[int, nn.Parameter] = {}
+        adapted: set[int] = set()  # tied parameters that one of their holders merges an adapter into
         size, rank = self.tp.size, self.tp.rank
         for mod_name, mod in self.model.named_modules():
             train_mod = base.get_submodule(mod_name)
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                if id(p) in made:  # tied (lm_head = embed_tokens): one tensor, filled once
+                lora = pname == "weight" and _is_lora_layer(train_mod) and _active_lora(train_mod) is not None
+                if id(p) in made and not lora and id(p) not in adapted:
+                    # tied (lm_head = embed_tokens): one tensor, filled once
                     mod._parameters[pname] = made[id(p)]
                     continue
+                # a holder with an adapter (LoRA on a tied lm_head) gets a tensor of its own: the shared
+                # one would give the other holder the adapter, or this one none
+                if lora:
+                    adapted.add(id(p))
                 full_name = f"{mod_name}.{pname}" if mod_name else pname
                 spec = shard_spec(full_name, self.plan, size)
                 new = nn.Parameter(
                     torch.empty(local_shape(p.shape, spec, size), dtype=self.dtype, device=self.device),
                     requires_grad=False,
                 )
-                made[id(p)] = new
+                made.setdefault(id(p), new)
                 mod._parameters[pname] = new
                 self.fills.append(
                     self._fill_for(train_mod, pname, new, spec, self._chunk_of(full_name), rank)
