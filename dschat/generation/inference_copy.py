@@ -273,8 +273,9 @@ class InferenceCopy:
         )
 
     def _materialize(self, base: nn.Module) -> None:
-        """Real tensors for every meta parameter (sliced shapes under TP; tied parameters stay tied unless a holder has an adapter),
-        buffers copied from the training model (same values, e.g. its rotary frequencies)."""
+        """Real tensors for every meta parameter (sliced shapes under TP; tied parameters stay tied unless
+        a holder has an adapter), buffers copied from the training model (same values, e.g. its rotary
+        frequencies)."""
         made: dict[int, nn.Parameter] = {}
         adapted: set[int] = set()  # tied parameters that one of their holders merges an adapter into
         size, rank = self.tp.size, self.tp.rank
