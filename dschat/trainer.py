@@ -25,7 +25,13 @@ from tqdm import tqdm
 from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
-from dschat.engine.checkpoint import export_hf_model, latest_tag, load_checkpoint, save_checkpoint
+from dschat.engine.checkpoint import (
+    export_hf_model,
+    latest_tag,
+    load_checkpoint,
+    load_checkpoint_tensors,
+    save_checkpoint,
+)
 from dschat.models.layers import freeze_below, top_block_names
 from dschat.models.loading import count_parameters
 from dschat.models.lora import inject_lora
@@ -203,6 +209,14 @@ def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
     return state
 
 
+def resumed_tensors(run: RunArgs, name: str) -> dict[str, torch.Tensor] | None:
+    """On ``--resume``, the tensors the latest checkpoint kept under ``name`` (:func:`maybe_checkpoint`'s
+    ``tensors``); None on a fresh run, or where the checkpoint has none."""
+    root = Path(run.output_dir) / "checkpoints"
+    tag = latest_tag(root) if run.resume else None
+    return load_checkpoint_tensors(root, tag, name) if tag is not None else None
+
+
 def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
     """Micro-batches from ``state.epoch`` / ``state.batch_in_epoch`` on, advancing ``state`` as it goes.
 
@@ -228,14 +242,16 @@ def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
         state.batch_in_epoch = 0
 
 
-def maybe_checkpoint(
-    engine, run: RunArgs, state: TrainState, total_steps: int, engines: dict[str, Any] | None = None
-) -> None:
-    """Save every ``--save_steps`` optimizer steps (not at the very end: the final model is exported)."""
+def maybe_checkpoint(engine, run: RunArgs, state: TrainState, total_steps: int,
+                     tensors: dict[str, dict[str, torch.Tensor] | None] | None = None) -> None:  # fmt: skip
+    """Save every ``--save_steps`` optimizer steps (not at the very end: the final model is exported);
+    ``tensors``: state outside the engines (see :func:`save_checkpoint`)."""
     if not run.save_steps or state.step % run.save_steps or state.step >= total_steps:
         return
     root = Path(run.output_dir) / "checkpoints"
-    save_checkpoint(engine, root, state.step, state.to_client_state(), keep=run.keep_checkpoints)
+    save_checkpoint(
+        engine, root, state.step, state.to_client_state(), keep=run.keep_checkpoints, tensors=tensors
+    )
     crash_after = int(
         os.environ.get("DSCHAT_TEST_EXIT_AFTER_SAVE", "0")
     )  # test hook: a kill right after a save

@@ -26,17 +26,20 @@ from typing import Any
 import torch
 
 from dschat.utils import dist
-from dschat.utils.io import atomic_write_text, replace_dir
+from dschat.utils.io import atomic_save_tensors, atomic_write_text, replace_dir
 
 LOG = logging.getLogger("dschat")
 TAG_RE = re.compile(r"^step(\d+)$")
 
 
-def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str, Any], keep: int = 2) -> Path:
+def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str, Any], keep: int = 2,
+                    tensors: dict[str, dict[str, torch.Tensor] | None] | None = None) -> Path:  # fmt: skip
     """Save one engine (``root/stepN/``) or several (a dict name -> engine: ``root/stepN/<name>/``).
 
     ``client_state`` goes with the (first) engine; a per-rank ``rng_rank<R>.pt`` with the torch RNG
-    state is saved beside it, so that sampling after a resume continues exactly.
+    state is saved beside it, so that sampling after a resume continues exactly. ``tensors``: state kept
+    outside the engines (name -> tensors, held by the writing rank: the actor's EMA), each in
+    ``<name>.safetensors`` (:func:`load_checkpoint_tensors`).
     """
     root = Path(root)
     tag, tmp_tag = f"step{step}", f".tmp-step{step}"
@@ -51,6 +54,9 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
             )
     else:
         engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
+    for name, held in (tensors or {}).items():
+        if held is not None and dist.is_node_writer():
+            atomic_save_tensors(root / tmp_tag / f"{name}.safetensors", held)
     rng = {
         "cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -98,6 +104,14 @@ def load_checkpoint(engine, root: str | Path, tag: str) -> dict[str, Any]:
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return client
+
+
+def load_checkpoint_tensors(root: str | Path, tag: str, name: str) -> dict[str, torch.Tensor] | None:
+    """The tensors :func:`save_checkpoint` kept under ``name`` in checkpoint ``tag``; None if it has none."""
+    from safetensors.torch import load_file
+
+    path = Path(root) / tag / f"{name}.safetensors"
+    return load_file(str(path)) if path.exists() else None
 
 
 def _is_zero3_param(p: torch.nn.Parameter) -> bool:

@@ -6,6 +6,9 @@ import torch
 
 from dschat.engine.checkpoint import gather_full_state_dict, write_hf_model
 from dschat.utils import dist
+from dschat.utils.errors import UserError
+
+CHECKPOINT_NAME = "actor_ema"  # its file in a step-3 checkpoint: actor_ema.safetensors
 
 
 class EMA:
@@ -15,6 +18,16 @@ class EMA:
         self.decay = decay
         state = gather_full_state_dict(module)
         self.state = {k: v.float() for k, v in state.items()} if state is not None else None
+
+    def restore(self, saved: dict[str, torch.Tensor] | None, where: str) -> None:
+        """The average a checkpoint kept (:func:`dschat.engine.checkpoint.save_checkpoint`'s ``tensors``): a
+        resumed run goes on averaging from it, not from the weights it resumes with."""
+        if self.state is None:  # not the writing rank: it keeps no average
+            return
+        if saved is None or saved.keys() != self.state.keys():
+            raise UserError(f"--resume: {where} holds no EMA of this actor (was the run started without "
+                            "--enable_ema?); resume without --enable_ema, or start over with --overwrite")  # fmt: skip
+        self.state = {k: v.float() for k, v in saved.items()}
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:

@@ -117,8 +117,9 @@ def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path, variant)
 def test_resume_continues_to_the_same_actor(models, tmp_path):
     actor, rm = models
     # an adaptive KL controller: its coefficient, saved in the checkpoint, shapes the rewards after resuming
+    # and an EMA of the actor, which lives outside the engines: the checkpoint keeps it too
     flags = [*EASY, "--max_steps", "6", "--save_steps", "3", "--dtype", "fp32", "--actor_learning_rate", "1e-3",
-             "--kl_target", "1e6", "--kl_horizon", "320"]  # fmt: skip
+             "--kl_target", "1e6", "--kl_horizon", "320", "--enable_ema", "--ema_decay", "0.5"]  # fmt: skip
     full = tmp_path / "full"
     assert_ok(step3(full, actor, rm, *flags))
     cut = tmp_path / "cut"
@@ -136,6 +137,17 @@ def test_resume_continues_to_the_same_actor(models, tmp_path):
     # every round's KL is far below the target: x (1 - 0.2 * 16 / 320) per round, six rounds either way
     kl_end = [json.loads((d / "summary.json").read_text())["kl_coef_end"] for d in (full, cut)]
     assert kl_end[0] == kl_end[1] == pytest.approx(0.1 * 0.99**6, rel=1e-9)
+    # the EMA continued from the saved average (it used to restart from the resumed weights)
+    ea, eb = (
+        load_file(full / "actor_ema" / "model.safetensors"),
+        load_file(cut / "actor_ema" / "model.safetensors"),
+    )
+    assert ea.keys() == eb.keys() and all((ea[k] == eb[k]).all() for k in ea)
+    # the summary's start is the run's (held-out evaluation, first log row), not the resume's
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (full, cut))
+    starts = [k for k in sa if k.endswith("_start")]
+    assert "reward_start" in starts and "held_out_reward_start" in starts
+    assert {k: sb[k] for k in starts} == {k: sa[k] for k in starts}
 
 
 def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_update(models, tmp_path):

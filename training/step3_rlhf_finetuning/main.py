@@ -39,6 +39,7 @@ from dschat.data.collate import PromptCollator, SFTCollator
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
 from dschat.engine import core as engine_core
 from dschat.engine.checkpoint import export_hf_model
+from dschat.engine.ema import CHECKPOINT_NAME as EMA_NAME
 from dschat.inputs import DATA, FUNCTION, check_inputs
 from dschat.lm import train_loader
 from dschat.models.loading import count_parameters
@@ -212,6 +213,8 @@ def describe(o: RLHFOptions, m: Models, paths: ModelPaths, dtype: str) -> str:
 def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int) -> T.TrainState:
     """The run's state: fresh, or (``--resume``) the latest checkpoint's, with the KL controller's."""
     state = T.resume_state(m.engines(), run, global_batch)
+    if m.ema is not None and run.resume:
+        m.ema.restore(T.resumed_tensors(run, EMA_NAME), f"checkpoint step{state.step}")
     if "kl_controller" in state.extra:
         trainer.kl_ctl.load_state_dict(state.extra["kl_controller"])
     elif "kl_coef" in state.extra:  # a checkpoint written before the controller saved its own state
@@ -310,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < rounds.total:
             evaluate(state.step)
         if not buffer:  # checkpoint only between PPO rounds: the buffer is empty there
-            state.extra = {"kl_controller": trainer.kl_ctl.state_dict()}
+            state.extra["kl_controller"] = trainer.kl_ctl.state_dict()
             with sw("checkpoint"):
-                T.maybe_checkpoint(m.engines(), run, state, rounds.total)
+                T.maybe_checkpoint(m.engines(), run, state, rounds.total,
+                                   tensors={EMA_NAME: m.ema.state} if m.ema is not None else None)  # fmt: skip
         if state.step >= rounds.total:
             break
     bar.close()
