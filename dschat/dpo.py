@@ -189,9 +189,9 @@ def pairs_fingerprint(examples: list[dict]) -> str:
 
 
 def save_table(path: Path, table: torch.Tensor, fingerprint: str) -> None:
-    """Written atomically by the main rank (safetensors, the pairs' fingerprint in its metadata); every
-    rank waits for it."""
-    if dist.is_main():
+    """Written atomically by the writing rank (safetensors, the pairs' fingerprint in its metadata; with
+    node-local storage one per node, so that every node's resume reads it); every rank waits for it."""
+    if dist.is_node_writer():
         atomic_save_tensors(path, {"reference_logps": table}, metadata={"pairs_sha256": fingerprint})
     dist.barrier()
 

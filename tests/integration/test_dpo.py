@@ -3,6 +3,7 @@ ranks follow one rank, a resumed run equals an uninterrupted one, bad input is o
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -110,6 +111,32 @@ def test_resume_equals_an_uninterrupted_run(pairs, reference, tmp_path):
     got, want = train_losses(out), train_losses(reference)
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    # the start is the run's (a resume used to re-measure it from the moved policy)
+    for key in ("implicit_reward_accuracy_start", "eval_margin_start", "eval_loss_start"):
+        assert s[key] == summary(reference)[key], key
+
+
+def test_a_resume_that_reads_more_pairs_computes_their_reference_log_probs(pairs, tmp_path):
+    """The table holds the reference log-probs of the pairs the planned run reads (NaN elsewhere). Resumed
+    with a larger --max_steps the run reads pairs the table lacks: it used to train on NaN log-probs (a NaN
+    loss); now it computes those rows from the starting policy (the checkpoint is not loaded yet) and
+    keeps the rows it has."""
+    from safetensors.torch import load_file
+
+    flags = [*EXACT, "--data_path", str(pairs), "--max_steps", "2", "--save_steps", "1"]
+    out = tmp_path / "run"
+    proc = dpo(out, *flags, env={"DSCHAT_TEST_EXIT_AFTER_SAVE": "1"})
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    table = lambda: load_file(str(out / "reference_logps.safetensors"))["reference_logps"]  # noqa: E731
+    before = table()
+    had = ~before.isnan().any(dim=1)
+    assert 0 < int(had.sum()) < len(before)  # a 2-step run reads part of the pairs
+    assert_ok(dpo(out, *flags[:-4], "--max_steps", "12", "--save_steps", "100", "--resume"))
+    after = table()
+    assert torch.equal(after[had], before[had])
+    assert int((~after.isnan().any(dim=1)).sum()) > int(had.sum())
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, 13)) and all(math.isfinite(v) for v in losses.values())
 
 
 def test_shared_prompt_trains_like_unpacked_rows(pairs, reference, tmp_path):
