@@ -117,9 +117,11 @@ def test_rloo_without_a_critic_raises_the_easy_reward(models, tmp_path, variant)
 def test_resume_continues_to_the_same_actor(models, tmp_path):
     actor, rm = models
     # an adaptive KL controller: its coefficient, saved in the checkpoint, shapes the rewards after resuming
-    # and an EMA of the actor, which lives outside the engines: the checkpoint keeps it too
+    # an EMA of the actor, which lives outside the engines, and the PTX term's SFT batches, read from their
+    # own loader: the checkpoint keeps the average and that loader's position too
     flags = [*EASY, "--max_steps", "6", "--save_steps", "3", "--dtype", "fp32", "--actor_learning_rate", "1e-3",
-             "--kl_target", "1e6", "--kl_horizon", "320", "--enable_ema", "--ema_decay", "0.5"]  # fmt: skip
+             "--kl_target", "1e6", "--kl_horizon", "320", "--enable_ema", "--ema_decay", "0.5",
+             "--unsupervised_dataset_name", "builtin:sort", "--unsup_coef", "0.5"]  # fmt: skip
     full = tmp_path / "full"
     assert_ok(step3(full, actor, rm, *flags))
     cut = tmp_path / "cut"

@@ -102,6 +102,24 @@ class Rounds:
     actor_updates: int  # optimizer steps, the lengths of the learning-rate schedules
     critic_updates: int
     unsup: Any  # an endless iterator of SFT micro-batches (--unsupervised_dataset_name) or None
+    # where ``unsup`` stands (epoch, micro-batch): saved with every checkpoint, so a resumed run goes on
+    # with the SFT batches the uninterrupted one would read, not from the first again
+    unsup_position: T.TrainState | None = None
+
+    def save_unsup_position(self, state: T.TrainState) -> None:
+        if self.unsup_position is not None:
+            p = self.unsup_position
+            state.extra[PTX_POSITION] = {"epoch": p.epoch, "batch_in_epoch": p.batch_in_epoch,
+                                         "micro_batch_samples": p.micro_batch_samples}  # fmt: skip
+
+    def restore_unsup_position(self, state: T.TrainState) -> None:
+        """Before the iterator's first batch (a generator reads its position when it starts)."""
+        if self.unsup_position is not None and PTX_POSITION in state.extra:
+            for k, v in state.extra[PTX_POSITION].items():
+                setattr(self.unsup_position, k, v)
+
+
+PTX_POSITION = "ptx_position"
 
 
 def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
@@ -121,7 +139,6 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
         generation_batches=ppo.generation_batches, micro_batch=ppo.per_device_training_batch_size,
         ppo_epochs=ppo.ppo_epochs, freezing_actor_steps=ppo.freezing_actor_steps,
     )  # fmt: skip
-    unsup = None
     if ppo.unsupervised_dataset_name:
         sft = prepare_sft_data(
             C.DataArgs(data_path=[ppo.unsupervised_dataset_name], data_split="1,0,0",
@@ -130,8 +147,10 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
         )  # fmt: skip
         sft_loader = train_loader(sft.train, batch_size=ppo.per_device_training_batch_size, seed=seed,
                                   collate=SFTCollator(tokenizer.pad_token_id))  # fmt: skip
-        unsup = T.micro_batches(sft_loader, T.TrainState(), num_epochs=10**9)
-    return Rounds(loader, total, actor_updates, critic_updates, unsup)
+        position = T.TrainState()
+        return Rounds(loader, total, actor_updates, critic_updates,
+                      T.micro_batches(sft_loader, position, num_epochs=10**9), position)  # fmt: skip
+    return Rounds(loader, total, actor_updates, critic_updates, unsup=None)
 
 
 def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffer: list[Experience], rounds: Rounds,
@@ -275,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. resume or start; held-out evaluation
     state = resume(m, trainer, run, global_batch)
+    rounds.restore_unsup_position(state)
     start_step = state.step
     metrics = T.open_metrics(run, resolved, state)
     sw = Stopwatch()
@@ -314,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(state.step)
         if not buffer:  # checkpoint only between PPO rounds: the buffer is empty there
             state.extra["kl_controller"] = trainer.kl_ctl.state_dict()
+            rounds.save_unsup_position(state)
             with sw("checkpoint"):
                 T.maybe_checkpoint(m.engines(), run, state, rounds.total,
                                    tensors={EMA_NAME: m.ema.state} if m.ema is not None else None)  # fmt: skip
