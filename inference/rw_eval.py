@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
-from dschat.data.prompt_format import prompt_format
+from dschat.data.prompt_format import as_dialogue, prompt_format
 from dschat.data.sources import read_json_file
 from dschat.models.loading import inference_dtype, load_tokenizer, resolve
 from dschat.models.reward import load_reward_model
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, prompts, responses, batch_size=args.batch_size, device=where.device, fmt=fmt
         )
 
-    if args.prompt:
-        rows = [{"prompt": args.prompt, "response": r} for r in args.response]
+    if args.prompt:  # a question typed as it is becomes the one-turn dialogue, as prompt_eval.py reads it
+        rows = [{"prompt": as_dialogue(args.prompt), "response": r} for r in args.response]
     else:
         samples = read_json_file(Path(args.file))
         if args.max_samples:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if not samples:
             raise UserError(f"{args.file}: no rows")
         if all(s.rejected is not None for s in samples):
-            return report_pairs(samples, score, args)
+            return report_pairs(samples, score, args, fmt)
         rows = [{"prompt": s.prompt, "response": s.chosen} for s in samples]
     scores = score([r["prompt"] for r in rows], [r["response"] for r in rows])
     out = [{**r, "score": float(s)} for r, s in zip(rows, scores)]
@@ -103,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report_pairs(samples, score, args) -> int:
+def report_pairs(samples, score, args, fmt) -> int:
+    """Pairwise accuracy, split by which answer is longer in tokens (as step 2 and DPO count them), and the
+    score distributions."""
     prompts = [s.prompt for s in samples]
     chosen = score(prompts, [s.chosen for s in samples])
     rejected = score(prompts, [s.rejected for s in samples])
-    lc = torch.tensor([len(s.chosen) for s in samples])
-    lr = torch.tensor([len(s.rejected) for s in samples])
+    lc, lr = (torch.tensor([len(ids) for ids in fmt.encode_responses([getattr(s, side) for s in samples])])
+              for side in ("chosen", "rejected"))  # fmt: skip
     metrics = ranking_metrics(ranking_sums(chosen, rejected, lc, lr, torch.ones(len(samples))))
     result = {"model": args.model, "pairs": len(samples), **metrics, "chosen_scores": describe(chosen),
               "rejected_scores": describe(rejected), "margin_scores": describe(chosen - rejected)}  # fmt: skip

@@ -127,6 +127,13 @@ def test_rw_eval_table_and_json(trained_rm, tmp_path):
                       "--response", " a", "--response", " b", "--json"])  # fmt: skip
     assert_ok(single)
     assert len(json.loads(single.stdout)["scores"]) == 2
+    # a question typed as it is scores as its dialogue (prompt_eval.py's reading); it was scored bare
+    typed = run_cmd(
+        [str(RW_EVAL), "--model", str(trained_rm), "--prompt", "hi", "--response", " a", "--json"]
+    )
+    assert_ok(typed)
+    got, want = (json.loads(x.stdout)["scores"][0]["score"] for x in (typed, single))
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)  # alone, against in a batch of two: rounding
 
 
 def test_lora_reward_model_learns_and_saves_a_plain_model(tmp_path):

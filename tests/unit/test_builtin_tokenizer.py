@@ -67,3 +67,26 @@ def test_decode_keeps_specials_unless_asked(tokenizer):
 
 def test_deterministic():
     assert build_tokenizer().get_vocab() == build_tokenizer().get_vocab()
+
+
+def test_rw_eval_splits_pairs_by_length_in_tokens(capsys):
+    """rw_eval's 'chosen longer / shorter' split and 'longer wins' baseline count tokens, as step 2 and DPO
+    do: " ééé" is 4 characters but 7 byte tokens, longer than " abcde" (6 and 6). By characters the
+    chosen answer was the shorter one."""
+    import argparse
+    import json
+
+    import torch
+
+    from dschat.data.prompt_format import prompt_format
+    from dschat.data.schema import Sample
+    from inference.rw_eval import report_pairs
+
+    fmt = prompt_format(build_tokenizer(), "off")
+    pair = Sample(prompt="\n\nHuman: hi\n\nAssistant:", chosen=" ééé", rejected=" abcde")
+    scores = iter([torch.tensor([1.0]), torch.tensor([0.0])])  # chosen, then rejected
+    report_pairs(
+        [pair], lambda prompts, responses: next(scores), argparse.Namespace(json=True, model="m"), fmt
+    )
+    got = json.loads(capsys.readouterr().out)
+    assert got["longer_response_baseline"] == 1.0 and got["accuracy_chosen_longer"] == 1.0
