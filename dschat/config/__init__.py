@@ -28,7 +28,15 @@ from dschat.config.groups import (
     RewardArgs,
     RunArgs,
 )
-from dschat.config.parsing import ArgumentParser, GroupSpec, add_group, from_namespace, parse_groups, to_dict
+from dschat.config.parsing import (
+    ArgumentParser,
+    GroupSpec,
+    add_group,
+    check_resume,
+    from_namespace,
+    parse_groups,
+    to_dict,
+)
 from dschat.config.rlhf import PPOArgs, RLHFEngineArgs, Step3Models, one_update_per_round, step3_models
 
 __all__ = [
@@ -54,6 +62,7 @@ __all__ = [
     "RunArgs",
     "Step3Models",
     "add_group",
+    "check_resume",
     "check_zero_stage",
     "from_namespace",
     "one_update_per_round",

@@ -23,10 +23,20 @@ def opt(
     choices: tuple | None = None,
     nargs: str | None = None,
     input: str | None = None,
+    resumable: bool = False,
 ):
     """A dataclass field that is also a command-line option. ``input="model" | "data"``: it names a model
-    or data sources, checked before any slow start-up (:mod:`dschat.inputs`)."""
-    meta = {"help": help, "type": type, "choices": choices, "nargs": nargs, "input": input}
+    or data sources, checked before any slow start-up (:mod:`dschat.inputs`). ``resumable``: it changes
+    how fast, in how much memory or where a run computes and reports, not what it computes, so a resumed
+    run may give another value (the others must be the interrupted run's: :func:`check_resume`)."""
+    meta = {
+        "help": help,
+        "type": type,
+        "choices": choices,
+        "nargs": nargs,
+        "input": input,
+        "resumable": resumable,
+    }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)

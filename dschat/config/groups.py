@@ -32,7 +32,9 @@ class ModelArgs:
         choices=DTYPES,
     )
     dropout: float | None = opt(None, "override every dropout probability in the model config", type=float)
-    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    gradient_checkpointing: bool = opt(
+        False, "recompute activations in the backward pass to save memory", resumable=True
+    )
     trainable_layers: int = opt(
         0,
         "train only the top K decoder layers (with the final norm and a reward/value head; LoRA goes into "
@@ -95,7 +97,9 @@ class DataArgs(FormatArgs):
     sft_only_data_path: list[str] = opt([], "sources used only by step 1, in full", nargs="*", input="data")
     max_seq_len: int = opt(512, "longest prompt + response in tokens; longer samples are dropped and counted")
     data_output_path: str = opt(
-        "", "cache directory for tokenized data (default: $DSCHAT_CACHE/data, ~/.cache/dschat/data)"
+        "",
+        "cache directory for tokenized data (default: $DSCHAT_CACHE/data, ~/.cache/dschat/data)",
+        resumable=True,
     )
     train_on_prompt: bool = opt(False, "SFT loss on the whole sequence, not only on the response tokens")
     group_by_length: bool = opt(
@@ -170,11 +174,11 @@ class OptimizerArgs:
 class OptimArgs(OptimizerArgs):
     """Steps 1 and 2: the optimizer plus the batch geometry and length of the run (step 3's are PPO's)."""
 
-    per_device_train_batch_size: int = opt(16, "micro-batch size per device for training")
-    per_device_eval_batch_size: int = opt(16, "batch size per device for evaluation")
+    per_device_train_batch_size: int = opt(16, "micro-batch size per device for training", resumable=True)
+    per_device_eval_batch_size: int = opt(16, "batch size per device for evaluation", resumable=True)
     num_train_epochs: int = opt(1, "passes over the training data")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
-    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", resumable=True)
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         super().validate(prefix, shared)
@@ -194,7 +198,9 @@ class OptimArgs(OptimizerArgs):
 @dataclass
 class DeepSpeedArgs:
     zero_stage: int = opt(0, "ZeRO stage: 0, 1, 2 or 3")
-    offload: bool = opt(False, "offload optimizer states (and, with ZeRO-3, parameters) to CPU memory")
+    offload: bool = opt(
+        False, "offload optimizer states (and, with ZeRO-3, parameters) to CPU memory", resumable=True
+    )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         check_zero_stage(f"--{prefix}zero_stage", self.zero_stage)
@@ -205,23 +211,27 @@ class DeepSpeedArgs:
 
 @dataclass
 class RunArgs:
-    output_dir: str = opt("output/step1", "where the model, metrics, logs and checkpoints go")
+    output_dir: str = opt("output/step1", "where the model, metrics, logs and checkpoints go", resumable=True)
     seed: int = opt(1234, "random seed (data order, initialisation, dropout)")
     eval_interval: int = opt(100, "evaluate every N optimizer steps (0 = only at start and end)")
     eval_generation_samples: int = opt(
         300, "built-in task prompts answered greedily at start and end to measure true accuracy (0 = off)"
     )
-    log_interval: int = opt(10, "write a train line to metrics.jsonl every N optimizer steps")
-    save_steps: int = opt(200, "save a resumable checkpoint every N optimizer steps (0 = never)")
-    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep")
-    resume: bool = opt(False, "continue from the latest checkpoint in OUTPUT_DIR/checkpoints")
-    overwrite: bool = opt(False, "replace a finished run in OUTPUT_DIR")
-    enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
-    tensorboard_path: str | None = opt(
-        None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str
+    log_interval: int = opt(10, "write a train line to metrics.jsonl every N optimizer steps", resumable=True)
+    save_steps: int = opt(
+        200, "save a resumable checkpoint every N optimizer steps (0 = never)", resumable=True
     )
-    enable_wandb: bool = opt(False, "log to Weights & Biases (WANDB_MODE=offline works without network)")
-    wandb_project: str = opt("dschat", "W&B project name")
+    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep", resumable=True)
+    resume: bool = opt(False, "continue from the latest checkpoint in OUTPUT_DIR/checkpoints", resumable=True)
+    overwrite: bool = opt(False, "replace a finished run in OUTPUT_DIR", resumable=True)
+    enable_tensorboard: bool = opt(False, "write TensorBoard scalars", resumable=True)
+    tensorboard_path: str | None = opt(
+        None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str, resumable=True
+    )
+    enable_wandb: bool = opt(
+        False, "log to Weights & Biases (WANDB_MODE=offline works without network)", resumable=True
+    )
+    wandb_project: str = opt("dschat", "W&B project name", resumable=True)
     node_local_storage: bool = opt(
         False,
         "no shared filesystem: every node writes its ranks' checkpoint shards, the exported model and "

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from dschat.config.fields import T, flag_name
+from dschat.utils.errors import UserError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -112,3 +115,35 @@ def to_dict(*groups: Any) -> dict[str, Any]:
     for g in groups:
         out.update(dataclasses.asdict(g))
     return out
+
+
+def check_resume(specs: tuple[GroupSpec, ...], groups: tuple, output_dir: str, resume: bool) -> None:
+    """On ``--resume``, every option that changes what the run computes must have the interrupted run's
+    value (its ``dschat_config.json``): a changed seed, length or learning rate would continue another run
+    from this one's checkpoint (a cosine schedule of another length, a DPO table of other pairs). Options
+    marked ``resumable`` (memory, speed, logging: a smaller micro-batch with more accumulation after an
+    out-of-memory stop) may change. One line naming every changed flag. Nothing to compare where the run
+    saved no configuration. Step 3's prefixed groups are compared with their section (``actor``, ``critic``)."""
+    if not resume:
+        return
+    path = Path(output_dir) / "dschat_config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    changed: dict[str, str] = {}
+    for spec, group in zip(specs, groups, strict=True):
+        _, prefix, shared = (spec, "", ()) if isinstance(spec, type) else spec
+        section = saved.get(prefix.rstrip("_"), {}) if prefix else saved
+        for f in dataclasses.fields(group):
+            if f.metadata.get("resumable") or f.name not in section:
+                continue
+            now = json.loads(json.dumps(getattr(group, f.name), default=str))
+            if now != section[f.name]:
+                changed.setdefault(flag_name(f.name, prefix, frozenset(shared)),
+                                   f"{json.dumps(section[f.name])} -> {json.dumps(now)}")  # fmt: skip
+    if changed:
+        raise UserError(
+            f"--resume: {', '.join(f'{k} {v}' for k, v in changed.items())} differ(s) from the interrupted run "
+            f"({path}); resume with its values, or start over with --overwrite"
+        )

@@ -26,8 +26,12 @@ class RLHFEngineArgs:
         "started to please its reward model rather than to get better",
         type=str,
     )
-    offload_reference_model: bool = opt(False, "keep the reference model's ZeRO-3 parameters in CPU memory")
-    offload_reward_model: bool = opt(False, "keep the reward model's ZeRO-3 parameters in CPU memory")
+    offload_reference_model: bool = opt(
+        False, "keep the reference model's ZeRO-3 parameters in CPU memory", resumable=True
+    )
+    offload_reward_model: bool = opt(
+        False, "keep the reward model's ZeRO-3 parameters in CPU memory", resumable=True
+    )
     share_reference_with_actor: bool = opt(
         False,
         "reference = the LoRA actor with its adapter disabled (needs --actor_lora_dim and --only_optimize_lora)",
@@ -40,21 +44,27 @@ class RLHFEngineArgs:
         False,
         "generate from an inference copy of the actor gathered once per round (LoRA merged, KV cache) "
         "instead of Hugging Face generate on the training module",
+        resumable=True,
     )
     inference_tp_size: int = opt(
         1,
         "hybrid engine: K ranks split every attention/MLP matrix and generate together (K divides the ranks)",
+        resumable=True,
     )
     tp_gather_partition_size: int = opt(
         0,
         "hybrid engine: gather this many decoder layers at a time into the inference copy (0 = all at once)",
+        resumable=True,
     )
     release_inference_cache: bool = opt(
         False,
         "hybrid engine: free the inference copy and KV cache after each round (re-allocated next round)",
+        resumable=True,
     )
     unpin_actor_parameters: bool = opt(
-        False, "hybrid engine: no inference copy, generate on the training module (ZeRO-3 gathers per token)"
+        False,
+        "hybrid engine: no inference copy, generate on the training module (ZeRO-3 gathers per token)",
+        resumable=True,
     )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:

@@ -15,7 +15,6 @@ model). The output directory holds the policy in Hugging Face format (chat.py an
 
 from __future__ import annotations
 
-import logging
 import sys
 from functools import partial
 from pathlib import Path
@@ -80,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 1. setup (the reference is checked
     # before any slow work: it must read text as the policy does)
+    C.check_resume(GROUPS, args, run.output_dir, run.resume)  # the interrupted run's options
     setup = S.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
     ref_path = resolve(hp.ref_model_name_or_path, "--ref_model_name_or_path") if hp.ref_model_name_or_path else None  # fmt: skip
@@ -243,20 +243,12 @@ def dpo_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
 def reference_tables(engine, ref_path, data, used, optim, collate, run, model_args, dtype):
     """(train table (N, 2), eval table (M, 2), whether they were read from the run). Computed before the
     first update (and before a resumed checkpoint is loaded), so the policy is still the starting model;
-    a separate reference is a plain frozen copy on each rank, forward only, freed afterwards. A resumed
-    run reads its tables and computes only the rows of pairs it reads that they lack (NaN: a run resumed
-    with a larger --max_steps reads more pairs than the interrupted one planned)."""
+    a separate reference is a plain frozen copy on each rank, forward only, freed afterwards."""
     out = Path(run.output_dir)
     train_path, eval_path = out / "reference_logps.safetensors", out / "reference_logps_eval.safetensors"
     prints = pairs_fingerprint(data.train), pairs_fingerprint(data.eval)
-    kept = None
     if run.resume and table_matches(train_path, prints[0]) and table_matches(eval_path, prints[1]):
-        kept = read_table(train_path)
-        used = {i for i in used if bool(kept[i].isnan().any())}
-        if not used:
-            return kept, read_table(eval_path), True
-        logging.getLogger("dschat").info("reference log-probs: %d pairs this run reads are not in %s yet", len(used),
-                                         train_path)  # fmt: skip
+        return read_table(train_path), read_table(eval_path), True
     device = engine.device
     model = engine
     if ref_path is not None:
@@ -265,14 +257,11 @@ def reference_tables(engine, ref_path, data, used, optim, collate, run, model_ar
         device = dist.default_device()
     kw = {"batch_size": optim.per_device_eval_batch_size, "collate": collate, "device": device}
     train = reference_table(model, data.train, only=used, **kw)
-    evals = reference_table(model, data.eval, **kw) if kept is None else read_table(eval_path)
+    evals = reference_table(model, data.eval, **kw)
     del model
-    if kept is not None:
-        rows = sorted(used)
-        train, kept[rows] = kept, train[rows]
     save_table(train_path, train, prints[0])
     save_table(eval_path, evals, prints[1])
-    return train, evals, kept is not None
+    return train, evals, False
 
 
 if __name__ == "__main__":

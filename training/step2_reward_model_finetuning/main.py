@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     check_inputs(GROUPS, args)  # models and data named, before any slow start-up
 
     # ---------------------------------------------------------------- 1. setup
+    C.check_resume(GROUPS, args, run.output_dir, run.resume)  # the interrupted run's options
     setup = S.setup_step(model_args, run, data_args)
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 

@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. setup: checks across groups, the inputs named, then every model and the data, before any engine starts
     check_options(o)
     check_inputs(GROUPS, groups, kinds=(DATA, FUNCTION))
+    C.check_resume(GROUPS, groups, run.output_dir, run.resume)  # the interrupted run's options
     check_model_paths(o)
     log = setup_logging(None)
     check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)

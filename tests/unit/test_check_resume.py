@@ -1,0 +1,65 @@
+"""dschat.config.check_resume: a resumed run keeps the options that change what it computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dschat import config as C
+from dschat.utils.errors import UserError
+
+STEP = (C.OptimArgs, C.RunArgs)
+STEP3 = ((C.OptimizerArgs, "actor_", ("num_warmup_steps",)), C.PPOArgs, C.RunArgs)
+
+
+def saved_run(tmp_path, specs, argv):
+    """The dschat_config.json a run with ``argv`` saved, as the steps write it (prefixed groups nested)."""
+    groups = C.parse_groups("t", "", specs, [*argv, "--output_dir", str(tmp_path)])
+    cfg: dict = {}
+    for spec, g in zip(specs, groups):
+        prefix = "" if isinstance(spec, type) else spec[1]
+        (cfg.setdefault(prefix.rstrip("_"), {}) if prefix else cfg).update(C.to_dict(g))
+    (tmp_path / "dschat_config.json").write_text(json.dumps(cfg, default=str))
+
+
+def check(tmp_path, specs, argv):
+    groups = C.parse_groups("t", "", specs, [*argv, "--output_dir", str(tmp_path), "--resume"])
+    C.check_resume(specs, groups, str(tmp_path), resume=True)
+
+
+def test_memory_and_logging_levers_may_change(tmp_path):
+    saved_run(tmp_path, STEP, ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"])
+    check(tmp_path, STEP, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4",
+                           "--save_steps", "5", "--log_interval", "1", "--enable_tensorboard"])  # fmt: skip
+
+
+def test_every_changed_option_that_changes_the_maths_is_named_in_one_error(tmp_path):
+    saved_run(tmp_path, STEP, ["--max_steps", "6", "--seed", "3"])
+    with pytest.raises(UserError) as e:
+        check(
+            tmp_path,
+            STEP,
+            ["--max_steps", "12", "--seed", "4", "--learning_rate", "7e-4", "--save_steps", "1"],
+        )
+    msg = str(e.value)
+    assert (
+        "--max_steps 6 -> 12" in msg
+        and "--seed 3 -> 4" in msg
+        and "--learning_rate 0.001 -> 0.001" not in msg
+    )
+    assert "--learning_rate" in msg and "--save_steps" not in msg and "\n" not in msg
+    assert str(tmp_path / "dschat_config.json") in msg and "--overwrite" in msg
+
+
+def test_step3s_prefixed_groups_are_compared_with_their_section(tmp_path):
+    saved_run(tmp_path, STEP3, ["--actor_learning_rate", "1e-5", "--kl_coef", "0.1"])
+    check(tmp_path, STEP3, ["--actor_learning_rate", "1e-5", "--kl_coef", "0.1"])
+    with pytest.raises(UserError, match=r"--actor_learning_rate 1e-05 -> 2e-05"):
+        check(tmp_path, STEP3, ["--actor_learning_rate", "2e-5", "--kl_coef", "0.1"])
+    with pytest.raises(UserError, match=r"--kl_coef 0.1 -> 0.2"):
+        check(tmp_path, STEP3, ["--actor_learning_rate", "1e-5", "--kl_coef", "0.2"])
+
+
+def test_nothing_to_compare_without_a_saved_configuration(tmp_path):
+    check(tmp_path, STEP, ["--max_steps", "12"])
