@@ -163,15 +163,20 @@ def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) ->
         raise ValueError(f"a per-prompt baseline needs at least 2 responses per prompt, got {group_size}")
     if scores.shape[0] % group_size:
         raise ValueError(f"{scores.shape[0]} scores do not split into groups of {group_size}")
-    s = scores.float().view(-1, group_size)
+    # In float64 a group of equal float32 scores has exactly its score as mean and 0 as std; in float32 the
+    # mean's rounding left about 1e-7, which group_norm's division by a std of the same size turned into
+    # advantages of up to 0.5 with one sign for the whole group.
+    s = scores.double().view(-1, group_size)
     if method == "rloo":
         baseline = (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
-        return (s - baseline).view(-1)
-    if method == "group_norm":
-        return ((s - s.mean(dim=1, keepdim=True)) / (s.std(dim=1, keepdim=True) + 1e-6)).view(-1)
-    if method == "dr_grpo":
-        return (s - s.mean(dim=1, keepdim=True)).view(-1)
-    raise ValueError(f"unknown group baseline {method!r}; known: rloo, group_norm, dr_grpo")
+        out = s - baseline
+    elif method == "group_norm":
+        out = (s - s.mean(dim=1, keepdim=True)) / (s.std(dim=1, keepdim=True) + 1e-6)
+    elif method == "dr_grpo":
+        out = s - s.mean(dim=1, keepdim=True)
+    else:
+        raise ValueError(f"unknown group baseline {method!r}; known: rloo, group_norm, dr_grpo")
+    return out.view(-1).float()
 
 
 def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
