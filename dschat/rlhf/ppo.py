@@ -444,7 +444,9 @@ class PPOTrainer:
                                                  h.kl_estimator)  # fmt: skip
                 advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
             if h.whiten_advantages:  # over the rows that train
-                advantages = M.masked_whiten(advantages, train_mask)
+                advantages = M.masked_whiten(
+                    advantages, train_mask, all_reduce=dist.all_reduce_sum
+                )  # all ranks
         exp = Experience(
             sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,

@@ -13,7 +13,7 @@ reach ``exp`` or a sum, because ``0 * inf`` is nan and would poison the whole ba
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,11 +48,23 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked(x, mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (mean kept if ``shift_mean`` is False); 0 outside."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    all_reduce: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (mean kept if ``shift_mean`` is False); 0 outside.
+
+    ``all_reduce`` sums a list of numbers over ranks (``dist.all_reduce_sum``): the mean and std are then
+    those of every rank's entries together, so two ranks whiten as one rank holding all the rows would
+    (OpenRLHF); without it, of these entries alone."""
+    reduce = all_reduce or (lambda v: v)
+    n, total = reduce([float(mask.sum()), float(masked(x, mask).double().sum())])
+    mean = total / max(n, 1.0)
+    (sq,) = reduce([float(masked((x - mean) ** 2, mask).double().sum())])
+    var = sq / max(n, 1.0)
+    out = (x - mean) / math.sqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
     return masked(out, mask)

@@ -716,3 +716,30 @@ def test_a_group_of_equal_scores_gets_exactly_zero(method, k, x):
     advantage, -0.104 for three scores of 1.7 (the mean's rounding over a std of the same size)."""
     out = group_relative_scores(torch.full((k,), x), k, method)
     assert torch.equal(out, torch.zeros(k)) and out.dtype == torch.float32
+
+
+def test_masked_whiten_over_two_ranks_equals_one_rank_holding_all_rows():
+    """Each rank's rows are whitened with the statistics of all ranks (their sums all-reduced): rank 0's
+    mean is 2 and rank 1's 13 alone, 8.5 together."""
+    x = t([[1.0, 2.0, 3.0], [10.0, 13.0, 16.0]])
+    mask = t([[1, 1, 1], [1, 1, 1]])
+    whole = masked_whiten(x, mask)
+    halves = [(x[i : i + 1], mask[i : i + 1]) for i in (0, 1)]
+    calls: list[list[list[float]]] = [[], []]  # each rank's statistics, call by call
+
+    def sums(rank):  # what dist.all_reduce_sum returns on ``rank``: its numbers plus the other rank's
+        def reduce(values):
+            calls[rank].append(values)
+            xo, mo = halves[1 - rank]
+            if len(calls[rank]) == 1:
+                other = [float(mo.sum()), float(xo.sum())]
+            else:
+                mean = (float(x.sum())) / 6
+                other = [float(((xo - mean) ** 2).sum())]
+            return [a + b for a, b in zip(values, other)]
+
+        return reduce
+
+    for rank, (xr, mr) in enumerate(halves):
+        assert close(masked_whiten(xr, mr, all_reduce=sums(rank)), whole[rank : rank + 1].tolist())
+    assert not close(masked_whiten(*halves[0]), whole[0:1].tolist())  # alone: its own mean and std
