@@ -242,11 +242,16 @@ def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
         state.batch_in_epoch = 0
 
 
+def checkpoint_due(run: RunArgs, step: int, total_steps: int) -> bool:
+    """Every ``--save_steps`` optimizer steps, not at the very end (the final model is exported)."""
+    return bool(run.save_steps) and step % run.save_steps == 0 and step < total_steps
+
+
 def maybe_checkpoint(engine, run: RunArgs, state: TrainState, total_steps: int,
                      tensors: dict[str, dict[str, torch.Tensor] | None] | None = None) -> None:  # fmt: skip
     """Save every ``--save_steps`` optimizer steps (not at the very end: the final model is exported);
     ``tensors``: state outside the engines (see :func:`save_checkpoint`)."""
-    if not run.save_steps or state.step % run.save_steps or state.step >= total_steps:
+    if not checkpoint_due(run, state.step, total_steps):
         return
     root = Path(run.output_dir) / "checkpoints"
     save_checkpoint(
@@ -271,10 +276,13 @@ class MetricWindow:
 
     def reduce(self) -> dict[str, float]:
         """Sums over all ranks (a collective: call on every rank), then reset."""
-        keys = sorted(self._sums)
-        totals = dist.all_reduce_sum([self._sums[k] for k in keys])
+        totals = self.peek(*sorted(self._sums))
         self._sums.clear()
-        return dict(zip(keys, totals))
+        return totals
+
+    def peek(self, *keys: str) -> dict[str, float]:
+        """The sums of ``keys`` over all ranks, kept (a collective: call on every rank)."""
+        return dict(zip(keys, dist.all_reduce_sum([self._sums.get(k, 0.0) for k in keys])))
 
 
 @dataclass(frozen=True)
@@ -333,10 +341,19 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < total_steps:
             evaluate(state.step)
         with timer("checkpoint"):  # atomic; a resume continues at exactly the next micro-batch
-            maybe_checkpoint(engine, run, state, total_steps)
+            maybe_checkpoint(engine, run, with_unlogged(state, window, world) if checkpoint_due(run, state.step, total_steps)
+                             else state, total_steps)  # fmt: skip
         if state.step >= total_steps:
             break
     bar.close()
+
+
+def with_unlogged(state: TrainState, window: MetricWindow, world: int) -> TrainState:
+    """The state to save at a step between log rows: with the tokens and seconds since the last row,
+    which the state takes in only at the next row and a resumed run would lose (a collective)."""
+    w = window.peek("tokens", "positions", "seconds")
+    return dataclasses.replace(state, tokens=state.tokens + w["tokens"], positions=state.positions + w["positions"],
+                               train_seconds=state.train_seconds + w["seconds"] / world)  # fmt: skip
 
 
 def export_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, timer) -> None:
