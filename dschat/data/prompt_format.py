@@ -48,8 +48,10 @@ def make_prompt(question: str) -> str:
 
 
 def is_dialogue(text: str) -> bool:
-    """True for a prompt already in Human/Assistant form (it ends with the ``Assistant:`` cue)."""
-    return text.rstrip().endswith("Assistant:") and "Human:" in text
+    """True for a prompt already in Human/Assistant form: it ends with the ``Assistant:`` cue and has a
+    ``Human:`` turn where :func:`parse_dialogue` finds turns (at the start or after a blank line); text
+    that merely mentions them is a question."""
+    return text.rstrip().endswith("Assistant:") and re.search(r"(?:^|\n\n)Human:", text) is not None
 
 
 def render_human_assistant(messages: list[Message]) -> str:
@@ -198,14 +200,18 @@ def apply_template(tokenizer, messages: list[Message], **kwargs) -> str:
 
 
 def _template_end_id(tokenizer) -> int | None:
-    """The first token the template writes after an assistant message's content: its end of turn."""
+    """The template's end of turn: the first special token it writes after an assistant message's content
+    (ChatML's ``<|im_end|>``; Llama 2's EOS, after a space), else the first token that is not whitespace,
+    else EOS."""
     mark = "\u2063dschat-response\u2063"
     text = apply_template(
         tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}]
     )
     after = text.split(mark, 1)[1] if mark in text else ""
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    return ids[0] if ids else tokenizer.eos_token_id
+    special = set(tokenizer.all_special_ids)
+    visible = [i for i in ids if tokenizer.decode([i]).strip()]
+    return next((i for i in ids if i in special), visible[0] if visible else tokenizer.eos_token_id)
 
 
 def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template") -> PromptFormat:

@@ -144,3 +144,31 @@ def test_a_template_that_rejects_a_dialogue_anyway_is_one_clear_error(chatml):
     chatml.chat_template = "{{ raise_exception('no thanks') }}"
     with pytest.raises(UserError, match=r"chat template.*no thanks"):
         prompt_format(chatml).prompt_text("\n\nHuman: hi\n\nAssistant:")
+
+
+# Llama 2 chat writes ' ' + answer + ' ' + eos after each assistant turn
+LLAMA2_STYLE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_the_end_of_turn_is_the_special_token_after_the_answer_not_a_space_before_it():
+    """The first token after an assistant message's content was taken as its end: for Llama 2's template a
+    space, so training ended answers with a space (no EOS) and generation stopped at the first space."""
+    tok = build_tokenizer()
+    tok.chat_template = LLAMA2_STYLE
+    fmt = prompt_format(tok, "on")
+    assert fmt.end_id == tok.eos_token_id and fmt.stop_ids == (tok.eos_token_id,)
+    (ex,), _ = tokenize_sft([Sample("\n\nHuman: hi\n\nAssistant:", " cat dog")], fmt, 512, False)
+    assert ex["input_ids"][-1] == tok.eos_token_id
+
+
+@pytest.mark.parametrize("prompt", ["\nHuman: hi\nAssistant:", " Human: hi\n\nAssistant:",
+                                    "Question for the Human: resources team. Assistant:"])  # fmt: skip
+def test_text_that_only_looks_like_a_dialogue_is_one_user_message(chatml, prompt):
+    """Such text used to be taken for a dialogue and then fail to parse (a bare ValueError in data
+    preparation, on one rank): a dialogue's turns start the text or follow a blank line."""
+    fmt = prompt_format(chatml, "on")
+    assert fmt.prompt_text(prompt) == fmt.render([{"role": "user", "content": prompt}])
+    tokenize_sft([Sample(prompt, " ok")], fmt, 512, False)
