@@ -397,3 +397,16 @@ def test_a_switch_can_be_set_either_way():
     assert C.parse_groups("p", "d", (C.DataArgs,), ["--no_group_by_length"])[0].group_by_length is False
     assert C.parse_groups("p", "d", (C.DataArgs,), ["--no_train_on_prompt"])[0].train_on_prompt is False
     assert C.parse_groups("p", "d", (C.DataArgs,), ["--train_on_prompt"])[0].train_on_prompt is True
+
+
+def test_step3s_ptx_data_is_tokenized_as_its_prompts():
+    """The PTX term's SFT data used a fresh DataArgs: --chat_template off left it on the template (the
+    prompts in Human/Assistant text, the SFT data in ChatML)."""
+    from training.step3_rlhf_finetuning.main import GROUPS, STEP_DEFAULTS, RLHFOptions, ptx_data_args
+
+    argv = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--chat_template", "off",
+            "--unsupervised_dataset_name", "builtin:sort", "--max_seq_len", "77", "--data_output_path", "/tmp/x"]  # fmt: skip
+    o = RLHFOptions(*C.parse_groups("step3", "d", GROUPS, argv, STEP_DEFAULTS))
+    d = ptx_data_args(o)
+    assert (d.data_path, d.data_split, d.chat_template, d.max_seq_len, d.data_output_path) == (
+        ["builtin:sort"], "1,0,0", "off", 77, "/tmp/x")  # fmt: skip

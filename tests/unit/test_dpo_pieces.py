@@ -272,3 +272,24 @@ def test_a_saved_reference_table_is_reused_only_for_its_own_pairs(tmp_path):
     assert not table_matches(path, pairs_fingerprint(other))
     assert not table_matches(path, pairs_fingerprint(shifted))
     assert not table_matches(path, pairs_fingerprint(pairs[::-1]))  # rows in another order
+
+
+def test_dpo_rows_with_their_end_token_fit_max_seq_len():
+    """The pairs were cut to --max_seq_len for prompt + answer, then the collator appended the end token:
+    rows one token too wide (an index past the positions of a model with learned ones)."""
+    from dschat.config import DataArgs
+    from dschat.data.collate import PreferenceLMCollator
+    from dschat.data.pipeline import tokenize_pairs
+    from dschat.data.prompt_format import prompt_format
+    from dschat.data.schema import Sample
+    from dschat.dpo import pair_data_args
+    from dschat.models.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    fmt = prompt_format(tok, "off")
+    args = pair_data_args(DataArgs(max_seq_len=16), fmt)
+    (p,), stats = tokenize_pairs([Sample("\n\nHuman: " + "x" * 40 + "\n\nAssistant:", " abc", " abd")], fmt,
+                                 args.max_seq_len)  # fmt: skip
+    p["index"] = 0
+    assert stats["prompt_truncated"] == 1
+    assert PreferenceLMCollator(tok.pad_token_id, fmt.end_id)([p])["input_ids"].shape[1] == 16

@@ -32,6 +32,7 @@ from dschat.data.packing import pair_token_counts
 from dschat.data.pipeline import prepare_pair_data
 from dschat.dpo import (
     evaluate_pairs,
+    pair_data_args,
     pair_loss,
     pairs_fingerprint,
     read_table,
@@ -164,6 +165,7 @@ def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: S.Ste
               trust_remote_code: bool):  # fmt: skip
     """This step's pairs (``data.train``, ``data.eval``), each with ``index``: its row in the reference
     tables; plus the mined on-policy pairs (or None)."""
+    data_args = pair_data_args(data_args, setup.fmt)  # room for the end token after each answer
     data = prepare_pair_data(data_args, setup.tokenizer, seed=seed, phase=2)
     # Step 2's reward model drops and counts such pairs; DPO refuses them: the user meant a preference
     # there, and the pair's preference term is a constant that no update can move.

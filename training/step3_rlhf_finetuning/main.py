@@ -122,6 +122,13 @@ class Rounds:
 PTX_POSITION = "ptx_position"
 
 
+def ptx_data_args(o: RLHFOptions) -> C.DataArgs:
+    """The PTX term's SFT data (``--unsupervised_dataset_name``, all of it for training), tokenized as the
+    prompts are: the same prompt format (``--chat_template``), length limit and cache."""
+    return C.DataArgs(data_path=[o.ppo.unsupervised_dataset_name], data_split="1,0,0", chat_template=o.data.chat_template,
+                      data_output_path=o.data.data_output_path, max_seq_len=o.data.max_seq_len)  # fmt: skip
+
+
 def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
     ppo, seed = o.ppo, o.run.seed
     loader = train_loader(prompts.train, batch_size=ppo.per_device_generation_batch_size, seed=seed,
@@ -140,11 +147,7 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
         ppo_epochs=ppo.ppo_epochs, freezing_actor_steps=ppo.freezing_actor_steps,
     )  # fmt: skip
     if ppo.unsupervised_dataset_name:
-        sft = prepare_sft_data(
-            C.DataArgs(data_path=[ppo.unsupervised_dataset_name], data_split="1,0,0",
-                       data_output_path=o.data.data_output_path, max_seq_len=o.data.max_seq_len),
-            tokenizer, seed=seed, phase=1,
-        )  # fmt: skip
+        sft = prepare_sft_data(ptx_data_args(o), tokenizer, seed=seed, phase=1)
         sft_loader = train_loader(sft.train, batch_size=ppo.per_device_training_batch_size, seed=seed,
                                   collate=SFTCollator(tokenizer.pad_token_id))  # fmt: skip
         position = T.TrainState()
