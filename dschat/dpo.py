@@ -8,6 +8,7 @@ held in memory while training) and kept in a table indexed by the pair's positio
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -102,16 +103,14 @@ def settle_share_prompt(model, collate, train: list[dict], evals: list, device) 
     stop_packing(collate, [evals])
 
 
-@torch.no_grad()
 def pair_data_args(data_args, fmt):
     """The data options DPO's pairs are tokenized with: ``--max_seq_len`` less the end token that
     :class:`dschat.data.collate.PreferenceLMCollator` appends to each answer, so that a row of prompt,
     answer and end fits ``--max_seq_len`` (the reward model's pairs have no end token)."""
-    import dataclasses
-
     return dataclasses.replace(data_args, max_seq_len=data_args.max_seq_len - (fmt.end_id is not None))
 
 
+@torch.no_grad()
 def reference_table(
     model, examples: list[dict], *, batch_size: int, collate, device, only: set[int] | None = None
 ) -> torch.Tensor:

@@ -25,8 +25,8 @@ class EMA:
         if self.state is None:  # not the writing rank: it keeps no average
             return
         if saved is None or saved.keys() != self.state.keys():
-            raise UserError(f"--resume: {where} holds no EMA of this actor (was the run started without "
-                            "--enable_ema?); resume without --enable_ema, or start over with --overwrite")  # fmt: skip
+            raise UserError(f"--resume: {where} holds no EMA of this actor (a checkpoint of an earlier dschat, "
+                            "which did not save it); start over with --overwrite")  # fmt: skip
         self.state = {k: v.float() for k, v in saved.items()}
 
     @torch.no_grad()
