@@ -238,7 +238,9 @@ def resumed_choice(n: int, args: argparse.Namespace):
     from dschat.memory import Choice
 
     try:
-        cfg = json.loads((Path(args.output_dir) / f"step{n}" / "dschat_config.json").read_text())
+        cfg = json.loads(
+            (Path(args.output_dir) / step_of(n, args).dir_name / "dschat_config.json").read_text()
+        )
         if n == 3:
             actor = cfg["actor"]  # step 3 keeps each model's options under its name
             return Choice(actor["zero_stage"], actor["offload"], actor["gradient_checkpointing"])
@@ -333,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         if actions.get(n) == KEEP:
             continue
         # --resume reaches only the step that holds a checkpoint; the steps after it start afresh
-        per_step[n] = step_ns = argparse.Namespace(**{**vars(args), "resume": actions.get(n) == RESUME})
+        resume = (
+            actions.get(n) == RESUME if actions else args.resume
+        )  # with --overwrite too: the step refuses
+        per_step[n] = step_ns = argparse.Namespace(**{**vars(args), "resume": resume})
         for needed in (1, 2) if n == 3 else ():
             if needed not in steps and not finished(Path(args.output_dir) / f"step{needed}"):
                 if needed == 2 and args.reward_model:
@@ -400,8 +405,10 @@ def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]
     --resume`` continues a three-step job that stopped anywhere. Empty without ``--resume``.
 
     Refused: nothing to resume (no step finished or checkpointed: a mistyped ``--output-dir``?), and a
-    finished step after one that runs again (its inputs would change under it)."""
-    if not args.resume or args.overwrite:  # with both, each step's own parser refuses the pair
+    finished or checkpointed step after one that runs again (its inputs would change under it)."""
+    if (
+        not args.resume or args.overwrite
+    ):  # with both, each step's own parser refuses the pair (main passes both)
         return {}
     out = Path(args.output_dir)
     actions = {}
@@ -412,10 +419,11 @@ def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]
         raise UserError(f"--resume: nothing to resume in {out} (no step of this job finished or saved a "
                         "checkpoint there)")  # fmt: skip
     runs = [n for n in steps if actions[n] != KEEP]
-    if runs and (later := [n for n in steps if n > runs[0] and actions[n] == KEEP]):
+    if runs and (later := [n for n in steps if n > runs[0] and actions[n] != START]):
+        what = "is finished" if actions[later[0]] == KEEP else "has checkpoints"
         raise UserError(
-            f"--resume: step {later[0]} is finished but step {runs[0]} before it is not, so step {later[0]} would "
-            f"not match it; pass --overwrite to run the job again, or --step {later[0]} alone"
+            f"--resume: step {later[0]} {what} but step {runs[0]} before it is not finished, so step {later[0]} "
+            f"would not match it; pass --overwrite to run the job again, or --step {later[0]} alone"
         )
     return actions
 

@@ -328,9 +328,7 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
         if should_log(state.step, run.log_interval, total_steps):
             w = window.reduce()
             seconds = max(w["seconds"] / world, 1e-9)
-            state.tokens += w["tokens"]
-            state.positions += w["positions"]
-            state.train_seconds += w["seconds"] / world
+            take_in(state, w, world)
             row = {"loss": w["loss"] / w["micro"], **spec.columns(w, seconds), "lr": engine.get_lr()[0],
                    "tokens_per_sec": w["tokens"] / seconds, "epoch": state.epoch, "tokens": state.tokens}  # fmt: skip
             metrics.log(row, step=state.step, split="train")
@@ -348,12 +346,19 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
     bar.close()
 
 
+def take_in(state: TrainState, window_sums: dict[str, float], world: int) -> None:
+    """Add a metric window's real tokens, positions and seconds (summed over ``world`` ranks) to ``state``."""
+    state.tokens += window_sums["tokens"]
+    state.positions += window_sums["positions"]
+    state.train_seconds += window_sums["seconds"] / world
+
+
 def with_unlogged(state: TrainState, window: MetricWindow, world: int) -> TrainState:
     """The state to save at a step between log rows: with the tokens and seconds since the last row,
     which the state takes in only at the next row and a resumed run would lose (a collective)."""
-    w = window.peek("tokens", "positions", "seconds")
-    return dataclasses.replace(state, tokens=state.tokens + w["tokens"], positions=state.positions + w["positions"],
-                               train_seconds=state.train_seconds + w["seconds"] / world)  # fmt: skip
+    saved = dataclasses.replace(state)
+    take_in(saved, window.peek("tokens", "positions", "seconds"), world)
+    return saved
 
 
 def export_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, timer) -> None:

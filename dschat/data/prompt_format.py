@@ -51,7 +51,7 @@ def is_dialogue(text: str) -> bool:
     """True for a prompt already in Human/Assistant form: it ends with the ``Assistant:`` cue and has a
     ``Human:`` turn where :func:`parse_dialogue` finds turns (at the start or after a blank line); text
     that merely mentions them is a question."""
-    return text.rstrip().endswith("Assistant:") and re.search(r"(?:^|\n\n)Human:", text) is not None
+    return text.rstrip().endswith("Assistant:") and any(m[1] == "Human" for m in _TURN.finditer(text))
 
 
 def render_human_assistant(messages: list[Message]) -> str:

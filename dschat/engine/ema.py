@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dschat.engine.checkpoint import gather_full_state_dict, write_hf_model
@@ -19,15 +21,17 @@ class EMA:
         state = gather_full_state_dict(module)
         self.state = {k: v.float() for k, v in state.items()} if state is not None else None
 
-    def restore(self, saved: dict[str, torch.Tensor] | None, where: str) -> None:
-        """The average a checkpoint kept (:func:`dschat.engine.checkpoint.save_checkpoint`'s ``tensors``): a
-        resumed run goes on averaging from it, not from the weights it resumes with."""
-        if self.state is None:  # not the writing rank: it keeps no average
-            return
-        if saved is None or saved.keys() != self.state.keys():
+    def restore(self, load: Callable[[], dict[str, torch.Tensor] | None], where: str) -> None:
+        """The average a checkpoint kept (:func:`dschat.engine.checkpoint.save_checkpoint`'s ``tensors``), read
+        by ``load`` on the ranks that keep an average only: a resumed run goes on averaging from it, not from
+        the weights it resumes with. A collective: every rank refuses a checkpoint without it together."""
+        saved = load() if self.state is not None else None
+        missing = self.state is not None and (saved is None or saved.keys() != self.state.keys())
+        if dist.all_reduce_sum([float(missing)])[0]:
             raise UserError(f"--resume: {where} holds no EMA of this actor (a checkpoint of an earlier dschat, "
                             "which did not save it); start over with --overwrite")  # fmt: skip
-        self.state = {k: v.float() for k, v in saved.items()}
+        if saved is not None:
+            self.state = {k: v.float() for k, v in saved.items()}
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:

@@ -100,10 +100,24 @@ def test_resume_continues_a_job_where_it_stopped(tmp_path):
     ("finished", "checkpointed", "needles"),
     [
         ((), (), ["--resume", "nothing to resume"]),
-        ((2,), (1,), ["--resume", "step 2 is finished but step 1 before it is not", "--overwrite"]),
+        ((2,), (1,), ["--resume", "step 2 is finished but step 1 before it is not finished", "--overwrite"]),
+        (
+            (1,),
+            (2, 3),
+            ["--resume", "step 3 has checkpoints but step 2 before it is not finished", "--overwrite"],
+        ),
     ],
-    ids=["nothing-to-resume", "finished-after-unfinished"],
+    ids=["nothing-to-resume", "finished-after-unfinished", "checkpointed-after-unfinished"],
 )
 def test_resume_refuses_a_job_it_cannot_continue(tmp_path, finished, checkpointed, needles):
     _job_dir(tmp_path, finished=finished, checkpointed=checkpointed)
     error_line(train_py(*JOB, "--output-dir", str(tmp_path), "--resume"), *needles)
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path):
+    """Both flags reach the steps' checks, which refuse them (a first version of the multi-step resume
+    passed --overwrite alone, and every step would have started over): nothing is removed."""
+    _job_dir(tmp_path, finished=[1], checkpointed=[2])
+    error_line(train_py(*JOB, "--output-dir", str(tmp_path), "--resume", "--overwrite"), "--resume")
+    assert (tmp_path / "step1" / "summary.json").exists()
+    assert (tmp_path / "step2" / "checkpoints" / "latest").exists()

@@ -30,9 +30,18 @@ def test_a_resume_continues_from_the_saved_average_and_refuses_a_checkpoint_with
     with torch.no_grad():
         lin.weight.copy_(torch.tensor([[1.0, -2.0]]))
     ema = EMA(lin, decay=0.5)  # built from the weights the run resumes with
-    ema.restore({"weight": torch.tensor([[3.0, 0.0]], dtype=torch.bfloat16)}, "checkpoint step3")
+    ema.restore(lambda: {"weight": torch.tensor([[3.0, 0.0]], dtype=torch.bfloat16)}, "checkpoint step3")
     ema.update(lin)  # 0.5 * [3, 0] + 0.5 * [1, -2]
     assert torch.equal(ema.state["weight"], torch.tensor([[2.0, -1.0]]))
     for saved in (None, {"other": torch.zeros(1, 2)}):
         with pytest.raises(UserError, match=r"--resume: checkpoint step3 holds no EMA of this actor"):
-            ema.restore(saved, "checkpoint step3")
+            ema.restore(lambda saved=saved: saved, "checkpoint step3")
+
+
+def test_a_rank_that_keeps_no_average_does_not_read_the_checkpoints_copy():
+    import pytest
+
+    ema = EMA.__new__(EMA)  # a rank other than the writer: gather_full_state_dict gave it nothing
+    ema.decay, ema.state = 0.5, None
+    ema.restore(lambda: pytest.fail("a rank without an average loaded the whole model"), "checkpoint step3")
+    assert ema.state is None

@@ -236,7 +236,7 @@ def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int) ->
     """The run's state: fresh, or (``--resume``) the latest checkpoint's, with the KL controller's."""
     state = T.resume_state(m.engines(), run, global_batch)
     if m.ema is not None and run.resume:
-        m.ema.restore(T.resumed_tensors(run, EMA_NAME), f"checkpoint step{state.step}")
+        m.ema.restore(lambda: T.resumed_tensors(run, EMA_NAME), f"checkpoint step{state.step}")
     if "kl_controller" in state.extra:
         trainer.kl_ctl.load_state_dict(state.extra["kl_controller"])
     elif "kl_coef" in state.extra:  # a checkpoint written before the controller saved its own state
