@@ -132,6 +132,8 @@ class PPOTrainer:
             )  # critic updates
             actor_keys = ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss", "kl_loss")
             row.update({k: w[k] / ua for k in actor_keys if k in w})
+        if "skipped_actor_updates" in w:  # minibatches with no row left to train (--filter_uniform_groups)
+            row["skipped_actor_updates"] = w["skipped_actor_updates"]
         return row
 
     # ------------------------------------------------------------------ helpers
@@ -434,13 +436,13 @@ class PPOTrainer:
                 values = critic_values.detach() * action_mask
                 if fused_critic:
                     critic_graph = critic_values
-                rewards, _ = M.kl_shaped_rewards(clipped, logprobs, ref_logprobs, action_mask, reward_kl_coef,
+                rewards, kl_penalty = M.kl_shaped_rewards(clipped, logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                                  h.kl_estimator)  # fmt: skip
                 advantages, returns = M.gae(rewards, values, action_mask, h.gamma, h.lam)
             else:  # per-prompt baseline: the clipped score minus the other responses' scores, then reward-to-go
                 values = torch.zeros_like(logprobs)
                 relative = M.group_relative_scores(clipped, h.n_samples_per_prompt, h.advantage_estimator)
-                rewards, _ = M.kl_shaped_rewards(relative, logprobs, ref_logprobs, action_mask, reward_kl_coef,
+                rewards, kl_penalty = M.kl_shaped_rewards(relative, logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                                  h.kl_estimator)  # fmt: skip
                 advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
             if h.whiten_advantages:  # over the rows that train
@@ -458,9 +460,10 @@ class PPOTrainer:
         stats = {
             "score_sum": float(scores.sum()),
             "score_sq_sum": float((scores.float() ** 2).sum()),
-            # per-sequence total reward (clipped score - KL penalty) summed over rows; the same for every
-            # estimator (with the group baselines, ``rewards`` holds the baseline-subtracted score instead)
-            "reward_sum": float(clipped.sum() - self.kl_ctl.value * kl.sum()),
+            # per-sequence total reward (clipped score - the KL penalty the rewards carry: the chosen
+            # estimator's, none with --kl_in loss) summed over rows; with the group baselines ``rewards``
+            # holds the baseline-subtracted score instead, so it is summed from its parts
+            "reward_sum": float(clipped.sum() - reward_kl_coef * kl_penalty.sum()),
             "kl_sum": float(kl.sum()),  # per-sequence KL to the reference, summed over rows
             "entropy_sum": float(entropy) * len(lengths),
             "length_sum": float(lengths.sum()),
@@ -484,8 +487,10 @@ class PPOTrainer:
         h = self.hyper
         out: dict[str, float] = {}
         with self._timed("train"):
-            if train_actor:
+            if train_actor and self._actor_has_work(exp, unsup_batch):
                 out.update(self._train_actor(exp, unsup_batch))
+            elif train_actor:
+                out["skipped_actor_updates"] = 1.0
             if self.critic is None:
                 return out
             # 2b. critic: clipped value regression towards the GAE returns
@@ -504,6 +509,16 @@ class PPOTrainer:
             }
         )
         return out
+
+    def _actor_has_work(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None) -> bool:
+        """Whether the actor's update has anything to learn from on some rank: a minibatch whose rows all
+        left the update (``--filter_uniform_groups``) on every rank, without a PTX term, has a zero loss,
+        and an optimizer step on its zero gradient would still move the weights (Adam's momentum, weight
+        decay). Such a step is skipped, as DAPO drops such groups from the batch. Collective: every rank
+        skips together (ZeRO's gathers and the gradient all-reduce are collectives)."""
+        if not self.hyper.filter_uniform_groups or (unsup_batch is not None and self.hyper.unsup_coef > 0):
+            return True  # every row keeps its actions (or the PTX term trains): no host sync needed
+        return dist.any_rank(bool(exp.action_mask.sum() > 0))
 
     def _train_actor(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None) -> dict[str, float]:
         # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)

@@ -226,6 +226,9 @@ def test_rlvr_stabilisers_in_one_round(tokenizer, penalty):
     uniform = (relative.abs() < 1e-6).all(1).repeat_interleave(2)
     assert stats["uniform_group_rows"] == float(uniform.sum())
     assert stats["truncated_rows"] == float(truncated.sum())
+    assert stats["reward_sum"] == pytest.approx(
+        float(score.sum())
+    )  # the KL is a loss term, not in the reward
     assert uniform[2:].tolist() == [False, False]  # prompt 1's answers score 0 and 2: never uniform
     for i in range(4):
         if uniform[i]:
@@ -464,3 +467,62 @@ def test_the_critics_one_update_per_round_is_decided_from_its_own_options(argv, 
     base = ("--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16")
     o = RLHFOptions(*step3_groups(*base, *argv))
     assert one_update_per_round(o.ppo, o.critic, o.critic_lora, o.critic_ds.zero_stage) is want
+
+
+class AdamEngine(Engine):
+    """An engine with AdamW (momentum and weight decay): a step on a zero gradient still moves it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        super().step()
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+
+def test_a_minibatch_whose_rows_all_left_the_update_takes_no_optimizer_step(tokenizer):
+    """--filter_uniform_groups: when every group of a minibatch scores alike, no row keeps an action and
+    the loss is 0; an AdamW step would still move the weights (momentum from the previous update, weight
+    decay), so the actor's step is skipped and counted, and the weights stay as they were."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    engine = AdamEngine(actor)
+    mixed = trainer(engine, Engine(reference), tokenizer, temperature=1.0, scores=FixedScores([1.0, 0.0, 0.0, 2.0]),
+                    advantage_estimator="group_norm", filter_uniform_groups=True)  # fmt: skip
+    torch.manual_seed(5)
+    out = mixed.train(mixed.make_experience(*prompts(tokenizer))[0])
+    assert engine.steps == 1 and "policy_loss" in out  # an update with signal: the optimizer has momentum now
+    uniform = trainer(engine, Engine(reference), tokenizer, temperature=1.0, scores=FixedScores([1.0, 1.0, 3.0, 3.0]),
+                      advantage_estimator="group_norm", filter_uniform_groups=True)  # fmt: skip
+    exp, stats = uniform.make_experience(*prompts(tokenizer))
+    assert stats["uniform_group_rows"] == 4.0 and exp.action_mask.sum() == 0
+    before = [p.detach().clone() for p in actor.parameters()]
+    out = uniform.train(exp)
+    assert engine.steps == 1 and out == {"skipped_actor_updates": 1.0}
+    assert all(torch.equal(a, p) for a, p in zip(before, actor.parameters(), strict=True))
+    row = uniform.log_row({"rows": 4.0, "score_sum": 8.0, "score_sq_sum": 20.0, "reward_sum": 8.0, "kl_sum": 0.0,
+                           "entropy_sum": 0.0, "length_sum": 8.0, "truncated_rows": 0.0, "uniform_group_rows": 4.0,
+                           "clipped_score_rows": 0.0, "updates": 1.0, "skipped_actor_updates": 1.0})  # fmt: skip
+    assert row["skipped_actor_updates"] == 1.0 and "policy_loss" not in row
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_logged_reward_carries_the_kl_penalty_of_the_chosen_estimator(tokenizer, estimator):
+    """reward_mean's sum: each row's clipped score less kl_coef times the sum of the estimator's per-token
+    KL over its actions (what the per-token rewards hold), computed here from the log-probs."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, scores=FixedScores([1.0, 0.0, 0.0, 2.0]),
+                  kl_estimator=estimator)  # fmt: skip
+    torch.manual_seed(5)
+    exp, stats = ppo.make_experience(*prompts(tokenizer))
+    acts = M.action_mask_from(exp.sequences, exp.prompt_len, [tokenizer.eos_token_id]).bool()
+    d = (exp.logprobs - exp.ref_logprobs).double()[acts]
+    k = d if estimator == "k1" else torch.exp(-d) - 1 + d
+    assert stats["reward_sum"] == pytest.approx(3.0 - 0.1 * float(k.sum()), rel=1e-5)
+    assert stats["kl_sum"] == pytest.approx(
+        float(d.sum()), rel=1e-5
+    )  # reported KL: k1 whatever the estimator
