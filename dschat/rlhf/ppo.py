@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,15 @@ class PPOTrainer:
         # {"actor" (its own frozen bottom, for the update) | "reference" | "reward" | "judge": shared depth},
         # settled on the first experience batch
         self.trunk_depths: dict[str, int] | None = None if hyper.share_frozen_trunk else {}
+
+    def progress(self) -> dict[str, Any]:
+        """The run's time per phase and generated tokens so far: saved with each checkpoint, so that a
+        resumed run's summary counts the whole run's throughput, not the resumed part's."""
+        return {"timing": dict(self.timing), "generated_tokens": self.generated_tokens}
+
+    def load_progress(self, saved: dict[str, Any]) -> None:
+        self.timing.update(saved["timing"])
+        self.generated_tokens = float(saved["generated_tokens"])
 
     def log_row(self, w: dict[str, float]) -> dict[str, float]:
         """The train-split log row of a window of rounds (``w``: :class:`dschat.trainer.MetricWindow` sums

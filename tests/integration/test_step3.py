@@ -150,6 +150,8 @@ def test_resume_continues_to_the_same_actor(models, tmp_path):
     starts = [k for k in sa if k.endswith("_start")]
     assert "reward_start" in starts and "held_out_reward_start" in starts
     assert {k: sb[k] for k in starts} == {k: sa[k] for k in starts}
+    # and its throughput is the whole run's: the same rollouts, all six rounds' tokens (it counted three)
+    assert sb["generated_tokens"] == sa["generated_tokens"] > 0
 
 
 def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_update(models, tmp_path):

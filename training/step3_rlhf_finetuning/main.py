@@ -107,10 +107,9 @@ class Rounds:
     unsup_position: T.TrainState | None = None
 
     def save_unsup_position(self, state: T.TrainState) -> None:
-        if self.unsup_position is not None:
-            p = self.unsup_position
-            state.extra[PTX_POSITION] = {"epoch": p.epoch, "batch_in_epoch": p.batch_in_epoch,
-                                         "micro_batch_samples": p.micro_batch_samples}  # fmt: skip
+        if self.unsup_position is not None:  # every field the loader's TrainState has, but its own extra
+            saved = self.unsup_position.to_client_state()
+            state.extra[PTX_POSITION] = {k: v for k, v in saved.items() if k != "extra"}
 
     def restore_unsup_position(self, state: T.TrainState) -> None:
         """Before the iterator's first batch (a generator reads its position when it starts)."""
@@ -120,6 +119,7 @@ class Rounds:
 
 
 PTX_POSITION = "ptx_position"
+PPO_PROGRESS = "ppo_progress"  # seconds per phase and generated tokens (PPOTrainer.progress)
 
 
 def ptx_data_args(o: RLHFOptions) -> C.DataArgs:
@@ -212,6 +212,7 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
     return {
         "step": 3, "steps": state.step, **ends(train, first, last), "kl_end": last.get("kl_to_reference"),
         **ends({k: k for k in held_out}, eval_start, eval_end), **per_task,
+        "generated_tokens": trainer.generated_tokens,
         "generation_tokens_per_sec": trainer.generated_tokens / max(timing["generation"], 1e-9),
         **{f"{k}_seconds": v for k, v in timing.items()}, "wall_seconds": sw.wall(),
         "seconds_by_phase": {**sw.totals, **timing}, "dtype": dtype, "world_size": dist.world_size(),
@@ -237,6 +238,8 @@ def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int) ->
     state = T.resume_state(m.engines(), run, global_batch)
     if m.ema is not None and run.resume:
         m.ema.restore(lambda: T.resumed_tensors(run, EMA_NAME), f"checkpoint step{state.step}")
+    if PPO_PROGRESS in state.extra:
+        trainer.load_progress(state.extra[PPO_PROGRESS])
     if "kl_controller" in state.extra:
         trainer.kl_ctl.load_state_dict(state.extra["kl_controller"])
     elif "kl_coef" in state.extra:  # a checkpoint written before the controller saved its own state
@@ -338,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(state.step)
         if not buffer:  # checkpoint only between PPO rounds: the buffer is empty there
             state.extra["kl_controller"] = trainer.kl_ctl.state_dict()
+            state.extra[PPO_PROGRESS] = trainer.progress()
             rounds.save_unsup_position(state)
             with sw("checkpoint"):
                 T.maybe_checkpoint(m.engines(), run, state, rounds.total,
