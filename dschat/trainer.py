@@ -38,7 +38,7 @@ from dschat.models.lora import inject_lora
 from dschat.tasks.accuracy import task_accuracy
 from dschat.utils import dist
 from dschat.utils.errors import UserError
-from dschat.utils.metrics import MetricsLogger
+from dschat.utils.metrics import MetricsLogger, new_wandb_run_id
 
 if TYPE_CHECKING:
     from dschat.step_setup import StepSetup
@@ -401,11 +401,12 @@ def should_log(step: int, interval: int, total: int) -> bool:
 
 def open_metrics(run: RunArgs, resolved: dict[str, Any], state: TrainState) -> MetricsLogger:
     """metrics.jsonl (on --resume: its rows up to the checkpoint's step kept, the run's appended), plus
-    TensorBoard and W&B when asked for."""
+    TensorBoard and W&B when asked for (a resumed run logs to the W&B run it started)."""
+    wandb_id = start_of_run(state, "wandb_run_id", new_wandb_run_id) if run.enable_wandb else None
     return MetricsLogger(
         run.output_dir, config=resolved, enable_tensorboard=run.enable_tensorboard,
         tensorboard_path=run.tensorboard_path, enable_wandb=run.enable_wandb, wandb_project=run.wandb_project,
-        run_name=Path(run.output_dir).name, append=run.resume, keep_through=state.step,
+        run_name=Path(run.output_dir).name, wandb_run_id=wandb_id, append=run.resume, keep_through=state.step,
     )  # fmt: skip
 
 

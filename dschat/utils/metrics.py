@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,12 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
+def new_wandb_run_id() -> str:
+    """A fresh W&B run id (8 characters of [0-9a-f], a form W&B accepts): chosen when a run starts and
+    kept in its checkpoints, so that a resumed run goes on logging to the same W&B run."""
+    return secrets.token_hex(4)
+
+
 class MetricsLogger:
     """One place every metric goes through: jsonl line, TensorBoard scalar, W&B log.
 
@@ -71,13 +78,15 @@ class MetricsLogger:
         enable_wandb: bool = False,
         wandb_project: str = "dschat",
         run_name: str | None = None,
+        wandb_run_id: str | None = None,
         append: bool = False,
         keep_through: int | None = None,
     ) -> None:
         """``append``: add to an earlier process's metrics.jsonl (a resumed run). ``keep_through``: with
         ``append``, first drop its rows after that step: a run resumed from the checkpoint of step N logs
         the steps after N again, and rows the interrupted run wrote after its last checkpoint would stay
-        beside them twice."""
+        beside them twice. ``wandb_run_id``: the W&B run to log to, the same one when a run is resumed
+        (:func:`new_wandb_run_id`, kept in the checkpoints)."""
         self.active = dist.is_main()
         self._tb = None
         self._wandb = None
@@ -101,8 +110,8 @@ class MetricsLogger:
             # Offline mode works with no network; WANDB_MODE from the environment wins.
             os.environ.setdefault("WANDB_DIR", str(output_dir))
             self._wandb = wandb.init(
-                project=wandb_project, name=run_name, config=config, dir=str(output_dir), resume="allow"
-            )
+                project=wandb_project, name=run_name, id=wandb_run_id, config=config, dir=str(output_dir), resume="allow"
+            )  # fmt: skip
 
     def log(self, metrics: dict[str, Any], *, step: int, split: str) -> None:
         if not self.active:

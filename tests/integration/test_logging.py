@@ -34,3 +34,18 @@ def test_tensorboard_and_offline_wandb(tmp_path):
     data = record.read_bytes()
     assert all(json.dumps(r["loss"]).encode() in data for r in train)
     assert b"train/loss" in data and b"learning_rate" in data and b"max_steps" in data
+
+
+def test_a_resumed_run_logs_to_the_wandb_run_it_started(tmp_path):
+    """The W&B run id is kept in the checkpoint: the resumed process's offline run has the interrupted
+    one's id (W&B then merges them into one run; it used to open a second run)."""
+    out = tmp_path / "run"
+    flags = [*FAST, "--max_steps", "4", "--save_steps", "2", "--log_interval", "1", "--enable_wandb"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = step1(out, *flags, env={**env, "DSCHAT_TEST_EXIT_AFTER_SAVE": "2"})
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    first = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
+    assert len(first) == 1
+    assert_ok(step1(out, *flags, "--resume", env=env))
+    ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
+    assert ids == first
