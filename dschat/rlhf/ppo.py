@@ -105,6 +105,9 @@ class PPOTrainer:
         self.generated_tokens = 0.0
         self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
         self.packing_checked = False
+        # {"reward" | "judge": whether its scores of packed rows matched separate rows}, settled on the first
+        # packed batch (_check_reward_packing)
+        self.reward_packing: dict[str, bool] = {}
         # {"actor" (its own frozen bottom, for the update) | "reference" | "reward" | "judge": shared depth},
         # settled on the first experience batch
         self.trunk_depths: dict[str, int] | None = None if hyper.share_frozen_trunk else {}
@@ -340,6 +343,22 @@ class PPOTrainer:
                     "computing separate rows instead", diff)  # fmt: skip
         self.share_prompt = False
 
+    def _check_reward_packing(self, name: str, plain: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Once per reward source, on the first packed batch: its scores (R,) from the actor's packed rows
+        against separate rows. A reward model of another architecture than the actor's may ignore the
+        custom mask or the position ids where the actor did not (the actor's check says nothing about
+        it); then it scores separate rows for the rest of the run, with a warning. Collective."""
+        engine = self._trunk_consumers().get(name, self.actor)
+        ok, diff = trunk_sharing.replay_agrees(packed, plain, engine)
+        self.reward_packing[name] = ok
+        if ok:
+            LOG.info("--share_prompt: the %s model's scores of packed answers match separate rows (max difference "
+                     "%.1e)", name, diff)  # fmt: skip
+            return packed
+        LOG.warning("--share_prompt: the %s model scores packed answers %.3g away from separate rows; scoring "
+                    "separate rows instead", name, diff)  # fmt: skip
+        return plain
+
     # ------------------------------------------------------------------ 1. experience
     @torch.no_grad()
     def make_experience(
@@ -413,14 +432,19 @@ class PPOTrainer:
             reward_packed = (
                 read_at(packed, reward_mask[:, prompt_len:].sum(1)) if packed is not None else None
             )
-            scores = self._replayed("reward", trunks, lambda: self.reward_source.score(
-                prompts, responses, sequences, reward_mask, reward_packed), same_rows=packed is not None)  # fmt: skip
-            judged = (
-                self._replayed("judge", trunks, lambda: self.judge.score(
-                    prompts, responses, sequences, reward_mask, reward_packed), same_rows=packed is not None)
-                if self.judge is not None
-                else None
-            )  # fmt: skip
+
+            def scored(name: str, source) -> torch.Tensor:
+                rows = reward_packed if self.reward_packing.get(name, True) else None
+                out = self._replayed(name, trunks, lambda: source.score(
+                    prompts, responses, sequences, reward_mask, rows), same_rows=rows is not None)  # fmt: skip
+                if rows is None or name in self.reward_packing or not source.reads_packed:
+                    return out
+                return self._check_reward_packing(
+                    name, source.score(prompts, responses, sequences, reward_mask), out
+                )
+
+            scores = scored("reward", self.reward_source)
+            judged = scored("judge", self.judge) if self.judge is not None else None
 
             truncated = truncated_rows(sequences, prompt_len, stops)
             clipped, was_clipped = M.clip_scores(scores, h.clip_reward_value)

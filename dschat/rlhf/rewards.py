@@ -18,6 +18,9 @@ from dschat.utils.errors import UserError
 
 
 class RewardSource(Protocol):
+    # whether ``packed`` rows change what is computed (a model reads them; a function reads the text)
+    reads_packed: bool
+
     def score(
         self,
         prompts: list[str],
@@ -36,6 +39,8 @@ class RewardModelSource:
     (``--normalize_reward``) the scores come out standardised. ``packed``: the same rows packed by
     prompt (:func:`dschat.data.packing.pack_rollouts` of that mask), scored with each prompt run once.
     """
+
+    reads_packed = True
 
     def __init__(self, engine, normalization: ScoreNormalization | None = None) -> None:
         self.engine = engine
@@ -57,6 +62,8 @@ class RewardModelSource:
 class FunctionSource:
     """``fn(prompts, responses) -> list[float]``, loaded from ``module:function``."""
 
+    reads_packed = False
+
     def __init__(self, spec: str) -> None:
         self.fn: Callable = import_function(spec, "--reward_fn")
         self.spec = spec
@@ -77,6 +84,7 @@ class FunctionSource:
 class SumSource:
     def __init__(self, *sources: RewardSource) -> None:
         self.sources = sources
+        self.reads_packed = any(s.reads_packed for s in sources)
 
     def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
         return sum(s.score(prompts, responses, sequences, attention_mask, packed) for s in self.sources)

@@ -301,6 +301,10 @@ def test_a_shared_frozen_trunk_changes_no_number(models, tmp_path):
                  "the update starts above the actor's frozen bottom 1 blocks"):  # fmt: skip
         assert said in logs["--share_frozen_trunk"], said
         assert said not in logs["--no_share_frozen_trunk"]
+    # the reward model reads the actor's packed rows (--share_prompt) once they are checked against its own
+    assert all(
+        "the reward model's scores of packed answers match separate rows" in log for log in logs.values()
+    )
     assert len(shared) == len(full) == 3
     for a, b in zip(shared, full):
         for key in ("score_mean", "reward_mean", "kl_to_reference", "entropy", "policy_loss", "approx_kl"):

@@ -49,6 +49,8 @@ class Engine(torch.nn.Module):
 class Scores:
     """A reward source: a fixed score per row."""
 
+    reads_packed = False
+
     def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
         return torch.arange(len(responses), dtype=torch.float32)
 
@@ -197,6 +199,8 @@ def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monk
 
 class FixedScores:
     """A reward source with the given score per row."""
+
+    reads_packed = False
 
     def __init__(self, values: list[float]) -> None:
         self.values = values
@@ -526,3 +530,42 @@ def test_the_logged_reward_carries_the_kl_penalty_of_the_chosen_estimator(tokeni
     assert stats["kl_sum"] == pytest.approx(
         float(d.sum()), rel=1e-5
     )  # reported KL: k1 whatever the estimator
+
+
+class MaskBlindScores:
+    """A reward model that scores packed rows wrongly (as one that ignores the packed mask would): each row's
+    sum of token ids, plus 7 when it is given packed rows."""
+
+    reads_packed = True
+
+    def __init__(self) -> None:
+        self.packed_calls = 0
+
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
+        self.packed_calls += packed is not None
+        return (sequences * attention_mask).sum(1).float() + (7.0 if packed is not None else 0.0)
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_a_reward_model_that_mis_scores_packed_rows_scores_separate_rows(tokenizer, blind):
+    """--share_prompt: the actor passes its own packing check, which says nothing about a reward model of
+    another architecture. The reward source's packed scores are checked against separate rows on the
+    first batch: a mismatch gives the separate rows' scores, and separate rows from then on."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    source = MaskBlindScores() if blind else FixedScores([1.0, 0.0, 0.0, 2.0])
+    ppo = trainer(
+        Engine(actor), Engine(reference), tokenizer, temperature=1.0, scores=source, share_prompt=True
+    )
+    torch.manual_seed(5)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    assert ppo.share_prompt and exp.packed is not None  # the actor packs
+    if not blind:  # a source that does not read packed rows is not checked
+        assert ppo.reward_packing == {}
+        return
+    reward_mask = (
+        exp.attention_mask * (~torch.isin(exp.sequences, torch.tensor([tokenizer.eos_token_id]))).long()
+    )
+    assert torch.equal(exp.scores, (exp.sequences * reward_mask).sum(1).float())
+    assert ppo.reward_packing == {"reward": False} and source.packed_calls == 1
+    ppo.make_experience(*prompts(tokenizer))
+    assert source.packed_calls == 1  # separate rows from then on

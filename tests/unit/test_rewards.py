@@ -108,6 +108,8 @@ def test_function_source_non_list_return_is_a_user_error(reward_module, fn):
 
 
 class ConstSource:
+    reads_packed = False
+
     def __init__(self, values):
         self.values = values
 
