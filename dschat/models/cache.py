@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from dschat.utils.errors import UserError
 from dschat.utils.io import cache_root
 
 LOG = logging.getLogger("dschat")
@@ -63,15 +64,24 @@ def build_once(entry: Path, build: Callable[[Path], dict | None]) -> Path:
     """
     if is_complete(entry):
         return entry
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(entry.with_name(f".{entry.name}.lock")):
+    lock = entry.with_name(f".{entry.name}.lock")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+    except OSError as exc:
+        raise UserError(f"model cache {entry.parent}: cannot write there ({exc.strerror or exc}); set DSCHAT_CACHE "
+                        "to a writable directory") from None  # fmt: skip
+    with file_lock(lock):
         if is_complete(entry):  # another process built it while this one waited
             return entry
         if entry.exists():
             LOG.warning("model cache: %s is incomplete or written by an older dschat; rebuilding it", entry)
             shutil.rmtree(entry)
+        # Builds of this entry that died (a killed process) left their temporary copies; none is running
+        # while this process holds the lock, so every one is stale.
+        for stale in entry.parent.glob(f".{entry.name}.*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             info = build(tmp) or {}

@@ -28,19 +28,30 @@ GGUF_MAGIC = b"GGUF"
 INSTALL_GGUF = "pip install gguf"
 
 
+def _gguf_files(directory: Path) -> list[Path]:
+    """The GGUF files in ``directory`` (the extension in any case: ``M.GGUF`` too)."""
+    try:
+        return sorted(p for p in directory.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    except OSError:
+        return []
+
+
 def is_gguf_path(spec: str) -> bool:
-    """True for a path to a ``.gguf`` file, or a directory that holds GGUF files and no config.json."""
+    """True for a path to a ``.gguf`` file (any case), or a directory that holds GGUF files and no
+    config.json."""
     path = Path(spec).expanduser()
-    if spec.endswith(".gguf"):
-        return True
-    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+    if path.is_dir():
+        return not (path / "config.json").exists() and bool(_gguf_files(path))
+    return path.suffix.lower() == ".gguf"
 
 
 def gguf_file_of(spec: str, flag: str) -> Path:
     """The GGUF file that ``spec`` names (a file, or a directory holding exactly one)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        files = sorted(path.glob("*.gguf"))
+        files = _gguf_files(path)
+        if not files:
+            raise UserError(f"{flag} {spec}: the directory holds no .gguf file")
         if len(files) != 1:
             names = ", ".join(f.name for f in files)
             raise UserError(f"{flag} {spec}: the directory holds {len(files)} GGUF files ({names}); name one")
@@ -48,6 +59,18 @@ def gguf_file_of(spec: str, flag: str) -> Path:
     if not path.is_file():
         raise UserError(f"{flag} {spec}: GGUF file not found")
     return path
+
+
+def check_magic(path: Path, flag: str) -> None:
+    """One clear line for a file that cannot be read or does not start as a GGUF file does: checked
+    before anything reads the whole file (its hash)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot read ({exc.strerror or exc})") from None
+    if magic != GGUF_MAGIC:
+        raise UserError(f"{flag} {path}: not a GGUF file (it does not start with 'GGUF')")
 
 
 def file_sha256(path: Path) -> str:
@@ -70,13 +93,7 @@ class GGUFInfo:
 def inspect(path: Path, flag: str) -> GGUFInfo:
     """Read and check the file's metadata (no tensors): one clear line for a file that is not GGUF, is
     truncated, has an architecture transformers cannot read, or carries no tokenizer."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise UserError(f"{flag} {path}: cannot read ({exc.strerror or exc})") from None
-    if magic != GGUF_MAGIC:
-        raise UserError(f"{flag} {path}: not a GGUF file (it does not start with 'GGUF')")
+    check_magic(path, flag)
     try:
         import gguf
     except ImportError:
@@ -138,7 +155,11 @@ def gguf_config(path: Path, flag: str) -> dict:
 def convert(spec: str, flag: str = "--model_name_or_path") -> str:
     """The model-cache directory of the GGUF file ``spec`` names, converting it on first use."""
     path = gguf_file_of(spec, flag).resolve()
-    digest = file_sha256(path)
+    check_magic(path, flag)
+    try:
+        digest = file_sha256(path)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot read ({exc.strerror or exc})") from None
     entry = models_dir() / f"gguf-{path.stem}-{digest[:16]}"
     if is_complete(entry):
         return str(entry)

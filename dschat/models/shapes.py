@@ -197,7 +197,10 @@ def load_model_config(name_or_path: str, flag: str = "--actor-model") -> tuple[d
         path = path / "config.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text()), str(path)
+            return json.loads(path.read_text(encoding="utf-8")), str(path)
+        except UnicodeDecodeError:  # a weights file or other binary named where a config or model is
+            raise UserError(f"{flag} {name_or_path}: not a model directory, config.json or GGUF file (binary, "
+                            "not JSON)") from None  # fmt: skip
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{flag} {name_or_path}: unreadable config ({exc})") from None
     if name_or_path.startswith("builtin:"):

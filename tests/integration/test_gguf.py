@@ -106,6 +106,34 @@ def test_bad_gguf_files_are_one_line_and_leave_nothing_in_the_cache(
     assert [e for e in _entries(cache) if "gguf" in e and not e.endswith(".lock")] == []
 
 
+def test_a_gguf_file_with_an_upper_case_extension_is_a_gguf_file(cache, tmp_path, micro_gguf):
+    upper = tmp_path / "upper" / "M.GGUF"
+    upper.parent.mkdir()
+    shutil.copy(micro_gguf, upper)
+    for spec in (upper, upper.parent):
+        assert gguf.is_gguf_path(str(spec))
+        assert Path(resolve(str(spec))).name.startswith("gguf-M-")
+
+
+def test_a_file_that_is_not_gguf_is_refused_before_it_is_hashed(cache, tmp_path, monkeypatch):
+    """The magic number is read first: a large file that is not GGUF is not read through to hash it."""
+    bad = _bad(tmp_path, "big.gguf", b"PK\x03\x04" + bytes(4096))
+
+    def no_hashing(path):
+        raise AssertionError("hashed before its first bytes were checked")
+
+    monkeypatch.setattr(gguf, "file_sha256", no_hashing)
+    with pytest.raises(UserError, match="not a GGUF file"):
+        resolve(str(bad), "--model_name_or_path")
+
+
+def test_a_directory_without_gguf_files_says_so(tmp_path):
+    d = tmp_path / "empty.gguf"
+    d.mkdir()
+    with pytest.raises(UserError, match=r"empty\.gguf: the directory holds no \.gguf file"):
+        gguf.gguf_file_of(str(d), "--model_name_or_path")
+
+
 def test_a_directory_with_two_gguf_files_asks_for_one(tmp_path, micro_gguf):
     d = tmp_path / "two"
     d.mkdir()

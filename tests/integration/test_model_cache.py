@@ -12,6 +12,7 @@ import torch
 
 from dschat.models import builtin, cache
 from dschat.utils.dist import free_port
+from dschat.utils.errors import UserError
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "tests" / "integration" / "cache_script.py"
@@ -144,3 +145,28 @@ def test_a_reward_model_refuses_a_checkpoint_without_its_embedding(tmp_path):
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(UserError, match=r"lacks 1 body weight\(s\) \(model.embed_tokens.weight\)"):
         load_reward_model(str(tmp_path / "m"), flag="--critic_model_name_or_path")
+
+
+def test_a_build_killed_midway_leaves_a_copy_that_the_next_build_removes(tmp_path):
+    """A process killed while building (no exception handler runs) leaves its temporary copy, a whole
+    model's worth of disk; the next build of the entry, holding the lock, removes it."""
+    entry = tmp_path / "thing"
+    dead = tmp_path / ".thing.999999.tmp"  # the copy of a build whose process is gone
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"x" * 1024)
+
+    def build(tmp: Path) -> None:
+        (tmp / "model.safetensors").write_bytes(b"y")
+
+    cache.build_once(entry, build)
+    assert cache.is_complete(entry) and not dead.exists()
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_naming_dschat_cache(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("DSCHAT_CACHE", str(blocker))
+    with pytest.raises(
+        UserError, match=r"model cache .*a-file/models: cannot write there .*set DSCHAT_CACHE"
+    ):
+        builtin.materialize("builtin:micro-llama")

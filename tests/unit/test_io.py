@@ -87,3 +87,16 @@ def test_atomic_save_tensors_round_trip(tmp_path):
     atomic_save_tensors(p, {"x": torch.arange(6.0).view(3, 2).t()})  # a non-contiguous view is fine
     assert load_file(str(p))["x"].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     assert os.listdir(tmp_path) == ["t.safetensors"]
+
+
+def test_atomic_writes_get_the_mode_a_plain_open_would(tmp_path):
+    """mkstemp makes owner-only files; an output (a report, a summary) must be readable as any file the
+    user writes: 0666 less the umask."""
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "report.md", "x")
+        plain = tmp_path / "plain.md"
+        plain.write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "report.md").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o644

@@ -352,6 +352,12 @@ def test_config_sources(tmp_path):
         S.load_model_config("no-such-org/no-such-model", "--actor-model")
     with pytest.raises(UserError, match="unknown built-in model"):
         S.load_model_config("builtin:nope")
+    weights = tmp_path / "model.bin"  # a binary file named where a model is: one line, not a traceback
+    weights.write_bytes(bytes([0xC0, 0xFF, 0x00, 0x12]) * 8)
+    with pytest.raises(
+        UserError, match=r"--actor-model .*model.bin: not a model directory, config.json or GGUF"
+    ):
+        S.load_model_config(str(weights), "--actor-model")
     with pytest.raises(UserError, match="no 'hidden_size'"):
         S.shape_from_config({"model_type": "llama", "vocab_size": 3})
 
