@@ -15,7 +15,7 @@ from typing import Any
 
 from dschat import tasks
 from dschat.data.prompt_format import is_dialogue, make_prompt
-from dschat.data.sources import BUILTIN_SEED
+from dschat.data.sources import BUILTIN_SEED, builtin_task_names
 from dschat.utils.errors import UserError
 
 
@@ -28,6 +28,16 @@ def builtin_prompts(n: int, names: list[str] | None = None) -> list[str]:
     by_task = [[tasks.last_question(e.prompt) for e in examples if e.task == t] for t in names]
     interleaved = [q for group in zip_longest(*by_task) for q in group if q is not None]
     return interleaved[:n]
+
+
+def run_tasks(data_paths: list[str]) -> list[str] | None:
+    """The built-in tasks a run's ``--data_path`` sources name, in order (``builtin`` alone: the default
+    tasks); None where it names none (a run on other data)."""
+    names: list[str] = []
+    for spec in data_paths:
+        if spec == "builtin" or spec.startswith("builtin:"):
+            names += builtin_task_names(spec) or list(tasks.DEFAULT_TASKS)
+    return list(dict.fromkeys(names)) or None
 
 
 def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:

@@ -39,11 +39,12 @@ from dschat.generation.decoding import (
     decode_options,
     generate_replies,
 )
-from dschat.models.loading import inference_dtype, load_for_generation, load_tokenizer, resolve
+from dschat.models.loading import inference_dtype, load_config, load_for_generation, load_tokenizer, resolve
 from dschat.models.reward import load_reward_model
 from dschat.scoring import score_texts
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.io import atomic_write_text
+from dschat.utils.run import check_output_prefix
 
 SIDES = ("baseline", "finetune")
 
@@ -72,14 +73,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dschat import tasks
 
     if args.tasks:
+        names = [t for t in args.tasks.split(",") if t]
         try:
-            tasks.resolve_tasks([t for t in args.tasks.split(",") if t])
+            tasks.resolve_tasks(names)
         except KeyError as exc:
             p.error(f"--tasks {args.tasks}: {exc.args[0]}")
+        args.tasks = ",".join(names)  # 'sort,' is 'sort'
     if args.tasks and args.prompts_file:
         p.error("--tasks picks built-in prompts and --prompts_file gives your own: give one")
     if args.batch_size < 1:
         p.error(f"--batch_size {args.batch_size}: must be at least 1")
+    if args.output:
+        check_output_prefix(args.output)
     return args
 
 
@@ -144,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--reward_model {args.reward_model}: not a trained reward model (no config.json of a "
                             "1-label sequence-classification model; pass the step-2 output directory)")  # fmt: skip
     models = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
+    for side in SIDES:  # both models found (a GGUF file converted) before minutes of generation
+        flag = f"--model_name_or_path_{side}"
+        load_config(
+            resolve(models[side], flag), trust_remote_code=args.inference.trust_remote_code, flag=flag
+        )
     replies: dict[str, list[str]] = {}
     cut_off: dict[str, list[bool]] = {}
     for side in SIDES:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dschat import compare
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.io import atomic_write_bytes, atomic_write_text
 
@@ -202,7 +203,11 @@ def per_task(metrics: list[dict]) -> list[str]:
 
 def answers(run: Path, out: Path, args: argparse.Namespace) -> list[str]:
     """Greedy answers of the step-1 model and of the final policy, side by side (prompt_eval's report)."""
-    final = run / "step3" / "actor" if (run / "step3" / "actor").is_dir() else run / "step2_dpo"
+    step, final = (
+        (run / "step3", run / "step3" / "actor")
+        if (run / "step3" / "actor").is_dir()
+        else (run / "step2_dpo",) * 2
+    )
     if args.num_prompts == 0 or not (run / "step1").is_dir() or not final.is_dir():
         return []
     spec = importlib.util.spec_from_file_location("dschat_prompt_eval", HERE / "prompt_eval.py")
@@ -213,6 +218,12 @@ def answers(run: Path, out: Path, args: argparse.Namespace) -> list[str]:
             "--device", args.device, "--output", str(out / "answers")]  # fmt: skip
     if (run / "step2" / "config.json").is_file():
         argv += ["--reward_model", str(run / "step2")]
+    # the prompts of the tasks the run trained on, in the prompt format it trained with
+    trained = read_json(step / "dschat_config.json") or read_json(run / "step1" / "dschat_config.json") or {}
+    if names := compare.run_tasks(trained.get("data_path") or []):
+        argv += ["--tasks", ",".join(names)]
+    if trained.get("chat_template"):
+        argv += ["--chat_template", str(trained["chat_template"])]
     prompt_eval.main(argv)
     body = (out / "answers.md").read_text()
     return [

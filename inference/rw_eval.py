@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give either --prompt with --response, or --file")
     if args.prompt and not args.response:
         p.error("--prompt needs at least one --response")
+    if args.max_samples < 0:
+        p.error(f"--max_samples {args.max_samples}: must be 0 (all rows) or more")
+    if args.batch_size < 1:
+        p.error(f"--batch_size {args.batch_size}: must be at least 1")
     return args
 
 
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = resolve(args.model, "--model")
     where = args.inference
-    tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code, flag="--model")
     fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
                               require_trained_head=True, flag="--model")  # fmt: skip

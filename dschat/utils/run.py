@@ -40,6 +40,19 @@ def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "-
         )
 
 
+def check_output_prefix(prefix: str, flag: str = "--output") -> None:
+    """A prefix of output files (``PREFIX.md``, ``PREFIX.jsonl``), checked before any work: it must name a
+    file in a directory that exists or can be made, not a directory itself."""
+    p = Path(prefix)
+    if prefix.endswith(("/", os.sep)) or p.is_dir() or not p.name.removesuffix(".md").removesuffix(".jsonl"):
+        raise UserError(f"{flag} {prefix}: names a directory; give a file prefix such as {p / 'results'}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {prefix}: {parent} exists and is not a directory")
+            break
+
+
 def clear_previous_run(path: str) -> None:
     """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics."""
     if not dist.is_node_writer():

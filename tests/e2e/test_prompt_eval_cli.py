@@ -91,6 +91,11 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
         (["--prompts_file", "{root}/none.txt"], "--prompts_file .*none.txt: no such file"),
         (["--decoding", "contrastive", "--top_k", "1"], "--top_k 1: contrastive search compares"),
         (["--max_new_tokens", "2000"], "--max_new_tokens 2000: leaves no room"),
+        (
+            ["--output", "{right}/config.json/res"],
+            "--output .*res: .*config.json exists and is not a directory",
+        ),
+        (["--output", "{root}/"], "--output .*: names a directory; give a file prefix"),
     ],
     ids=[
         "reward-not-reward",
@@ -99,6 +104,8 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
         "missing-prompts",
         "contrastive-k",
         "no-room",
+        "output-under-a-file",
+        "output-a-directory",
     ],
 )
 def test_bad_input(tiny, eval_main, extra, message):
@@ -107,3 +114,16 @@ def test_bad_input(tiny, eval_main, extra, message):
     extra = [a.format(root=tiny.root, reward=tiny.reward, right=tiny.right) for a in extra]
     with pytest.raises(UserError, match=message):
         eval_main([*base, *extra])
+
+
+def test_a_missing_fine_tuned_model_is_refused_before_the_baseline_generates(tiny, eval_main, capsys):
+    with pytest.raises(UserError, match=r"--model_name_or_path_finetune .*nothing"):
+        eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                   str(tiny.root / "nothing"), "--num_prompts", "1"])  # fmt: skip
+    assert "==> baseline" not in capsys.readouterr().out
+
+
+def test_a_trailing_comma_in_tasks_is_ignored(tiny, eval_main, capsys):
+    assert eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                      str(tiny.right), "--num_prompts", "2", "--tasks", "sort,"]) == 0  # fmt: skip
+    assert "(sort)" in capsys.readouterr().out

@@ -29,6 +29,10 @@ def fake_run(root, tiny):
     }
     for step, s in summaries.items():
         (root / step / "summary.json").write_text(json.dumps(s))
+    # the tasks and prompt format the run trained on: the answers are asked on those
+    (root / "step3" / "dschat_config.json").write_text(
+        json.dumps({"data_path": ["builtin:sort,reverse"], "chat_template": "auto"})
+    )
     rows = [{"step": 0, "split": "eval", "true_accuracy": 0.7, "true_accuracy/sort": 0.75, "true_accuracy/add": 0.65,
              "true_accuracy_sampled": 0.5, "held_out_reward": 1.0}]  # fmt: skip
     for r in range(1, 21):
@@ -61,6 +65,8 @@ def test_report_of_a_finished_run(tiny, tmp_path):
     answers = md.split("## Answers side by side")[1]
     assert answers.count("578") >= 3 and answers.count("579") >= 3
     assert "win_rate" in answers
+    rows = [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows] == ["sort", "reverse", "sort"]  # not every built-in task in turn
 
 
 def test_no_finished_step_is_one_line(tmp_path):

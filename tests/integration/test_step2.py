@@ -165,6 +165,15 @@ def test_rw_eval_refuses_a_causal_lm(tmp_path):
     error_line(proc, "not a trained reward model")
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [("--max_samples", "-2", "--max_samples -2: must be 0"),
+                                                         ("--batch_size", "0", "--batch_size 0: must be at least 1")])  # fmt: skip
+def test_rw_eval_refuses_bad_counts_before_loading(tmp_path, flag, value, message):
+    """A negative --max_samples sliced rows off the end; --batch_size 0 failed after the model loaded."""
+    proc = run_main_in_process(RW_EVAL, ["--model", str(tmp_path / "no-model"), "--prompt", "x", "--response", "y",
+                                         flag, value])  # fmt: skip
+    error_line(proc, message)
+
+
 # The run the equivalence tests compare with: fp32, a train row per step, global batch 16 on one rank as
 # 8 x 2 accumulation, packed pairs (the default). One run, shared.
 EXACT = [*FAST, "--max_steps", "6", "--dtype", "fp32", "--log_interval", "1", "--max_eval_samples", "64",
