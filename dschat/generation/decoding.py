@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dschat.data.prompt_format import TURN_STOPS
 from dschat.generation.sampling import SamplingConfig
+from dschat.generation.stops import stop_ids_for
 from dschat.generation.streaming import cut_reply
 from dschat.utils.errors import UserError
 
@@ -128,14 +129,6 @@ def context_length(model: torch.nn.Module, tokenizer) -> int:
     return min(usable) if usable else 2048
 
 
-def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    out = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        out.add(tokenizer.eos_token_id)
-    return out
-
-
 def contrastive_pick(
     top_probs: torch.Tensor, cand_hidden: torch.Tensor, context_hidden: torch.Tensor, alpha: float
 ) -> int:
@@ -206,7 +199,7 @@ def generate_replies(
     device = next(model.parameters()).device
     model.eval()
     replies: list[list[int]] = []
-    ends = eos_ids(model, tokenizer) | set(stop_ids)
+    ends = set(stop_ids_for(tokenizer, stop_ids, model))  # the format's end ids and every EOS
     if opts.strategy == "contrastive":
         replies = [contrastive_search(model, p, opts, ends) for p in prompt_ids]
     else:

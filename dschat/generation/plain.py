@@ -37,7 +37,7 @@ class PlainGenerator:
         self, engine, tokenizer, sampling: SamplingConfig, zero3: bool, stop_ids: Sequence[int] | None = None
     ) -> None:
         self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
-        self.stop_ids = stop_ids_for(tokenizer, stop_ids)
+        self.stop_ids = stop_ids_for(tokenizer, stop_ids, engine)
 
     @contextlib.contextmanager
     def generation_mode(self) -> Iterator[PlainGenerator]:

@@ -8,12 +8,25 @@ from collections.abc import Sequence
 import torch
 
 
-def stop_ids_for(tokenizer, stop_ids: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The token ids at which a rollout stops: ``stop_ids`` (a prompt format's, e.g. a chat template's end
-    of turn and EOS, :attr:`dschat.data.prompt_format.PromptFormat.stop_ids`), else the tokenizer's EOS."""
-    if stop_ids:
-        return tuple(dict.fromkeys(int(i) for i in stop_ids))
-    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+def model_eos_ids(model) -> tuple[int, ...]:
+    """The end-of-sequence ids of ``model``'s generation config (a transformers model, a peft wrapper or a
+    DeepSpeed engine): a list on Llama 3 (``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``) and
+    Qwen2.5 (``<|im_end|>``, ``<|endoftext|>``), which the tokenizer's single EOS misses; () without one."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model; peft forwards the attribute
+    ids = getattr(getattr(inner, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
+
+
+def stop_ids_for(tokenizer, stop_ids: Sequence[int] | None = None, model=None) -> tuple[int, ...]:
+    """The token ids at which a reply or rollout stops, in this order: ``stop_ids`` (a prompt format's, e.g.
+    a chat template's end of turn and EOS, :attr:`dschat.data.prompt_format.PromptFormat.stop_ids`), the
+    tokenizer's EOS, and every EOS of ``model``'s generation config (:func:`model_eos_ids`), as
+    ``generate`` would stop there. The one place every generator takes its stops from."""
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    extra = model_eos_ids(model) if model is not None else ()
+    return tuple(dict.fromkeys(int(i) for i in (*(stop_ids or ()), *eos, *extra)))
 
 
 def is_stop(tokens: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dschat.data.prompt_format import TURN_STOPS
+from dschat.generation.stops import stop_ids_for
 
 
 def cut_reply(text: str, stops: tuple[str, ...] = TURN_STOPS) -> str:
@@ -145,8 +146,9 @@ class ReplyStream:
             "streamer": self._streamer,
             "stopping_criteria": StoppingCriteriaList([_StopOnEvent(self._event)]),
             "pad_token_id": tokenizer.pad_token_id,
-            # the format's end of turn (a chat template's <|im_end|>) as well as EOS ends the reply
-            **({"eos_token_id": list(stop_ids)} if stop_ids else {}),
+            # the format's end of turn (a chat template's <|im_end|>) as well as every EOS ends the reply;
+            # the list replaces the generation config's, so that one's EOS ids are part of it
+            "eos_token_id": list(stop_ids_for(tokenizer, stop_ids, model)),
         }
 
         def run() -> None:

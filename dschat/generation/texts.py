@@ -10,7 +10,7 @@ from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.generation.decoding import Replies
 from dschat.generation.kv_decode import decode
 from dschat.generation.sampling import SamplingConfig
-from dschat.generation.stops import truncated_rows
+from dschat.generation.stops import stop_ids_for, truncated_rows
 
 
 @torch.no_grad()
@@ -51,6 +51,7 @@ def generate_text_replies(
     cut_off: list[bool] = []
     cfg = sampling or SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False)
     fmt = fmt or prompt_format(tokenizer)
+    stops = generator.stop_ids if generator is not None else stop_ids_for(tokenizer, fmt.stop_ids, model)
     try:
         for s in range(0, len(prompts), batch_size):
             texts = [fmt.prompt_text(p) for p in prompts[s : s + batch_size]]
@@ -62,13 +63,13 @@ def generate_text_replies(
             if generator is not None:
                 seq = generator.generate(enc["input_ids"], enc["attention_mask"], cfg, greedy_rows=greedy)
             else:
-                seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(fmt.stop_ids),
+                seq = decode(model, enc["input_ids"], enc["attention_mask"], cfg, eos_token_id=list(stops),
                              pad_token_id=tokenizer.pad_token_id, lockstep=True if synced_gpus else None,
                              greedy_rows=greedy).sequences  # fmt: skip
             width = enc["input_ids"].shape[1]
             out.extend(tokenizer.batch_decode(seq[:, width:], skip_special_tokens=True))
             # the decoder runs until every row stopped or the budget is spent: a row without a stop ran out
-            cut_off.extend(truncated_rows(seq, width, fmt.stop_ids).tolist())
+            cut_off.extend(truncated_rows(seq, width, stops).tolist())
     finally:
         tokenizer.padding_side = side
         if was_training:

@@ -100,13 +100,13 @@ def test_batched_replies_equal_one_by_one(lm):
 
 def test_a_reply_that_runs_out_of_new_tokens_is_cut_off(lm):
     """Cut off: all max_new_tokens used and no end id, EOS or stop string reached (an unfinished answer)."""
-    from dschat.generation.decoding import eos_ids
+    from dschat.generation.stops import stop_ids_for
 
     model, tok = lm
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     greedy = [unbatched_greedy(model, tok, p, 6) for p in PROMPTS]
     end = greedy[0][2]  # prompt 0's reply ends at its third token
-    ends = eos_ids(model, tok) | {end}
+    ends = set(stop_ids_for(tok, (end,), model))
     out = generate_replies(
         model, tok, ids, DecodeOptions(max_new_tokens=6), batch_size=3, stops=(), stop_ids=(end,)
     )
@@ -122,13 +122,13 @@ def test_a_reply_that_runs_out_of_new_tokens_is_cut_off(lm):
 
 
 def test_contrastive_replies_are_cut_off_by_the_same_rule(lm):
-    from dschat.generation.decoding import eos_ids
+    from dschat.generation.stops import stop_ids_for
 
     model, tok = lm
     opts = DecodeOptions("contrastive", max_new_tokens=6, top_k=3, penalty_alpha=0.6)
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     end = contrastive_search(model, ids[0], opts, set())[1]  # prompt 0's reply ends at its second token
-    ends = eos_ids(model, tok) | {end}
+    ends = set(stop_ids_for(tok, (end,), model))
     found = [contrastive_search(model, i, opts, ends) for i in ids]
     out = generate_replies(model, tok, ids, opts, stops=(), stop_ids=(end,))
     assert out.cut_off == [len(f) == 6 and not ends.intersection(f) for f in found]
