@@ -116,6 +116,16 @@ def gather_lists(items: list) -> list:
     return [x for part in gathered for x in part]
 
 
+def seed_per_rank(seed: int) -> None:
+    """Seed torch's global RNG with ``seed + rank``: what each rank samples from then on (PPO's rollouts) is
+    its own draw, not a copy of its peers' (one seed on every rank gives row i of every rank the same
+    uniforms, correlating the samples the gradient averages). Called once the models are built, whose
+    initial weights must agree across ranks."""
+    import torch
+
+    torch.manual_seed(seed + rank())
+
+
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on some rank: a decision every rank then takes together. Collective."""
     return all_reduce_max([float(flag)])[0] > 0

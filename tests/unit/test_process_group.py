@@ -134,3 +134,30 @@ def test_an_mpi_launch_without_mpi4py_is_one_clear_line(launcher_env):
     launcher_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, mpi4py=False)
     with pytest.raises(UserError, match=r"OMPI_COMM_WORLD_SIZE=4.*pip install mpi4py"):
         dist.ensure_single_process_env()
+
+
+def _rollouts_after_seeding(rank: int) -> list[int]:
+    """The tokens one rank samples (PPO's plain generator, temperature 1) for the same prompt as its peer,
+    with the same weights, after step 3's seeding."""
+    from types import SimpleNamespace
+
+    from dschat.generation.plain import PlainGenerator
+    from dschat.generation.sampling import SamplingConfig
+    from dschat.models.builtin import build_tokenizer
+    from tests.unit.test_ppo_trainer import micro_llama
+
+    tokenizer = build_tokenizer()
+    model = micro_llama(len(tokenizer), seed=0)  # the same weights on both ranks
+    dist.seed_per_rank(3)
+    gen = PlainGenerator(
+        SimpleNamespace(module=model), tokenizer, SamplingConfig(max_new_tokens=12), zero3=False
+    )
+    ids = torch.tensor([[40, 41, 42, 43]] * 4)
+    return gen.generate(ids, torch.ones_like(ids))[:, 4:].flatten().tolist()
+
+
+def test_each_rank_samples_its_own_rollouts():
+    """Row i of every rank used to get the same uniforms (one seed everywhere): the ranks' samples of a
+    prompt were copies, not independent draws."""
+    got = on_two_ranks(_rollouts_after_seeding)
+    assert got[0] != got[1]

@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the four models, the generator and the trainer
     m = build_models(o, paths, tokenizer, dtype, actor_updates=rounds.actor_updates,
                      critic_updates=rounds.critic_updates)  # fmt: skip
+    dist.seed_per_rank(run.seed)  # each rank's rollouts its own draws (a resume restores each rank's RNG)
     sampling = ppo.sampling()
     generator = make_generator(o, m.actor, tokenizer, sampling, fmt)
     trainer = make_trainer(o, m, generator, tokenizer)
