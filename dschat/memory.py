@@ -14,8 +14,9 @@ What is counted (bytes; ``P`` parameters, ``N`` devices in all, ``w`` bytes of t
   ``P x max(4N, 16) x 1.5`` CPU bytes per node; ZeRO-3 with parameters offloaded too (dschat's
   ``--offload`` under ZeRO-3) ``4 x largest_layer`` per device and ``18P / nodes x 1.5`` CPU per node.
   ZeRO-0 keeps everything on the device: ``20P`` (the ZeRO-1/2 formula with nothing partitioned).
-  In fp32 there is no separate master copy or 16-bit gradient: ``4P + 12P/N`` (ZeRO-1/2),
-  ``16P/N`` (ZeRO-3), ``16P`` (ZeRO-0). Frozen parameters (a LoRA base, step 3's reference and reward
+  ZeRO-1 keeps the whole gradient on every device: ``(w - w/N) P`` more than ZeRO-2 (``4P + 16P/N``
+  in 16-bit). In fp32 there is no 16-bit gradient, but ZeRO-1/2 still clone a master copy:
+  ``4P + 16P/N`` (ZeRO-2), ``16P/N`` (ZeRO-3), ``16P`` (ZeRO-0). Frozen parameters (a LoRA base, step 3's reference and reward
   models) cost ``wP`` (``wP/N`` under ZeRO-3; on the CPU when offloaded).
 * Activations kept for the backward pass of one micro-batch ``b`` x ``s`` tokens, assuming SDPA
   attention (no ``s^2`` score matrix is stored) and no dropout masks, per decoder layer
@@ -109,13 +110,19 @@ def trained_states(params: int, largest: int, choice: Choice, dtype_bytes: int, 
     model. 16-bit: DeepSpeed's formulas; fp32: the same terms without the master copy and 16-bit grads."""
     total = gpus_per_node * nodes
     stage, offload = choice.zero_stage, choice.offload
+    # ZeRO-1 partitions the optimizer states but not the gradients: every device keeps the whole
+    # gradient in the training dtype, (w - w / N) P bytes more than ZeRO-2 (DeepSpeed's own estimator
+    # covers ZeRO-2 only; it partitions gradients only when partition_grads, i.e. stage 2)
+    full_grads = dtype_bytes * params - int(dtype_bytes * params / total) if stage == 1 and not offload else 0
     if dtype_bytes == 2:
         if stage == 3:
             return zero3_model_states(params, largest, gpus_per_node, nodes, offload, offload)
         if stage in (1, 2):
-            return zero2_model_states(params, gpus_per_node, nodes, offload)
+            cpu, device = zero2_model_states(params, gpus_per_node, nodes, offload)
+            return cpu, device + full_grads
         return int(params * 4 * gpus_per_node * ADDITIONAL_BUFFER_FACTOR), 20 * params
-    # fp32: 4 (params) + 4 (grads) + 8 (Adam moments) per parameter
+    # fp32: 4 (params) + 4 (grads) + 8 (Adam moments) per parameter; under ZeRO-1/2 DeepSpeed also clones
+    # its partition of the weights as the optimizer's master copy (4 per parameter, partitioned), in fp32 too
     load_cpu = int(params * 4 * gpus_per_node * ADDITIONAL_BUFFER_FACTOR)
     if stage == 3:
         if offload:
@@ -125,8 +132,8 @@ def trained_states(params: int, largest: int, choice: Choice, dtype_bytes: int, 
         )
     if stage in (1, 2):
         if offload:
-            return int(params * max(4 * total, 12) * ADDITIONAL_BUFFER_FACTOR), 4 * params
-        return load_cpu, 4 * params + int(12 * params / total)
+            return int(params * max(4 * total, 16) * ADDITIONAL_BUFFER_FACTOR), 4 * params
+        return load_cpu, 4 * params + int(16 * params / total) + full_grads
     return load_cpu, 16 * params
 
 

@@ -42,7 +42,9 @@ def test_model_states_by_hand_bf16(small):
 
     assert states(0, False) == (33504, 20 * 2792)  # cpu: 2792 x 4 bytes x 2 GPUs x 1.5 while loading
     assert states(2, False) == (33504, 2 * 2792 + 18 * 2792 // 4)  # 5584 + 12564
-    assert states(1, False) == states(2, False)  # DeepSpeed's estimator treats stages 1 and 2 alike
+    # ZeRO-1 does not partition gradients (DeepSpeed partitions them only at stage 2): the whole bf16
+    # gradient, 2 x 2792, instead of its quarter
+    assert states(1, False) == (33504, 2 * 2792 + 18 * 2792 // 4 + 2 * 2792 - 2 * 2792 // 4)
     assert states(2, True) == (67008, 5584)  # cpu: 2792 x max(4 x 4, 16) x 1.5
     assert states(3, False) == (9600, 4 * 800 + 18 * 2792 // 4)  # cpu: largest layer x 4 x 2 x 1.5
     assert states(3, True) == (37692, 3200)  # cpu: 2792 x 18 / 2 nodes x 1.5
@@ -55,7 +57,9 @@ def test_model_states_by_hand_fp32(small):
         return M.trained_states(p, largest, M.Choice(stage, False, False), 4, 2, 2)[1]
 
     assert dev(0) == 16 * 2792  # params 4 + grads 4 + Adam 8
-    assert dev(2) == 4 * 2792 + 12 * 2792 // 4
+    # ZeRO-2: params 4, then partitioned grads 4, master copy 4 (DeepSpeed clones it in fp32 too), Adam 8
+    assert dev(2) == 4 * 2792 + 16 * 2792 // 4
+    assert dev(1) == dev(2) + 4 * 2792 - 4 * 2792 // 4  # ZeRO-1: the whole fp32 gradient
     assert dev(3) == 3200 + 16 * 2792 // 4
 
 
@@ -432,3 +436,18 @@ def test_make_plan_reads_one_update_per_round_from_step3s_options():
     assert not workload(
         per_device_generation_batch_size=8, per_device_training_batch_size=4
     ).one_update_per_round
+
+
+def test_a_7b_model_on_8_gpus_of_40_gib_is_planned_with_zero2_not_zero1():
+    """ZeRO-1 used to be estimated as ZeRO-2 (30.2 GiB) and, first in the order, picked; it keeps the whole
+    bf16 gradient (about 12.6 GiB for 6.7B parameters) and does not fit 40 GiB. ZeRO-2 does."""
+    shape = S.shape_from_config(S.load_model_config("meta-llama/Llama-2-7b-hf")[0])
+    hw = M.Hardware(gpus_per_node=8, on_gpu=True, device_bytes=40 * M.GIB)
+    work = M.TrainWorkload(shape, 1, 512, 2)
+    est = [M.estimate_train(work, c, hw) for c in P.ordered_choices({}, on_gpu=True, devices=8)]
+    by_choice = {e.choice: e for e in est}
+    zero1, zero2 = by_choice[M.Choice(1, False, False)], by_choice[M.Choice(2, False, False)]
+    p = shape.parameters()
+    assert zero1.device - zero2.device == 2 * p - 2 * p // 8
+    chosen, _ = M.plan(est, hw)
+    assert chosen.choice == M.Choice(2, False, False)
