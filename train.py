@@ -56,6 +56,10 @@ from dschat.utils.run import check_output_dir, finished  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # flags only as spelt (see dschat.config.ArgumentParser)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # type: ignore[override]
         print(f"error: {message}{self._hint(message)} (see train.py --help)", file=sys.stderr)
         sys.exit(2)

@@ -15,7 +15,14 @@ from dschat.utils.errors import UserError
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line instead of usage + message."""
+    """argparse that reports a bad flag as one line instead of usage + message, and takes flags only as
+    spelt: argparse's default accepts any unambiguous prefix (``--zero 0`` for ``--zero_stage 0``), which
+    train.py's planner, its conflict checks and ``--resume``'s comparison, all matching flags by name,
+    would not see."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         if int(os.environ.get("RANK", "0")) == 0:

@@ -133,6 +133,8 @@ def test_to_dict_merges_groups():
         (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["--zero_stage", "two"], "argument --zero_stage: invalid int value: 'two'"),
         (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+        # a prefix of a flag is not that flag: train.py's planner and checks match flags as spelt
+        (["--zero", "0"], "unrecognized arguments: --zero"),
     ],
 )
 def test_bad_flag_is_one_line_and_exit_2(argv, fragment, capsys):
