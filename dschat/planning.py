@@ -65,15 +65,20 @@ def switch(argv: list[str], flag: str) -> bool | None:
 
 
 def fixed_choice(step: int, argv: list[str]) -> dict[str, Any]:
-    """The choice fields the step's command line already decides (explicit flags always win)."""
+    """The choice fields the step's command line already decides (explicit flags always win).
+
+    Step 3 plans actor and critic with one choice; where its flags set them apart (``--actor_zero_stage 3
+    --critic_zero_stage 0``, checkpointing for one of them), the estimate takes the setting that needs more
+    memory for both (the lower stage, no checkpointing): an estimate above the need, never one below it.
+    """
     fixed: dict[str, Any] = {}
-    stages = [given(argv, f) for f in STAGE_FLAGS[step]]
-    if any(s is not None for s in stages):
-        fixed["zero_stage"] = int(next(s for s in stages if s is not None))
+    stages = [int(s) for s in (given(argv, f) for f in STAGE_FLAGS[step]) if s is not None]
+    if stages:
+        fixed["zero_stage"] = min(stages)
     for name, flags in (("offload", OFFLOAD_FLAGS[step]), ("gradient_checkpointing", CKPT_FLAGS[step])):
         values = [v for v in (switch(argv, f) for f in flags) if v is not None]
         if values:
-            fixed[name] = any(values)
+            fixed[name] = all(values)
     return fixed
 
 

@@ -292,6 +292,11 @@ def test_choice_flags_leave_explicit_flags_alone():
         "--actor_gradient_checkpointing", "--critic_gradient_checkpointing",
     ]  # fmt: skip
     assert P.fixed_choice(3, ["--actor_zero_stage=2", "--offload"]) == {"zero_stage": 2, "offload": True}
+    # actor and critic set apart: planned with what needs more memory (was the actor's ZeRO-3 for both,
+    # an estimate of 70 GiB for a 6.7B pair that needs about 190 GiB with the critic at ZeRO-0)
+    apart = ["--actor_zero_stage", "3", "--critic_zero_stage", "0", "--actor_gradient_checkpointing",
+             "--no_critic_gradient_checkpointing"]  # fmt: skip
+    assert P.fixed_choice(3, apart) == {"zero_stage": 0, "gradient_checkpointing": False}
     assert P.given(["--zero_stage", "1", "--zero_stage", "2"], "--zero_stage") == "2"  # argparse: last wins
     # a switch turned off (a preset's false, a user's --no_X) fixes the choice too, and the plan keeps it
     off = ["--no_gradient_checkpointing"]
