@@ -82,11 +82,16 @@ def launcher(args: argparse.Namespace) -> list[str]:
         for flag, value in multi_only:
             if value is not None:
                 raise UserError(f"{flag} needs --deployment-type multi_node")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise UserError(f"--master-port {args.master_port}: must be a port number in 1 .. 65535")
     if args.deployment_type == "single_gpu":
         if args.num_gpus not in (None, 1):
             raise UserError(
                 "--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)"
             )
+        for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port)):
+            if value is not None:  # one process has no rendezvous: the flag would be dropped silently
+                raise UserError(f"{flag} needs --deployment-type single_node or multi_node")
         return [sys.executable]
     if args.num_gpus is not None and args.num_gpus < 1:
         raise UserError(f"--num-gpus {args.num_gpus}: must be at least 1")
@@ -123,6 +128,12 @@ def launcher(args: argparse.Namespace) -> list[str]:
         raise UserError(
             f"--num-gpus with --launcher {backend}: that launcher starts one process per slot of --hostfile "
             f"(set slots=N there)"
+        )
+    short = [(host, slots) for host, slots in hosts if args.num_gpus and slots < args.num_gpus]
+    if short:  # DeepSpeed's runner would start ranks on devices those hosts do not have
+        host, slots = short[0]
+        raise UserError(
+            f"--num-gpus {args.num_gpus}: host {host} has {slots} slots in --hostfile {args.hostfile}"
         )
     # --force_multi: a hostfile of one (remote) host still launches there, not on this machine
     cmd = [*runner, "--hostfile", args.hostfile, "--launcher", backend, "--force_multi"]
@@ -190,7 +201,9 @@ def processes(args: argparse.Namespace) -> tuple[int, int]:
         return args.num_gpus or visible_devices()[0], 1
     if args.hostfile and Path(args.hostfile).is_file():
         hosts = read_hostfile(args.hostfile)
-        return args.num_gpus or hosts[0][1], len(hosts)
+        # hosts with unequal slots: planned as if each had the fewest (fewer devices share the states,
+        # so each device's estimate is above its need, never below)
+        return args.num_gpus or min(slots for _, slots in hosts), len(hosts)
     if args.nnodes:
         return args.num_gpus or visible_devices()[0], args.nnodes
     raise UserError("--deployment-type multi_node: say how many nodes with --hostfile FILE or --nnodes N")

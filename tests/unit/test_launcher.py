@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from dschat.launch.launcher import deepspeed_env_lines, launcher, launcher_env, read_hostfile
+from dschat.launch.launcher import deepspeed_env_lines, launcher, launcher_env, processes, read_hostfile
 from dschat.launch.supervise import run_step
 from dschat.utils.dist import threads_per_rank
 from dschat.utils.errors import UserError
@@ -126,6 +126,27 @@ def test_multi_node_flags_per_backend(hostfile):
 def test_num_gpus_with_a_backend_that_refuses_it_is_one_line(hostfile, backend):
     with pytest.raises(UserError, match=rf"--num-gpus with --launcher {backend}.*slots"):
         launcher(args(deployment_type="multi_node", hostfile=hostfile, launcher=backend, num_gpus=2))
+
+
+def test_more_gpus_than_a_hosts_slots_is_one_line(tmp_path):
+    """DeepSpeed's runner starts --num_gpus ranks on every host without checking its slots."""
+    path = tmp_path / "hosts"
+    path.write_text("node-a slots=8\nnode-b slots=2\n")
+    with pytest.raises(UserError, match=r"--num-gpus 4: host node-b has 2 slots"):
+        launcher(args(deployment_type="multi_node", hostfile=str(path), num_gpus=4))
+    # planned as if every host had the fewest slots: per-device estimates above the need, not below
+    assert processes(args(deployment_type="multi_node", hostfile=str(path))) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [({"master_port": 99999}, "--master-port 99999: must be a port number"),
+     ({"deployment_type": "single_gpu", "master_addr": "x", "master_port": None}, "--master-addr needs"),
+     ({"deployment_type": "single_gpu"}, "--master-port needs")],
+)  # fmt: skip
+def test_rendezvous_flags_that_would_be_dropped_or_are_out_of_range_are_one_line(kw, needle):
+    with pytest.raises(UserError, match=needle):
+        launcher(args(**kw))
 
 
 @pytest.mark.parametrize(
