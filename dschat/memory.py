@@ -411,8 +411,18 @@ def plan(
         if e.fits(hw):
             return e, (f"the fastest that fits: {gib(e.device)} of {gib(budget)} GiB per {what} "
                        f"(limit {FIT_FRACTION:.0%})")  # fmt: skip
-    best = min(allowed, key=lambda e: e.device)
-    return best, (f"nothing fits {gib(budget)} GiB per {what} (limit {FIT_FRACTION:.0%}); the smallest needs "
+    # the closest: the smallest overshoot of either limit (a choice that fits the GPU but needs more CPU
+    # RAM than the node has is no better than one that overshoots the GPU)
+    cpu = hw.cpu_node_bytes if hw.on_gpu else None
+
+    def overshoot(e: Estimate) -> float:
+        return max(e.device / budget, e.cpu_node / cpu if cpu else 0.0)
+
+    best = min(allowed, key=overshoot)
+    if best.device <= FIT_FRACTION * budget and cpu:  # the device fits: the node's RAM is what is short
+        return best, (f"nothing fits: the closest needs {gib(best.cpu_node)} GiB of CPU RAM per node, of "
+                      f"{gib(cpu)} GiB (limit {FIT_FRACTION:.0%}), and {gib(best.device)} GiB per {what}")  # fmt: skip
+    return best, (f"nothing fits {gib(budget)} GiB per {what} (limit {FIT_FRACTION:.0%}); the closest needs "
                   f"{gib(best.device)} GiB")  # fmt: skip
 
 

@@ -456,3 +456,18 @@ def test_a_7b_model_on_8_gpus_of_40_gib_is_planned_with_zero2_not_zero1():
     assert zero1.device - zero2.device == 2 * p - 2 * p // 8
     chosen, _ = M.plan(est, hw)
     assert chosen.choice == M.Choice(2, False, False)
+
+
+def test_when_nothing_fits_the_reason_names_the_memory_that_is_short():
+    """A choice that fits the GPU but not the node's RAM: the message named the GPU (whose need was under its
+    limit) and the pick was the smallest GPU need, i.e. the most offloaded, most RAM-hungry choice."""
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=8 * M.GIB, cpu_node_bytes=20 * M.GIB)
+    lean = M.Estimate(M.Choice(3, True, True), device=2 * M.GIB, cpu_node=40 * M.GIB)
+    close = M.Estimate(M.Choice(3, False, True), device=6 * M.GIB, cpu_node=19 * M.GIB)
+    chosen, reason = M.plan([lean, close], hw)
+    assert chosen is close and reason.startswith(
+        "nothing fits: the closest needs 19.00 GiB of CPU RAM per node"
+    )
+    gpu_short = M.Estimate(M.Choice(0, False, False), device=9 * M.GIB, cpu_node=1 * M.GIB)
+    chosen, reason = M.plan([gpu_short], hw)
+    assert reason.startswith("nothing fits 8.00 GiB per GPU") and "the closest needs 9.00 GiB" in reason
