@@ -31,9 +31,7 @@ def longest_sample(model: str, max_eval: int) -> int:
     from dschat.data.pipeline import prepare_sft_data
     from dschat.models.loading import load_tokenizer, resolve
 
-    data = prepare_sft_data(
-        DataArgs(max_eval_samples=max_eval), load_tokenizer(resolve(model)), seed=1234, phase=1
-    )
+    data = prepare_sft_data(DataArgs(max_eval_samples=max_eval), load_tokenizer(resolve(model)), phase=1)
     return max(len(x["input_ids"]) for x in data.train)
 
 

@@ -413,7 +413,7 @@ def mine_step_pairs(
     # sampled in the training dtype (bf16 samples about 1.5x faster than fp32 on CPU)
     policy = load_causal_lm(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
                             dtype=inference_dtype(dtype, str(device)), flag="--policy_negatives_from").to(device)  # fmt: skip
-    train_s, eval_s = gather_samples(data_args, phase, seed)  # this step's prompts, as text
+    train_s, eval_s = gather_samples(data_args, phase)  # this step's prompts, as text
     train_prompts, cap = [s.prompt for s in train_s], pp.policy_negatives_max_prompts
     if 0 < cap < len(train_prompts):  # a random subset, not a prefix: sources (tasks) come in order
         train_prompts = random.Random(f"policy-negatives:{seed}").sample(train_prompts, cap)

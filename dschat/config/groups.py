@@ -108,6 +108,11 @@ class DataArgs(FormatArgs):
         "padding on data of mixed lengths such as HH-RLHF, so more real tokens per second",
     )
     max_eval_samples: int = opt(1000, "cap on evaluation samples (0 = all)")
+    data_seed: int = opt(
+        1234,
+        "seed of the data's splits (train/eval, the three steps' disjoint shares, the held-out prompts); keep it "
+        "the same for every step of a job (--seed, the training order's, may differ per step)",
+    )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         parse_data_split(self.data_split, flag=f"--{prefix}data_split")

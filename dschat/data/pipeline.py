@@ -55,9 +55,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     )
 
 
-def gather_samples(args: DataArgs, phase: int, seed: int) -> tuple[list[Sample], list[Sample]]:
+def gather_samples(args: DataArgs, phase: int) -> tuple[list[Sample], list[Sample]]:
     """Training samples of step ``phase`` from every source (blended) and the shared eval samples; their
-    prompts are dialogue text (rendered for the model only when tokenized, see :class:`PromptFormat`)."""
+    prompts are dialogue text (rendered for the model only when tokenized, see :class:`PromptFormat`).
+
+    Every split is drawn with ``--data_seed``, not a step's ``--seed``: steps run with different seeds
+    still get disjoint shares of each source and the same evaluation samples."""
+    seed = args.data_seed
     fractions = parse_data_split(args.data_split)
     train: list[Sample] = []
     evals: list[Sample] = []
@@ -107,12 +111,12 @@ def tokenize_sft(
     }
 
 
-def _cache_key(args: DataArgs, phase: int, seed: int, fmt: PromptFormat, kind: str) -> str:
+def _cache_key(args: DataArgs, phase: int, fmt: PromptFormat, kind: str) -> str:
     key = {
         "v": CACHE_VERSION,
         "kind": kind,
         "phase": phase,
-        "seed": seed,
+        "seed": args.data_seed,
         "sources": [fingerprint(s) for s in args.data_path],
         "sft_only": [fingerprint(s) for s in args.sft_only_data_path] if phase == 1 else [],
         "split": args.data_split,
@@ -125,8 +129,8 @@ def _cache_key(args: DataArgs, phase: int, seed: int, fmt: PromptFormat, kind: s
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _build_sft(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> PreparedData:
-    train_s, eval_s = gather_samples(args, phase, seed)
+def _build_sft(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
+    train_s, eval_s = gather_samples(args, phase)
     train, tstats = tokenize_sft(train_s, fmt, args.max_seq_len, args.train_on_prompt)
     evals, estats = tokenize_sft(eval_s, fmt, args.max_seq_len, args.train_on_prompt)
     if not train:
@@ -140,7 +144,7 @@ def _build_sft(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> Prep
         )
     # Prompts for generation-based metrics, shuffled so that any prefix mixes every task.
     prompts = [s.prompt for s in eval_s]
-    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    random.Random(f"eval-prompts:{args.data_seed}").shuffle(prompts)
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
@@ -190,8 +194,8 @@ def _check_pairs(samples: list[Sample]) -> None:
             )
 
 
-def _build_pairs(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> PreparedData:
-    train_s, eval_s = gather_samples(args, phase, seed)
+def _build_pairs(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
+    train_s, eval_s = gather_samples(args, phase)
     _check_pairs(train_s)
     _check_pairs(eval_s)
     train, tstats = tokenize_pairs(train_s, fmt, args.max_seq_len)
@@ -203,14 +207,14 @@ def _build_pairs(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> Pr
     if not evals:
         raise UserError(f"no usable evaluation pairs: {json.dumps(estats)} (see --max_seq_len)")
     prompts = [s.prompt for s in eval_s]
-    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    random.Random(f"eval-prompts:{args.data_seed}").shuffle(prompts)
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
-def _build_prompts(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> PreparedData:
+def _build_prompts(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
     """Prompts of step ``phase`` as ``{"input_ids": rendered prompt ids, "prompt": dialogue text}`` (the
     text is what reward functions and verifiers read); prompts longer than ``max_seq_len`` are dropped."""
-    train_s, eval_s = gather_samples(args, phase, seed)
+    train_s, eval_s = gather_samples(args, phase)
     ids = fmt.encode_prompts([s.prompt for s in train_s])
     train = [{"input_ids": p, "prompt": s.prompt} for p, s in zip(ids, train_s) if len(p) <= args.max_seq_len]
     stats = {"samples": len(ids), "kept": len(train), "dropped_too_long": len(ids) - len(train)}
@@ -219,33 +223,31 @@ def _build_prompts(args: DataArgs, phase: int, seed: int, fmt: PromptFormat) -> 
             f"no prompts for step {phase}: all {len(ids)} are longer than --max_prompt_seq_len {args.max_seq_len}"
         )
     prompts = [s.prompt for s in eval_s]
-    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    random.Random(f"eval-prompts:{args.data_seed}").shuffle(prompts)
     return PreparedData(train, [], {"train": stats}, prompts)
 
 
 BUILDERS = {"sft": _build_sft, "pairs": _build_pairs, "prompts": _build_prompts}
 
 
-def prepare_sft_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 1) -> PreparedData:
+def prepare_sft_data(args: DataArgs, tokenizer, *, phase: int = 1) -> PreparedData:
     """Tokenized SFT examples (``input_ids``, ``labels``) of step ``phase``; see :func:`prepare_data`."""
-    return prepare_data("sft", args, tokenizer, seed=seed, phase=phase)
+    return prepare_data("sft", args, tokenizer, phase=phase)
 
 
-def prepare_pair_data(args: DataArgs, tokenizer, *, seed: int, phase: int = 2) -> PreparedData:
+def prepare_pair_data(args: DataArgs, tokenizer, *, phase: int = 2) -> PreparedData:
     """Tokenized preference pairs (``chosen``, ``rejected``) of step ``phase``; see :func:`prepare_data`."""
-    return prepare_data("pairs", args, tokenizer, seed=seed, phase=phase)
+    return prepare_data("pairs", args, tokenizer, phase=phase)
 
 
-def prepare_prompt_data(
-    args: DataArgs, tokenizer, *, seed: int, max_prompt_len: int, phase: int = 3
-) -> PreparedData:
+def prepare_prompt_data(args: DataArgs, tokenizer, *, max_prompt_len: int, phase: int = 3) -> PreparedData:
     """Tokenized prompts of step ``phase`` (at most ``max_prompt_len`` tokens); see :func:`prepare_data`."""
     return prepare_data(
-        "prompts", dataclasses.replace(args, max_seq_len=max_prompt_len), tokenizer, seed=seed, phase=phase
+        "prompts", dataclasses.replace(args, max_seq_len=max_prompt_len), tokenizer, phase=phase
     )
 
 
-def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int) -> PreparedData:
+def prepare_data(kind: str, args: DataArgs, tokenizer, *, phase: int) -> PreparedData:
     """Tokenized train/eval examples of ``kind`` for step ``phase``, cached under the data cache dir.
     Prompts are rendered in the format ``args.chat_template`` picks for ``tokenizer``.
 
@@ -253,7 +255,7 @@ def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int)
     wait, then everyone reads it; a failure on the builder is re-raised on every rank (no hang).
     """
     fmt = prompt_format(tokenizer, args.chat_template)
-    path = data_cache_dir(args) / f"{kind}_{_cache_key(args, phase, seed, fmt, kind)}.pt"
+    path = data_cache_dir(args) / f"{kind}_{_cache_key(args, phase, fmt, kind)}.pt"
     builder = dist.local_rank() == 0
     data: PreparedData | None = None
     error: UserError | None = None
@@ -261,7 +263,7 @@ def prepare_data(kind: str, args: DataArgs, tokenizer, *, seed: int, phase: int)
         try:
             data = _read_cache(path) if path.exists() else None
             if data is None:
-                data = BUILDERS[kind](args, phase, seed, fmt)
+                data = BUILDERS[kind](args, phase, fmt)
                 _write_cache(path, data)
         except UserError as exc:
             error = exc

@@ -123,7 +123,7 @@ def exported_eval_loss(out_dir: Path) -> float:
     cfg = resolved_config(out_dir)
     tokenizer = load_tokenizer(cfg["resolved_model_path"])
     data_args = DataArgs(**{f.name: cfg[f.name] for f in dataclasses.fields(DataArgs)})
-    data = prepare_sft_data(data_args, tokenizer, seed=cfg["seed"], phase=1)
+    data = prepare_sft_data(data_args, tokenizer, phase=1)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     collate = SFTCollator(tokenizer.pad_token_id)
     nll_sum, tokens = 0.0, 0.0

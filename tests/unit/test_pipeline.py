@@ -76,15 +76,15 @@ def test_tokenize_sft_train_on_prompt(tokenizer):
 # ---------------------------------------------------------------- gather_samples
 def test_gather_samples_phases_are_disjoint(data_dir, tmp_path):
     args = make_args(data_dir, tmp_path, data_split="1,1,0")
-    t1, e1 = gather_samples(args, 1, seed=3)
-    t2, e2 = gather_samples(args, 2, seed=3)
+    t1, e1 = gather_samples(args, 1)
+    t2, e2 = gather_samples(args, 2)
     assert len(t1) == 10 and len(t2) == 10
     assert sorted(s.prompt for s in t1 + t2) == sorted(f"Q{i}" for i in range(20))
     assert [s.prompt for s in e1] == [s.prompt for s in e2] == ["E0", "E1", "E2"]
     with pytest.raises(
         UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (20 training")
     ):
-        gather_samples(args, 3, seed=3)
+        gather_samples(args, 3)
 
 
 def test_gather_samples_sft_only_sources_are_step1_only(data_dir, tmp_path):
@@ -92,8 +92,8 @@ def test_gather_samples_sft_only_sources_are_step1_only(data_dir, tmp_path):
     write_jsonl(extra / "train.jsonl", [{"prompt": "X", "response": " Y"}])
     write_jsonl(extra / "eval.jsonl", [{"prompt": "XE", "response": " YE"}])
     args = make_args(data_dir, tmp_path, data_split="1,1,0", sft_only_data_path=[str(extra)])
-    t1, e1 = gather_samples(args, 1, seed=0)
-    t2, e2 = gather_samples(args, 2, seed=0)
+    t1, e1 = gather_samples(args, 1)
+    t2, e2 = gather_samples(args, 2)
     assert "X" in {s.prompt for s in t1} and len(t1) == 11
     assert "X" not in {s.prompt for s in t2} and len(t2) == 10
     assert [s.prompt for s in e1] == ["E0", "E1", "E2", "XE"]
@@ -102,15 +102,15 @@ def test_gather_samples_sft_only_sources_are_step1_only(data_dir, tmp_path):
 
 def test_gather_samples_caps_eval(data_dir, tmp_path):
     args = make_args(data_dir, tmp_path, max_eval_samples=2)
-    _, evals = gather_samples(args, 1, seed=0)
+    _, evals = gather_samples(args, 1)
     assert len(evals) == 2 and {s.prompt for s in evals} <= {"E0", "E1", "E2"}
-    assert gather_samples(args, 1, seed=0)[1] == evals
-    assert len(gather_samples(make_args(data_dir, tmp_path, max_eval_samples=0), 1, seed=0)[1]) == 3
+    assert gather_samples(args, 1)[1] == evals
+    assert len(gather_samples(make_args(data_dir, tmp_path, max_eval_samples=0), 1)[1]) == 3
 
 
 # ---------------------------------------------------------------- prepare_sft_data and its cache
 def test_prepare_sft_data_exact_examples(data_dir, tmp_path, tokenizer):
-    data = prepare_sft_data(make_args(data_dir, tmp_path), tokenizer, seed=0)
+    data = prepare_sft_data(make_args(data_dir, tmp_path), tokenizer)
     assert data.cache_hit is False
     assert data.train == [expected(f"Q{i}", f" A{i}") for i in range(20)]
     assert data.eval == [expected(f"E{i}", f" B{i}") for i in range(3)]
@@ -124,7 +124,7 @@ def test_prepare_sft_data_exact_examples(data_dir, tmp_path, tokenizer):
 
 def test_prepare_sft_data_drops_and_counts_long_samples(data_dir, tmp_path, tokenizer):
     # Q0..Q9 + ' A0'..: 3 + 3 + eos = 7 tokens; Q10..Q19: 9 tokens
-    data = prepare_sft_data(make_args(data_dir, tmp_path, max_seq_len=8), tokenizer, seed=0)
+    data = prepare_sft_data(make_args(data_dir, tmp_path, max_seq_len=8), tokenizer)
     assert data.train == [expected(f"Q{i}", f" A{i}") for i in range(10)]
     assert data.stats["train"] == {
         "samples": 20,
@@ -136,27 +136,27 @@ def test_prepare_sft_data_drops_and_counts_long_samples(data_dir, tmp_path, toke
 
 def test_second_call_is_a_cache_hit(data_dir, tmp_path, tokenizer, monkeypatch):
     args = make_args(data_dir, tmp_path)
-    first = prepare_sft_data(args, tokenizer, seed=0)
+    first = prepare_sft_data(args, tokenizer)
 
     def boom(*a, **k):
         raise AssertionError("tokenize_sft must not run on a cache hit")
 
     monkeypatch.setattr(pipeline, "tokenize_sft", boom)
-    second = prepare_sft_data(args, tokenizer, seed=0)
+    second = prepare_sft_data(args, tokenizer)
     assert second.cache_hit is True
     assert (second.train, second.eval, second.stats) == (first.train, first.eval, first.stats)
     # a fresh tokenizer object with the same content shares the cache
-    assert prepare_sft_data(args, build_tokenizer(), seed=0).cache_hit is True
+    assert prepare_sft_data(args, build_tokenizer()).cache_hit is True
 
 
 def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
-    prepare_sft_data(args, tokenizer, seed=0)
+    prepare_sft_data(args, tokenizer)
     other = dataclasses.replace(args, max_seq_len=8)
-    assert pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "sft") != pipeline._cache_key(
-        other, 1, 0, prompt_format(tokenizer), "sft"
+    assert pipeline._cache_key(args, 1, prompt_format(tokenizer), "sft") != pipeline._cache_key(
+        other, 1, prompt_format(tokenizer), "sft"
     )
-    data = prepare_sft_data(other, tokenizer, seed=0)
+    data = prepare_sft_data(other, tokenizer)
     assert data.cache_hit is False and len(data.train) == 10
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
@@ -173,64 +173,67 @@ def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
 )
 def test_cache_key_covers_data_options(data_dir, tmp_path, tokenizer, change):
     args = make_args(data_dir, tmp_path)
-    key = pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "sft")
-    assert pipeline._cache_key(dataclasses.replace(args), 1, 0, prompt_format(tokenizer), "sft") == key
-    assert (
-        pipeline._cache_key(dataclasses.replace(args, **change), 1, 0, prompt_format(tokenizer), "sft") != key
-    )
+    key = pipeline._cache_key(args, 1, prompt_format(tokenizer), "sft")
+    assert pipeline._cache_key(dataclasses.replace(args), 1, prompt_format(tokenizer), "sft") == key
+    assert pipeline._cache_key(dataclasses.replace(args, **change), 1, prompt_format(tokenizer), "sft") != key
 
 
-def test_cache_key_covers_seed_phase_kind_not_output_path(data_dir, tmp_path, tokenizer):
+def test_cache_key_covers_data_seed_phase_kind_not_output_path(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
-    key = pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "sft")
-    assert pipeline._cache_key(args, 1, 1, prompt_format(tokenizer), "sft") != key
-    assert pipeline._cache_key(args, 2, 0, prompt_format(tokenizer), "sft") != key
-    assert pipeline._cache_key(args, 1, 0, prompt_format(tokenizer), "rm") != key
-    assert (
-        pipeline._cache_key(
-            dataclasses.replace(args, data_output_path="/elsewhere"), 1, 0, prompt_format(tokenizer), "sft"
-        )
-        == key
-    )
+    fmt = prompt_format(tokenizer)
+    key = pipeline._cache_key(args, 1, fmt, "sft")
+    assert pipeline._cache_key(dataclasses.replace(args, data_seed=1), 1, fmt, "sft") != key
+    assert pipeline._cache_key(args, 2, fmt, "sft") != key
+    assert pipeline._cache_key(args, 1, fmt, "rm") != key
+    assert pipeline._cache_key(dataclasses.replace(args, data_output_path="/elsewhere"), 1, fmt, "sft") == key
     # sft-only sources only matter for step 1
     with_extra = dataclasses.replace(args, sft_only_data_path=["builtin"])
-    assert pipeline._cache_key(with_extra, 2, 0, prompt_format(tokenizer), "sft") == pipeline._cache_key(
-        args, 2, 0, prompt_format(tokenizer), "sft"
-    )
+    assert pipeline._cache_key(with_extra, 2, fmt, "sft") == pipeline._cache_key(args, 2, fmt, "sft")
+
+
+def test_the_splits_follow_the_data_seed_and_stay_disjoint(data_dir, tmp_path):
+    """The splits follow --data_seed, not a step's --seed (which no longer reaches the data): a step re-run
+    with another --seed (a seed sweep of step 3) used to draw its share of a source from another
+    permutation, overlapping what steps 1 and 2 trained on, and another evaluation set."""
+    args = make_args(data_dir, tmp_path, data_split="1,1,1")
+    shares = [{s.prompt for s in gather_samples(args, phase)[0]} for phase in (1, 2, 3)]
+    assert not (shares[0] & shares[1] or shares[0] & shares[2] or shares[1] & shares[2])
+    other = dataclasses.replace(args, data_seed=7)
+    assert {s.prompt for s in gather_samples(other, 3)[0]} != shares[2]  # the seed that does move them
 
 
 def test_changed_data_file_misses_the_cache(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
-    prepare_sft_data(args, tokenizer, seed=0)
+    prepare_sft_data(args, tokenizer)
     write_jsonl(data_dir / "train.jsonl", [{"prompt": "Z", "response": " z"}])
-    data = prepare_sft_data(args, tokenizer, seed=0)
+    data = prepare_sft_data(args, tokenizer)
     assert data.cache_hit is False
     assert data.train == [expected("Z", " z")]
 
 
 def test_torn_cache_is_rebuilt(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
-    first = prepare_sft_data(args, tokenizer, seed=0)
+    first = prepare_sft_data(args, tokenizer)
     (cache_file,) = (tmp_path / "cache").iterdir()
     cache_file.write_bytes(b"not a torch file")
-    again = prepare_sft_data(args, tokenizer, seed=0)
+    again = prepare_sft_data(args, tokenizer)
     assert again.cache_hit is False and again.train == first.train
-    assert prepare_sft_data(args, tokenizer, seed=0).cache_hit is True
+    assert prepare_sft_data(args, tokenizer).cache_hit is True
 
 
 def test_non_builder_rank_reads_the_cache(data_dir, tmp_path, tokenizer, monkeypatch):
     args = make_args(data_dir, tmp_path)
-    first = prepare_sft_data(args, tokenizer, seed=0)
+    first = prepare_sft_data(args, tokenizer)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(pipeline, "_build_sft", lambda *a, **k: pytest.fail("only local rank 0 builds"))
-    data = prepare_sft_data(args, tokenizer, seed=0)
+    data = prepare_sft_data(args, tokenizer)
     assert data.cache_hit is True and data.train == first.train
 
 
 def test_non_builder_rank_without_cache(data_dir, tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(UserError, match="tokenized data cache unreadable"):
-        prepare_sft_data(make_args(data_dir, tmp_path), tokenizer, seed=0)
+        prepare_sft_data(make_args(data_dir, tmp_path), tokenizer)
 
 
 def test_nothing_left_after_filtering(tmp_path, tokenizer):
@@ -241,7 +244,7 @@ def test_nothing_left_after_filtering(tmp_path, tokenizer):
     with pytest.raises(
         UserError, match=re.escape("4 of 4 are longer than --max_seq_len 8 and 0 have an empty response")
     ):
-        prepare_sft_data(args, tokenizer, seed=0)
+        prepare_sft_data(args, tokenizer)
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 
 
@@ -252,7 +255,7 @@ def test_no_eval_sample_fits(tmp_path, tokenizer):
     with pytest.raises(
         UserError, match=re.escape("no evaluation samples: the sources give none that fit --max_seq_len 8")
     ):
-        prepare_sft_data(make_args(d, tmp_path, max_seq_len=8), tokenizer, seed=0)
+        prepare_sft_data(make_args(d, tmp_path, max_seq_len=8), tokenizer)
 
 
 # ---------------------------------------------------------------- known library bugs (see the reason strings)
@@ -261,7 +264,7 @@ def test_source_without_eval_samples_is_a_user_error(tmp_path, tokenizer):
     write_jsonl(p, [{"prompt": "Q", "response": " A"}])  # one sample: nothing is held out for eval
     args = DataArgs(data_path=[str(p)], data_split="1,0,0", data_output_path=str(tmp_path / "cache"))
     with pytest.raises(UserError, match="no evaluation samples"):
-        prepare_sft_data(args, tokenizer, seed=0)
+        prepare_sft_data(args, tokenizer)
 
 
 def test_chat_template_renders_the_data_and_is_part_of_the_cache_key(tmp_path):
@@ -277,12 +280,12 @@ def test_chat_template_renders_the_data_and_is_part_of_the_cache_key(tmp_path):
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     tok_b.chat_template = "{% for m in messages %}<{{ m.content }}{% endfor %}"
-    a = prepare_sft_data(args, tok_a, seed=0)
-    b = prepare_sft_data(args, tok_b, seed=0)
+    a = prepare_sft_data(args, tok_a)
+    b = prepare_sft_data(args, tok_b)
     assert tok_a.decode(a.train[0]["input_ids"]) == "<user>hi</s><assistant>yo</s>"
     assert b.cache_hit is False
     assert tok_b.decode(b.train[0]["input_ids"]) == "<hiyo</s>"  # no end of turn in the template: EOS
-    off = prepare_sft_data(dataclasses.replace(args, chat_template="off"), tok_a, seed=0)
+    off = prepare_sft_data(dataclasses.replace(args, chat_template="off"), tok_a)
     assert off.cache_hit is False
     assert tok_a.decode(off.train[0]["input_ids"]) == "<s>\n\nHuman: hi\n\nAssistant: yo</s>"
 

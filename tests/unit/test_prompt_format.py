@@ -82,7 +82,7 @@ def test_training_and_inference_see_the_same_prompt_ids(chatml, tmp_path, choice
     args = DataArgs(data_path=["builtin:sort"], data_split="1,1,1", chat_template=choice,
                     data_output_path=str(tmp_path))  # fmt: skip
     fmt = prompt_format(chatml, choice)
-    row = prepare_prompt_data(args, chatml, seed=0, max_prompt_len=256).train[0]  # step 3: ids + dialogue
+    row = prepare_prompt_data(args, chatml, max_prompt_len=256).train[0]  # step 3: ids + dialogue
     question = tasks.last_question(row["prompt"])
     answer = " " + tasks.reference_answer(row["prompt"])
 

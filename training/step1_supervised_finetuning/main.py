@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data
-    data = prepare_sft_data(data_args, tokenizer, seed=run.seed, phase=1)
+    data = prepare_sft_data(data_args, tokenizer, phase=1)
     collate = SFTCollator(tokenizer.pad_token_id)
     batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = batches

@@ -166,7 +166,7 @@ def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: S.Ste
     """This step's pairs (``data.train``, ``data.eval``), each with ``index``: its row in the reference
     tables; plus the mined on-policy pairs (or None)."""
     data_args = pair_data_args(data_args, setup.fmt)  # room for the end token after each answer
-    data = prepare_pair_data(data_args, setup.tokenizer, seed=seed, phase=2)
+    data = prepare_pair_data(data_args, setup.tokenizer, phase=2)
     # Step 2's reward model drops and counts such pairs; DPO refuses them: the user meant a preference
     # there, and the pair's preference term is a constant that no update can move.
     identical = sum(data.stats[split]["dropped_identical"] for split in ("train", "eval"))

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     log, dtype, world, model_path, tokenizer = setup.log, setup.dtype, setup.world, setup.model_path, setup.tokenizer  # fmt: skip
 
     # ---------------------------------------------------------------- 2. data: this step's share of the pairs
-    data = prepare_pair_data(data_args, tokenizer, seed=run.seed, phase=2)
+    data = prepare_pair_data(data_args, tokenizer, phase=2)
     collate = PairCollator(tokenizer.pad_token_id, share_prompt=reward.share_prompt)
     # 2b. on-policy pairs (--policy_negatives_from): the policy's own wrong answers to this step's built-in
     # prompts join the training pairs; those to held-out prompts are a second evaluation set, the one

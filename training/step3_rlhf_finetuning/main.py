@@ -126,7 +126,8 @@ def ptx_data_args(o: RLHFOptions) -> C.DataArgs:
     """The PTX term's SFT data (``--unsupervised_dataset_name``, all of it for training), tokenized as the
     prompts are: the same prompt format (``--chat_template``), length limit and cache."""
     return C.DataArgs(data_path=[o.ppo.unsupervised_dataset_name], data_split="1,0,0", chat_template=o.data.chat_template,
-                      data_output_path=o.data.data_output_path, max_seq_len=o.data.max_seq_len)  # fmt: skip
+                      data_output_path=o.data.data_output_path, max_seq_len=o.data.max_seq_len,
+                      data_seed=o.data.data_seed)  # fmt: skip
 
 
 def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
@@ -147,7 +148,7 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
         ppo_epochs=ppo.ppo_epochs, freezing_actor_steps=ppo.freezing_actor_steps,
     )  # fmt: skip
     if ppo.unsupervised_dataset_name:
-        sft = prepare_sft_data(ptx_data_args(o), tokenizer, seed=seed, phase=1)
+        sft = prepare_sft_data(ptx_data_args(o), tokenizer, phase=1)
         sft_loader = train_loader(sft.train, batch_size=ppo.per_device_training_batch_size, seed=seed,
                                   collate=SFTCollator(tokenizer.pad_token_id))  # fmt: skip
         position = T.TrainState()
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if norm:
         log.info("--normalize_reward: the reward model's scores become (score - %.3f) / %.3f (step 2 measured them "
                  "on %s)", norm["mean"], norm["std"], norm["source"])  # fmt: skip
-    prompts = prepare_prompt_data(o.data, tokenizer, seed=run.seed, max_prompt_len=ppo.max_prompt_seq_len, phase=3)  # fmt: skip
+    prompts = prepare_prompt_data(o.data, tokenizer, max_prompt_len=ppo.max_prompt_seq_len, phase=3)  # fmt: skip
     rounds = plan_rounds(o, prompts, tokenizer)
     S.begin_outputs(run)
     global_batch = ppo.per_device_generation_batch_size * world
