@@ -296,6 +296,24 @@ class LoopSpec:
     # (window sums over all ranks, seconds per rank) -> the step's own log columns (accuracy, margin ...)
     columns: Callable[[dict[str, float], float], dict[str, float]]
     shown: tuple[tuple[str, str, str], ...]  # (label, column, format) on the progress bar and the log line
+    # For a loss that is a mean over tokens (SFT): micro-batch -> its count of them. The loop then counts
+    # them over the whole optimizer step (every micro-batch, every rank) first and passes the count to
+    # ``micro_step`` as ``step_targets``, so the step's gradient is that of the mean over the step's tokens,
+    # whatever the split into micro-batches and ranks. The micro-step then returns ``loss`` as the sum
+    # over its tokens and ``loss_weight`` as their number, so the logged loss is the same token mean.
+    targets: Callable[[dict[str, Any]], int] | None = None
+
+
+def optimizer_steps(batches: Iterator[Any], state: TrainState, accumulation: int) -> Iterator[list[Any]]:
+    """The micro-batches of ``batches`` (:func:`micro_batches`, which advances ``state``) grouped by optimizer
+    step: ``accumulation`` of them, the last ending where ``state.batch_in_epoch`` reaches a multiple of it
+    (every epoch ends on one: the sampler cuts it to whole global batches)."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if state.batch_in_epoch % accumulation == 0:
+            yield group
+            group = []
 
 
 def clock() -> float:
@@ -309,7 +327,8 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
                total_steps: int, metrics: MetricsLogger, timer, evaluate: Callable[[int], Any]) -> None:  # fmt: skip
     """The loop steps 1 and 2 share: micro-batches from where ``state`` stands, an optimizer step every
     ``--gradient_accumulation_steps`` of them (DeepSpeed scales and steps at the boundary), a log row every
-    ``--log_interval`` steps (``loss`` averaged over micro-batches and ranks, the step's columns, ``lr``,
+    ``--log_interval`` steps (``loss`` averaged over micro-batches and ranks, or over tokens with
+    :attr:`LoopSpec.targets`, the step's columns, ``lr``,
     real ``tokens_per_sec``, ``epoch``, ``tokens``), evaluation every ``--eval_interval`` steps and a
     checkpoint every ``--save_steps``, until ``total_steps``."""
     world = dist.world_size()
@@ -317,19 +336,23 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
     bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc=spec.desc,
                dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
     engine.train()
-    for batch in micro_batches(loader, state, optim.num_train_epochs):
+    for group in optimizer_steps(micro_batches(loader, state, optim.num_train_epochs), state,
+                                 optim.gradient_accumulation_steps):  # fmt: skip
         t0 = clock()
-        sums = spec.micro_step(batch)
-        window.add(micro=1, seconds=clock() - t0, **sums)
-        if state.batch_in_epoch % optim.gradient_accumulation_steps:
-            continue
+        kw = {}
+        if spec.targets is not None:  # the step's token count on every rank (one all-reduce per step)
+            kw["step_targets"] = dist.all_reduce_sum([float(sum(spec.targets(b) for b in group))])[0]
+        for batch in group:
+            sums = spec.micro_step(batch, **kw)
+            window.add(micro=1, seconds=clock() - t0, **sums)
+            t0 = clock()
         state.step += 1
         bar.update(1)
         if should_log(state.step, run.log_interval, total_steps):
             w = window.reduce()
             seconds = max(w["seconds"] / world, 1e-9)
             take_in(state, w, world)
-            row = {"loss": w["loss"] / w["micro"], **spec.columns(w, seconds), "lr": engine.get_lr()[0],
+            row = {"loss": w["loss"] / w.get("loss_weight", w["micro"]), **spec.columns(w, seconds), "lr": engine.get_lr()[0],
                    "tokens_per_sec": w["tokens"] / seconds, "epoch": state.epoch, "tokens": state.tokens}  # fmt: skip
             metrics.log(row, step=state.step, split="train")
             bar.set_postfix({label: format(row[key], f) for label, key, f in spec.shown})

@@ -25,11 +25,12 @@ import torch
 from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
-from dschat.data.collate import SFTCollator
+from dschat.data.collate import IGNORE_INDEX, SFTCollator
 from dschat.data.pipeline import prepare_sft_data
 from dschat.inputs import check_inputs
 from dschat.lm import evaluate_perplexity, sft_loss
 from dschat.models.loading import load_causal_lm
+from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))
-    spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine), columns=lambda w, seconds: {}, shown=shown)  # fmt: skip
+    spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine, optim.gradient_accumulation_steps),
+                      columns=lambda w, seconds: {}, shown=shown, targets=target_count)  # fmt: skip
     T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
@@ -114,16 +116,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def sft_micro_step(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
-    """Forward, loss, backward and step on one micro-batch (input_ids, attention_mask, labels: (B, T)):
-    the mean NLL over its target (response) tokens; the LM head runs only on the positions that predict
-    one. DeepSpeed scales by 1/accumulation and steps the optimizer at the boundary."""
+def target_count(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens a micro-batch's loss is taken over: its targets (labels that are not ignored), each
+    predicted from the position before it."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def sft_micro_step(
+    engine, accumulation: int, batch: dict[str, torch.Tensor], step_targets: float
+) -> dict[str, torch.Tensor | int]:
+    """Forward, loss, backward and step on one micro-batch (input_ids, attention_mask, labels: (B, T)).
+
+    The optimizer step's loss is the mean NLL over all its target tokens, ``step_targets`` of them on
+    every micro-batch and rank together (:attr:`dschat.trainer.LoopSpec.targets`), not the mean of the
+    micro-batches' means, which weighs a token by how few others share its micro-batch (and under
+    ``--group_by_length`` the last micro-batch of every step holds the shortest answers). DeepSpeed divides
+    each micro-batch's loss by the accumulation and averages the ranks' gradients, hence the factor
+    ``ranks x accumulation``. The LM head runs only on the positions that predict a target."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    loss, _ = sft_loss(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    engine.backward(loss)
+    loss, n = sft_loss(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    engine.backward(loss * (n * dist.world_size() * accumulation / max(step_targets, 1.0)))
     engine.step()
     return {
-        "loss": loss,
+        "loss": loss.detach() * n,  # summed over its targets; the log divides by loss_weight
+        "loss_weight": n,
         "tokens": batch["attention_mask"].sum(),
         "positions": batch["attention_mask"].numel(),
     }
