@@ -186,10 +186,13 @@ def eval_batches(examples: list, *, batch_size: int, collate) -> list[tuple[dict
     """This rank's eval batches and a 0/1 weight per sample.
 
     Every rank gets the same number of batches (ZeRO-3 forwards are collective): the index list is
-    padded to a multiple of ``world * batch_size`` with repeats whose weight is 0.
+    padded to a multiple of ``world * batch_size`` with repeats whose weight is 0. No examples (on every
+    rank: they are the same list everywhere), no batches.
     """
     world, r = dist.world_size(), dist.rank()
     n = len(examples)
+    if n == 0:
+        return []
     chunk = world * batch_size
     total = max(chunk, math.ceil(n / chunk) * chunk)
     idx = [(i % n, 1.0 if i < n else 0.0) for i in range(total)]

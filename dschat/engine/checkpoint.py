@@ -201,8 +201,33 @@ def _merged_skeleton(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     left = [n for n, t in [*skeleton.named_parameters(), *skeleton.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"export: {len(left)} tensor(s) not filled ({', '.join(left[:3])})")
-    dtype = next(iter(state.values())).dtype if state else torch.float32
+    # the checkpoint's own generation settings (Llama 3's and Qwen2.5's EOS lists, sampling defaults): the
+    # skeleton built from the config would save a generation config rebuilt from config.json instead
+    if getattr(base, "generation_config", None) is not None:
+        skeleton.generation_config = copy.deepcopy(base.generation_config)
+    # the training dtype of the live model, also for a state kept in fp32 (an EMA of a bf16 actor)
+    dtype = next(base.parameters()).dtype if any(True for _ in base.parameters()) else None
+    dtype = dtype or (next(iter(state.values())).dtype if state else torch.float32)
     return skeleton.to(dtype)
+
+
+# What a Hugging Face model directory may hold besides config.json: weights (one file or shards and their
+# index), tokenizer files, the chat template, the generation config, a peft adapter. The run directory of
+# steps 1 and 2 holds the model beside the run's own files (metrics, summary), so only these are touched.
+MODEL_FILE_PATTERNS = ("model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                       "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                       "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                       "chat_template.json", "generation_config.json", "adapter_config.json", "adapter_model.safetensors")  # fmt: skip
+
+
+def remove_stale_model_files(out_dir: Path, keep: set[str]) -> None:
+    """Delete the model files in ``out_dir`` that an export writing ``keep`` does not replace: an earlier
+    export's chat template would otherwise be read with a tokenizer that has none, and a single
+    ``model.safetensors`` would shadow a new sharded checkpoint."""
+    for pattern in MODEL_FILE_PATTERNS:
+        for f in out_dir.glob(pattern):
+            if f.name not in keep and f.is_file():
+                f.unlink()
 
 
 def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | None, tokenizer, out_dir: str | Path,
@@ -224,7 +249,10 @@ def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | Non
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
             files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
+            new = {f.name for f in files}
             for f in files:
+                if f.name == "config.json":  # last: before it, what an earlier export left and this one lacks
+                    remove_stale_model_files(out_dir, keep=new)
                 os.replace(f, out_dir / f.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

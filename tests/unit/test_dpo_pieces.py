@@ -293,3 +293,11 @@ def test_dpo_rows_with_their_end_token_fit_max_seq_len():
     p["index"] = 0
     assert stats["prompt_truncated"] == 1
     assert PreferenceLMCollator(tok.pad_token_id, fmt.end_id)([p])["input_ids"].shape[1] == 16
+
+
+def test_no_eval_examples_give_no_batches():
+    """Step 2 asks batches of its on-policy held-out pairs, which may be none (a policy right on every
+    held-out prompt, or data without built-in tasks): that crashed with ZeroDivisionError after sampling."""
+    from dschat.lm import eval_batches
+
+    assert eval_batches([], batch_size=4, collate=lambda rows: rows) == []

@@ -78,3 +78,36 @@ def test_export_reloads_the_same_model_and_draws_no_random_numbers(tmp_path, kin
     torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
     if tied:
         assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_export_keeps_the_generation_config_and_the_models_dtype(tmp_path):
+    """The skeleton is built from the config, whose generation config is rebuilt from config.json: the
+    checkpoint's EOS list (Llama 3, Qwen2.5), which generation stops at, was lost. And a state kept in fp32
+    (an EMA of a bf16 model) was written in fp32, twice the size, unlike the model it averages."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = _model("causal", tied=False, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[2, 7], temperature=0.7, top_p=0.8, do_sample=True
+    )
+    fp32_state = {k: v.float() for k, v in gather_full_state_dict(model).items()}
+    write_hf_model(model, fp32_state, None, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.generation_config.eos_token_id == [2, 7] and reloaded.generation_config.top_p == 0.8
+    assert next(reloaded.parameters()).dtype == torch.bfloat16
+
+
+def test_a_second_export_into_the_same_directory_leaves_no_file_of_the_first(tmp_path):
+    """Files were moved in one by one and nothing removed: a chat template (or a single weights file beside a
+    new sharded checkpoint) of an earlier export stayed and was read with the new model. The run's own files
+    stay."""
+    model = _model("causal", tied=False, dtype=torch.float32)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "chat_template.jinja").write_text("{{ old }}")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old shard")
+    (out / "metrics.jsonl").write_text("{}\n")
+    write_hf_model(model, gather_full_state_dict(model), None, out)
+    names = {p.name for p in out.iterdir()}
+    assert "chat_template.jinja" not in names and "model-00001-of-00002.safetensors" not in names
+    assert {"model.safetensors", "config.json", "metrics.jsonl"} <= names
