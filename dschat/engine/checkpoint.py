@@ -174,6 +174,13 @@ def _merged_skeleton(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     base, lora_cfg = unwrap_peft(module)
     config = copy.deepcopy(base.config)
     config.use_cache = True
+    tied = getattr(config, "tie_word_embeddings", False)
+    # A tied LM head with its own adapter: merged, it is the embedding plus the adapter's delta, no longer
+    # the embedding, so it is written untied (as the hybrid engine's inference copy keeps it); merging into
+    # the shared weight would change the input embedding too.
+    head_adapted = tied and lora_cfg is not None and any("lm_head" in k and "lora_" in k for k in state)
+    if head_adapted:
+        config.tie_word_embeddings = False
     with torch.device("meta"):
         skeleton = type(base)(config)
         if lora_cfg is not None:
@@ -181,13 +188,19 @@ def _merged_skeleton(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 
             skeleton = get_peft_model(skeleton, copy.deepcopy(lora_cfg))
     missing, unexpected = skeleton.load_state_dict(state, strict=False, assign=True)
-    tied = getattr(config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and "lm_head" in k)]
     if missing or unexpected:
         raise RuntimeError(
             f"export: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    (skeleton.get_base_model() if lora_cfg is not None else skeleton).tie_weights()  # assign broke the tie
+    inner = skeleton.get_base_model() if lora_cfg is not None else skeleton
+    if head_adapted:  # the head's base weight is the embedding's (the tied state holds it once), a copy
+        head = inner.get_output_embeddings()
+        head.base_layer.weight = torch.nn.Parameter(
+            inner.get_input_embeddings().weight.detach().clone(), requires_grad=False
+        )
+    else:
+        inner.tie_weights()  # assign broke the tie
     live = dict(module.named_buffers())
     for name, buf in list(skeleton.named_buffers()):
         if buf.is_meta and name in live:  # one that is not stays meta and is reported below
