@@ -66,41 +66,58 @@ def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLog
 
 
 @torch.no_grad()
-def settle_share_prompt(model, collate, train: list[dict], evals: list, device) -> None:
-    """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PreferenceLMCollator` that packs) only where
-    packed pairs give the unpacked log-probs on this model: the answers of two ``train`` pairs, compared
-    per token against :func:`dschat.lm.within_rounding` (the first two with a prompt: a batch
-    packs only when all its pairs have one). Otherwise the collator stops packing
-    and the already collated ``evals`` (a list of (batch, weight)) lose their packed rows, with a warning.
-    ``model``: the policy (or its engine), checked in eval mode before its first update."""
+def packing_mismatch(model, collate, train: list[dict], device) -> str | None:
+    """Why packed pairs do not give ``model`` the log-probs of separate rows, or None where they do: the
+    answers of two ``train`` pairs (the first two with a prompt: a batch packs only when all its pairs
+    have one), compared per token against :func:`dschat.lm.within_rounding` (collective). ``model``: a
+    policy (or its engine) or a reference, checked in eval mode."""
     module = unwrap(model)
     attn = getattr(module.config, "_attn_implementation", None)
-    batch = collate([f for f in train if f["prompt_len"] > 0][:2] or train[:2])
-    why = None
     if attn not in CUSTOM_MASK_ATTENTION:
-        why = f"attention implementation {attn!r} takes no custom mask"
-    elif "packed_input_ids" in batch:
-        was_training = module.training
-        module.eval()  # no dropout: the two forwards must be comparable
-        packed = response_logps(model, batch, device)
-        unpacked = dict(batch)
-        drop_packed(unpacked)
-        plain = response_logps(model, unpacked, device)
-        module.train(was_training)
-        # the answers' summed log-probs, their difference spread over the answers' tokens
-        tokens = packed.chosen_tokens.sum() + packed.rejected_tokens.sum()
-        gap = (packed.chosen - plain.chosen).abs().sum() + (packed.rejected - plain.rejected).abs().sum()
-        ok, diff = within_rounding(float(gap / tokens), next(module.parameters()).dtype)
-        if not ok:
-            why = f"packed pairs' log-probs differ from separate rows by {diff:.3f} nats per token on this model"
-        else:
-            LOG.info(
-                "--share_prompt: packed pairs match separate rows (mean |log-prob difference| %.1e)", diff
-            )
+        return f"attention implementation {attn!r} takes no custom mask"
+    batch = collate([f for f in train if f["prompt_len"] > 0][:2] or train[:2])
+    if "packed_input_ids" not in batch:
+        return None
+    was_training = module.training
+    module.eval()  # no dropout: the two forwards must be comparable
+    packed = response_logps(model, batch, device)
+    unpacked = dict(batch)
+    drop_packed(unpacked)
+    plain = response_logps(model, unpacked, device)
+    module.train(was_training)
+    # the answers' summed log-probs, their difference spread over the answers' tokens
+    tokens = packed.chosen_tokens.sum() + packed.rejected_tokens.sum()
+    gap = (packed.chosen - plain.chosen).abs().sum() + (packed.rejected - plain.rejected).abs().sum()
+    ok, diff = within_rounding(float(gap / tokens), next(module.parameters()).dtype)
+    if not ok:
+        return f"packed pairs' log-probs differ from separate rows by {diff:.3f} nats per token on this model"
+    LOG.info("--share_prompt: packed pairs match separate rows (mean |log-prob difference| %.1e)", diff)
+    return None
+
+
+def settle_share_prompt(model, collate, train: list[dict], evals: list, device) -> None:
+    """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PreferenceLMCollator` that packs) only where
+    packed pairs give the policy the unpacked log-probs (:func:`packing_mismatch`). Otherwise the
+    collator stops packing and the already collated ``evals`` (a list of (batch, weight)) lose their packed
+    rows, with a warning. ``model``: the policy (or its engine), before its first update."""
+    why = packing_mismatch(model, collate, train, device)
     if why is None:
         return
     LOG.warning("--share_prompt: %s; computing separate rows instead", why)
     stop_packing(collate, [evals])
+
+
+def reference_collate(reference, collate, train: list[dict], device):
+    """The collator for a separate reference's log-probs (``--ref_model_name_or_path``): the policy's
+    where packed pairs give this model its separate rows' values too (the policy's check says nothing of
+    another architecture), else one that does not pack, with a warning."""
+    if not collate.share_prompt:
+        return collate
+    why = packing_mismatch(reference, collate, train, device)
+    if why is None:
+        return collate
+    LOG.warning("--share_prompt: the reference model: %s; its log-probs come from separate rows", why)
+    return dataclasses.replace(collate, share_prompt=False)
 
 
 def pair_data_args(data_args, fmt):

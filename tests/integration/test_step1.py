@@ -95,19 +95,29 @@ def test_zero3_and_zero2_follow_the_zero0_loss_curve(reference_run):
 
 
 # ---------------------------------------------------------------- 2b. accumulation = a bigger micro-batch
-def test_accumulation_follows_the_loss_curve_of_one_micro_batch_of_the_whole_step(reference_run, tmp_path):
-    """8 x 2 accumulation vs one micro-batch of 16, the same 16 samples per step: the step's loss is the
-    mean over all its target tokens, so the curves agree to float rounding. With the mean of the two
-    micro-batches' means (each token weighted by how few share its micro-batch, and --group_by_length
-    putting the shortest answers last) they differed by several percent."""
-    ref = train_losses(reference_run(0))
-    out = tmp_path / "b16"
-    flags = [f for f in REFERENCE_1RANK if f not in ("--gradient_accumulation_steps", "2")]
-    assert_ok(step1(out, *flags, "--per_device_train_batch_size", "16"))  # the same 20-step schedule
-    got = train_losses(out)
-    assert sorted(got) == sorted(ref) == list(range(1, 21))
-    for step in got:
-        assert got[step] == pytest.approx(ref[step], rel=1e-4), f"step {step}"
+def test_accumulation_follows_the_loss_curve_of_one_micro_batch_of_the_whole_step(tmp_path):
+    """8 x 2 accumulation vs one micro-batch of 16, the same 16 samples per step, on answers of 1 to 48
+    words: the step's loss is the mean over all its target tokens, so the curves agree to float rounding.
+    With the mean of the two micro-batches' means (a token weighted by how few share its micro-batch) they
+    differed from the first step on."""
+    data = tmp_path / "mixed.jsonl"
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight"]
+    rows = [{"prompt": f"\n\nHuman: count {i}\n\nAssistant:", "response": " " + " ".join(words[j % 8] for j in range(1 + (i * 7) % 48))}
+            for i in range(160)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # --no_group_by_length: batches of mixed lengths (grouped ones hold answers of about one length)
+    flags = [*MICRO, *REFERENCE_RUN_FLAGS, "--data_path", str(data), "--data_split", "1,0,0", "--max_steps", "4",
+             "--no_group_by_length"]  # fmt: skip
+    runs = {}
+    for name, split in (
+        ("8x2", ["--gradient_accumulation_steps", "2"]),
+        ("16", ["--per_device_train_batch_size", "16"]),
+    ):
+        assert_ok(step1(tmp_path / name, *flags, *split))
+        runs[name] = train_losses(tmp_path / name)
+    assert sorted(runs["16"]) == sorted(runs["8x2"]) == [1, 2, 3, 4]
+    for step, loss in runs["16"].items():
+        assert runs["8x2"][step] == pytest.approx(loss, rel=1e-6), f"step {step}"
 
 
 # ---------------------------------------------------------------- 3. two ranks = one rank at the same global batch

@@ -301,3 +301,24 @@ def test_no_eval_examples_give_no_batches():
     from dschat.lm import eval_batches
 
     assert eval_batches([], batch_size=4, collate=lambda rows: rows) == []
+
+
+def test_a_separate_reference_that_mis_scores_packed_pairs_gets_separate_rows(monkeypatch, caplog):
+    """--ref_model_name_or_path: the policy's packing check says nothing of another model; the reference's
+    table was computed from packed rows unchecked. Its own check decides, and the policy keeps packing."""
+    import dschat.lm as lm_module
+    from dschat.dpo import reference_collate
+
+    feats = [
+        dict(pair_example([1, 2, 3], [4, 5], [6]), index=0),
+        dict(pair_example([7], [8], [9, 9]), index=1),
+    ]
+    reference = _tiny_lm("llama", "sdpa")
+    collate = PreferenceLMCollator(pad_id=0, end_id=63, share_prompt=True)
+    assert reference_collate(reference, collate, feats, "cpu") is collate  # packing holds: the same collator
+    monkeypatch.setattr(lm_module, "shared_prompt_mask", lambda seg: torch.ones(seg.shape[1], seg.shape[1]).bool().tril().expand(seg.shape[0], 1, -1, -1))  # fmt: skip
+    with caplog.at_level("WARNING", logger="dschat"):
+        ref_collate = reference_collate(reference, collate, feats, "cpu")
+    assert not ref_collate.share_prompt and "packed_input_ids" not in ref_collate(feats)
+    assert collate.share_prompt  # the policy's own collator is left as it was
+    assert "the reference model" in caplog.text

@@ -36,6 +36,7 @@ from dschat.dpo import (
     pair_loss,
     pairs_fingerprint,
     read_table,
+    reference_collate,
     reference_table,
     response_logps,
     save_table,
@@ -257,6 +258,7 @@ def reference_tables(engine, ref_path, data, used, optim, collate, run, model_ar
         model = load_causal_lm(ref_path, trust_remote_code=model_args.trust_remote_code, flag="--ref_model_name_or_path",
                                dtype=inference_dtype(dtype, str(dist.default_device()))).to(dist.default_device())  # fmt: skip
         device = dist.default_device()
+        collate = reference_collate(model, collate, data.train, device)
     kw = {"batch_size": optim.per_device_eval_batch_size, "collate": collate, "device": device}
     train = reference_table(model, data.train, only=used, **kw)
     evals = reference_table(model, data.eval, **kw)
