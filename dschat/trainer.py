@@ -339,6 +339,7 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
     for group in optimizer_steps(micro_batches(loader, state, optim.num_train_epochs), state,
                                  optim.gradient_accumulation_steps):  # fmt: skip
         t0 = clock()
+        lr = engine.get_lr()[0]  # the rate this step uses (after it, the scheduler has moved on)
         kw = {}
         if spec.targets is not None:  # the step's token count on every rank (one all-reduce per step)
             kw["step_targets"] = dist.all_reduce_sum([float(sum(spec.targets(b) for b in group))])[0]
@@ -352,7 +353,7 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
             w = window.reduce()
             seconds = max(w["seconds"] / world, 1e-9)
             take_in(state, w, world)
-            row = {"loss": w["loss"] / w.get("loss_weight", w["micro"]), **spec.columns(w, seconds), "lr": engine.get_lr()[0],
+            row = {"loss": w["loss"] / w.get("loss_weight", w["micro"]), **spec.columns(w, seconds), "lr": lr,
                    "tokens_per_sec": w["tokens"] / seconds, "epoch": state.epoch, "tokens": state.tokens}  # fmt: skip
             metrics.log(row, step=state.step, split="train")
             bar.set_postfix({label: format(row[key], f) for label, key, f in spec.shown})

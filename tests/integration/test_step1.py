@@ -118,6 +118,10 @@ def test_accumulation_follows_the_loss_curve_of_one_micro_batch_of_the_whole_ste
     assert sorted(runs["16"]) == sorted(runs["8x2"]) == [1, 2, 3, 4]
     for step, loss in runs["16"].items():
         assert runs["8x2"][step] == pytest.approx(loss, rel=1e-6), f"step {step}"
+    # each row's lr is the rate its step used: the first the full rate (no warm-up), the last above 0
+    lrs = [r["lr"] for r in metrics(tmp_path / "16") if r["split"] == "train"]
+    lr = json.loads((tmp_path / "16" / "dschat_config.json").read_text())["learning_rate"]
+    assert lrs[0] == pytest.approx(lr) and lrs[-1] > 0
 
 
 # ---------------------------------------------------------------- 3. two ranks = one rank at the same global batch
