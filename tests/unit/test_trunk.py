@@ -100,7 +100,9 @@ def test_experience_with_a_shared_trunk_equals_separate_passes(tokenizer, share_
         assert torch.equal(a.scores, b.scores)
     assert ppo.trunk_depths == {"reference": 1, "reward": 1, "actor": 1}
     assert ref_runs == [1]  # the first batch's check only
-    assert rm_runs == [1 if share_prompt else 2]  # separate rows: the reward model reads other rows
+    # packed rows: the first batch's trunk check and its check of packed scores against separate rows
+    # (PPOTrainer._check_reward_packing); separate rows: the reward model reads other rows than the actor
+    assert rm_runs == [2]
 
 
 def test_a_trunk_that_does_not_reproduce_the_model_falls_back_with_a_warning(tokenizer, monkeypatch, caplog):
@@ -211,21 +213,27 @@ def test_something_trainable_before_the_blocks_shares_nothing(tokenizer):
     assert T.shared_depth([actor, reference]) == 0
 
 
-def test_the_first_update_is_checked_on_every_answer_even_when_none_trains(tokenizer, monkeypatch, caplog):
-    """All answers score alike and --filter_uniform_groups drops them all from the update: the check
-    against the experience still compares every answer's log-probs, and catches a wrong trunk."""
+def test_the_first_update_is_checked_on_every_answer_even_where_some_do_not_train(
+    tokenizer, monkeypatch, caplog
+):
+    """--filter_uniform_groups drops the answers of a prompt that all score alike from the update. A
+    minibatch of only such answers takes no update (and so no check: the weights stay those of the
+    experience); the first that trains is checked against the experience on every answer, those that do
+    not train too, and a wrong trunk is caught."""
     from tests.unit.test_ppo_trainer import FixedScores
 
     actor, reference, _ = models(tokenizer)
     ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1.0, share_prompt=True,
-                  scores=FixedScores([1.0] * 4), filter_uniform_groups=True, share_frozen_trunk=True)  # fmt: skip
+                  scores=FixedScores([1.0, 1.0, 0.0, 2.0]), filter_uniform_groups=True, share_frozen_trunk=True)  # fmt: skip
     torch.manual_seed(5)
     exp, _ = ppo.make_experience(*prompts(tokenizer))
-    assert exp.action_mask.sum() == 0
+    assert exp.action_mask[:2].sum() == 0 and exp.action_mask[2:].sum() > 0
     real = T._Replay.forward
     monkeypatch.setattr(T._Replay, "forward", lambda self, h, *a, **k: 2 * real(self, h, *a, **k))
     with caplog.at_level("WARNING", logger="dschat"):
-        ppo.train(exp.slice(0, 2))
+        assert ppo.train(exp.slice(0, 2)) == {"skipped_actor_updates": 1.0}
+        assert "update" not in ppo.trunk_checked and ppo.trunk_depths["actor"] == 1
+        ppo.train(exp.slice(0, 4))  # two answers that do not train, two that do
     assert "computing the whole actor" in caplog.text and ppo.trunk_depths["actor"] == 0
 
 
