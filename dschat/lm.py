@@ -139,6 +139,11 @@ def fused_loss_head(hf: torch.nn.Module, head: torch.nn.Linear, labels: torch.Te
         hf.set_output_embeddings(head)
 
 
+def target_count(labels: torch.Tensor) -> torch.Tensor:
+    """The target tokens of labels (B, T), each predicted from the position before it: a count ()."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
 def sft_loss(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +158,7 @@ def sft_loss(
     if found is None:
         logits, kept = target_logits(model, input_ids, attention_mask, labels)
         return mean_token_nll(logits, kept)
-    n = (labels[:, 1:] != IGNORE_INDEX).sum().float()
+    n = target_count(labels).float()
     with fused_loss_head(*found, labels):
         nll = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     return nll / n.clamp_min(1.0), n

@@ -219,8 +219,8 @@ def _merged_skeleton(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     if getattr(base, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(base.generation_config)
     # the training dtype of the live model, also for a state kept in fp32 (an EMA of a bf16 actor)
-    dtype = next(base.parameters()).dtype if any(True for _ in base.parameters()) else None
-    dtype = dtype or (next(iter(state.values())).dtype if state else torch.float32)
+    first = next(base.parameters(), None)
+    dtype = first.dtype if first is not None else next(iter(state.values())).dtype if state else torch.float32
     return skeleton.to(dtype)
 
 

@@ -102,9 +102,8 @@ class HybridGenerator:
         self.engine, self.tokenizer, self.sampling, self.zero3 = engine, tokenizer, sampling, zero3
         if zero3 and gather is None:
             raise ValueError("HybridGenerator(zero3=True) needs gather= (dschat.engine.core.gather_zero3)")
-        self.stop_ids = stop_ids_for(
-            tokenizer, stop_ids, engine
-        )  # a row ends at any of these (end of turn, EOSs)
+        # a row ends at any of these (the end of turn, every EOS)
+        self.stop_ids = stop_ids_for(tokenizer, stop_ids, engine)
         self.gather, self.gather_layers = gather or no_gather, gather_layers
         self.release_cache, self.unpin = release_cache, unpin
         # StaticCache: allocated once and kept between rounds, compile-friendly. On CPU a dynamic cache

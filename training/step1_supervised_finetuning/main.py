@@ -25,10 +25,10 @@ import torch
 from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
-from dschat.data.collate import IGNORE_INDEX, SFTCollator
+from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
 from dschat.inputs import check_inputs
-from dschat.lm import evaluate_perplexity, sft_loss
+from dschat.lm import evaluate_perplexity, sft_loss, target_count
 from dschat.models.loading import load_causal_lm
 from dschat.utils import dist
 from dschat.utils.errors import run_cli
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))
     spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine, optim.gradient_accumulation_steps),
-                      columns=lambda w, seconds: {}, shown=shown, targets=target_count)  # fmt: skip
+                      columns=lambda w, seconds: {}, shown=shown, targets=step_targets)  # fmt: skip
     T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
@@ -116,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def target_count(batch: dict[str, torch.Tensor]) -> int:
-    """The tokens a micro-batch's loss is taken over: its targets (labels that are not ignored), each
-    predicted from the position before it."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+def step_targets(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens a micro-batch's loss is taken over (:func:`dschat.lm.target_count` of its labels)."""
+    return int(target_count(batch["labels"]))
 
 
 def sft_micro_step(
