@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -146,7 +147,8 @@ class PPOTrainer:
             actor_keys = ("policy_loss", "clip_fraction", "approx_kl", "ptx_loss", "kl_loss")
             row.update({k: w[k] / ua for k in actor_keys if k in w})
         if "skipped_actor_updates" in w:  # minibatches with no row left to train (--filter_uniform_groups)
-            row["skipped_actor_updates"] = w["skipped_actor_updates"]
+            # every rank skips together (a collective decision), so the sum over ranks counts each N times
+            row["skipped_actor_updates"] = w["skipped_actor_updates"] / dist.world_size()
         return row
 
     # ------------------------------------------------------------------ helpers
@@ -524,6 +526,7 @@ class PPOTrainer:
             if train_actor and self._actor_has_work(exp, unsup_batch):
                 out.update(self._train_actor(exp, unsup_batch))
             elif train_actor:
+                self._skip_actor_update()
                 out["skipped_actor_updates"] = 1.0
             if self.critic is None:
                 return out
@@ -553,6 +556,16 @@ class PPOTrainer:
         if not self.hyper.filter_uniform_groups or (unsup_batch is not None and self.hyper.unsup_coef > 0):
             return True  # every row keeps its actions (or the PTX term trains): no host sync needed
         return dist.any_rank(bool(exp.action_mask.sum() > 0))
+
+    def _skip_actor_update(self) -> None:
+        """The learning-rate schedule was planned over every minibatch of the run: a skipped one still
+        advances it (as every rank does, together), so the run ends on the schedule's last rate instead of
+        above it. DeepSpeed steps its scheduler only inside ``engine.step()``, which is not called here."""
+        scheduler = getattr(self.actor, "lr_scheduler", None)
+        if scheduler is not None:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": meant so
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()
 
     def _train_actor(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None) -> dict[str, float]:
         # 2a. actor: clipped surrogate on the response tokens (+ PTX language-modelling loss)

@@ -479,11 +479,14 @@ class AdamEngine(Engine):
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__(module)
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+        # a linear decay over 4 steps, stepped by step() as DeepSpeed's engine steps its scheduler
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: max(0.0, 1 - s / 4))
         self.steps = 0
 
     def step(self) -> None:
         self.steps += 1
         super().step()
+        self.lr_scheduler.step()
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -508,10 +511,30 @@ def test_a_minibatch_whose_rows_all_left_the_update_takes_no_optimizer_step(toke
     out = uniform.train(exp)
     assert engine.steps == 1 and out == {"skipped_actor_updates": 1.0}
     assert all(torch.equal(a, p) for a, p in zip(before, actor.parameters(), strict=True))
+    # the skipped minibatch is one of the schedule's planned steps: the rate moves on as if it had trained
+    # (else the run would end above the schedule's last rate), 1e-2 * (1 - 2/4)
+    assert engine.lr_scheduler.last_epoch == 2 and engine.get_lr() == [pytest.approx(5e-3)]
     row = uniform.log_row({"rows": 4.0, "score_sum": 8.0, "score_sq_sum": 20.0, "reward_sum": 8.0, "kl_sum": 0.0,
                            "entropy_sum": 0.0, "length_sum": 8.0, "truncated_rows": 0.0, "uniform_group_rows": 4.0,
                            "clipped_score_rows": 0.0, "updates": 1.0, "skipped_actor_updates": 1.0})  # fmt: skip
     assert row["skipped_actor_updates"] == 1.0 and "policy_loss" not in row
+
+
+def test_the_logged_count_of_skipped_updates_is_per_run_not_summed_over_ranks(tokenizer, monkeypatch):
+    """Every rank skips a minibatch together (the decision is collective), so the window's sum over N
+    ranks holds N for one skipped update: the log row counts updates, not rank-updates."""
+    from dschat.utils import dist
+
+    actor = micro_llama(len(tokenizer), seed=0)
+    ppo = trainer(AdamEngine(actor), Engine(micro_llama(len(tokenizer), seed=1)), tokenizer, temperature=1.0,
+                  scores=FixedScores([1.0, 1.0, 3.0, 3.0]), advantage_estimator="group_norm",
+                  filter_uniform_groups=True)  # fmt: skip
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    sums = {"rows": 8.0, "score_sum": 16.0, "score_sq_sum": 40.0, "reward_sum": 16.0, "kl_sum": 0.0,
+            "entropy_sum": 0.0, "length_sum": 16.0, "truncated_rows": 0.0, "uniform_group_rows": 8.0,
+            "clipped_score_rows": 0.0, "updates": 6.0, "actor_updates": 2.0, "policy_loss": 0.2,
+            "skipped_actor_updates": 4.0}  # fmt: skip
+    assert ppo.log_row(sums)["skipped_actor_updates"] == 2.0
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
