@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from dschat.data.packing import (
 from dschat.losses import gather_last
 from dschat.models.attention import use_fast_attention
 from dschat.models.loading import apply_dropout, has_value_head, load_config
+from dschat.utils import dist
 from dschat.utils.errors import UserError
 
 LOG = logging.getLogger("dschat")
@@ -195,7 +197,8 @@ def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets:
     pairs give the unpacked values on this model: the body's hidden states of two of the ``train`` pairs,
     compared both ways (:meth:`ScalarHeadModel.packing_error`). Otherwise the collator stops packing and
     the already collated ``eval_sets`` (lists of (batch, weight)) lose their packed rows, with a warning.
-    ``model``: the engine's module (ZeRO-3 gathers its parameters in the forward as usual)."""
+    ``model``: the engine's module (ZeRO-3 gathers its parameters in the forward as usual). Collective
+    where the model takes custom masks (every rank's step 2 calls it at the same point)."""
     why = None
     if not model.takes_custom_masks:
         why = f"attention implementation {model.hf_model.config._attn_implementation!r} takes no custom mask"
@@ -204,7 +207,9 @@ def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets:
         model.eval()  # no dropout: the two forwards must be comparable
         error = model.packing_error(collate(train[:2]), device)
         model.train(was_training)
-        if error > packing_tolerance(next(model.parameters()).dtype):
+        # decided on the worst rank, so that all ranks pack or none does; NaN (a broken pass) fails
+        error = dist.all_reduce_max([error if math.isfinite(error) else math.inf])[0]
+        if not error <= packing_tolerance(next(model.parameters()).dtype):
             why = f"packed pairs differ from unpacked rows by {error:.2f} (relative) on this model"
     if why is None:
         LOG.info("--share_prompt: packed pairs match unpacked rows (relative difference %.1e)", error)

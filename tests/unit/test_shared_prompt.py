@@ -270,3 +270,26 @@ def test_reward_read_before_the_end_token_in_the_actors_rows_equals_separate_row
     assert source.score([""] * 3, [""] * 3, seq, mask, rows).tolist() == pytest.approx(
         plain.tolist(), abs=1e-5
     )
+
+
+def test_settle_share_prompt_decides_on_the_worst_rank(monkeypatch, caplog):
+    """Every rank measures its own forward; the decision takes the largest error over the ranks, so that
+    all ranks pack or none does (a rank scoring otherwise than its peers breaks "2 ranks == 1 rank")."""
+    from dschat.utils import dist
+
+    model = _tiny("llama")
+    collate, feats, evals = _collated(True)
+    # another rank measured 0.3 where this one measured rounding
+    monkeypatch.setattr(dist, "all_reduce_max", lambda xs: [max(x, 0.3) for x in xs])
+    with caplog.at_level("WARNING", logger="dschat"):
+        settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert not collate.share_prompt and "differ from unpacked rows by 0.30" in caplog.text
+
+
+def test_settle_share_prompt_falls_back_on_a_nan_error(monkeypatch):
+    """A NaN difference (a broken pass) compares False with any tolerance: it must not keep packing."""
+    model = _tiny("llama")
+    collate, feats, evals = _collated(True)
+    monkeypatch.setattr(ScalarHeadModel, "packing_error", lambda self, batch, device: float("nan"))
+    settle_share_prompt(model, collate, feats, evals, "cpu")
+    assert not collate.share_prompt
