@@ -147,8 +147,8 @@ def launcher(args: argparse.Namespace) -> list[str]:
     if backend == "slurm" and "kill-on-bad-exit" not in launcher_args:
         # srun's default leaves the other ranks waiting in a collective when one dies
         launcher_args = f"{launcher_args} --kill-on-bad-exit=1".strip()
-    if launcher_args:
-        cmd += ["--launcher_args", launcher_args]
+    if launcher_args:  # one word: the runner's argparse reads a separate "--kill-on-bad-exit=1" as an option
+        cmd += [f"--launcher_args={launcher_args}"]
     if args.num_gpus:
         cmd += ["--num_gpus", str(args.num_gpus)]
     return cmd
@@ -166,6 +166,10 @@ def torchrun(args: argparse.Namespace) -> list[str]:
     if args.hostfile:
         raise UserError(
             "--hostfile is for the DeepSpeed launcher; --launcher torchrun uses --nnodes and --master-addr"
+        )
+    if args.launcher_args:
+        raise UserError(
+            "--launcher-args is for the DeepSpeed launcher's backends (pdsh, MPI, SLURM); torchrun takes none"
         )
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank {args.node_rank} must be in 0 .. --nnodes - 1 ({args.nnodes - 1})")

@@ -119,7 +119,28 @@ def test_multi_node_flags_per_backend(hostfile):
             args(deployment_type="multi_node", hostfile=hostfile, launcher="slurm", launcher_args="-p gpu")
         )
     )
-    assert slurm[-2:] == ["--launcher_args", "-p gpu --kill-on-bad-exit=1"]  # a dead rank ends the job
+    assert slurm[-1:] == ["--launcher_args=-p gpu --kill-on-bad-exit=1"]  # a dead rank ends the job
+
+
+@pytest.mark.parametrize("extra", [None, "--exclusive", "-p gpu"])
+def test_slurm_launcher_args_reach_deepspeeds_runner_as_one_value(hostfile, extra):
+    """DeepSpeed's runner parses its own command line: a value that starts with a dash, given as a
+    separate word, is read as an option (srun's --kill-on-bad-exit=1, added by default, always is)."""
+    from deepspeed.launcher.runner import parse_args
+
+    cmd = launcher(
+        args(deployment_type="multi_node", hostfile=hostfile, launcher="slurm", launcher_args=extra)
+    )
+    runner = cmd[cmd.index("deepspeed.launcher.runner") + 1 :]
+    parsed = parse_args([*runner, "train.py"])
+    assert parsed.launcher_args == f"{extra or ''} --kill-on-bad-exit=1".strip()
+
+
+def test_launcher_args_with_torchrun_is_one_line():
+    """torchrun takes no backend arguments: --launcher-args would be dropped silently."""
+    with pytest.raises(UserError, match=r"--launcher-args.*torchrun"):
+        launcher(args(deployment_type="multi_node", launcher="torchrun", launcher_args="--x", nnodes=2, node_rank=0,
+                      master_addr="10.0.0.1", master_port=29500))  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["openmpi", "mvapich", "mpich", "impi"])
