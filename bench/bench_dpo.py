@@ -52,6 +52,12 @@ def what_trains(args: argparse.Namespace) -> list[str]:
             "--lora_learning_rate", str(args.lora_learning_rate)]  # fmt: skip
 
 
+def objective(args: argparse.Namespace) -> list[str]:
+    """The DPO loss's flags, the same in both suites (the JSON reports them)."""
+    return ["--learning_rate", str(args.learning_rate), "--beta", str(args.beta), "--sft_coef", str(args.sft_coef),
+            "--seed", str(args.seed)]  # fmt: skip
+
+
 def run(cmd: list[str]) -> None:
     proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -68,8 +74,8 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
              "--eval_generation_samples", "200"]  # fmt: skip
     dpo = out / "step2_dpo"
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
-         str(step1), *COMMON, *what_trains(args), *tasks, "--learning_rate", str(args.learning_rate), "--beta", str(args.beta),
-         "--sft_coef", str(args.sft_coef), "--seed", str(args.seed), "--max_steps", str(args.max_steps), "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
+         str(step1), *COMMON, *what_trains(args), *tasks, *objective(args), "--max_steps", str(args.max_steps),
+         "--policy_negatives_from", str(step1), "--policy_negatives_max_prompts",
          "384", "--policy_negatives_per_prompt", "4", "--policy_negatives_max_new_tokens", "12"])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
     return {
@@ -96,10 +102,6 @@ def by_task(s: dict) -> dict:
     }
 
 
-def n_pairs(data_dir: Path) -> int:
-    return len((data_dir / "train.jsonl").read_text().splitlines())
-
-
 def hh(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
     if args.judge:  # the judge saw half b: DPO learns from half a only, so the judge stays independent
@@ -123,8 +125,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         length = ["--max_steps", str(args.max_steps)] if args.max_steps else []
     run([str(ROOT / "training/step2_dpo_finetuning/main.py"), "--output_dir", str(dpo), "--model_name_or_path",
          start, *COMMON, *what_trains(args), "--data_path", str(pairs), "--data_split", "0,1,0", "--max_seq_len", "256",
-         "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", "--learning_rate",
-         str(args.learning_rate), "--beta", str(args.beta), "--seed", str(args.seed), *length])  # fmt: skip
+         "--max_eval_samples", "0", "--eval_generation_samples", "0", "--group_by_length", *objective(args),
+         *length])  # fmt: skip
     s = json.loads((dpo / "summary.json").read_text())
     resolved = json.loads((dpo / "dschat_config.json").read_text())  # the run's options as it resolved them
     result = {
@@ -134,7 +136,10 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "implicit_reward_accuracy_chosen_shorter": s.get("implicit_reward_accuracy_chosen_shorter_end"),
         "longer_response_baseline": s.get("longer_response_baseline"),
         "eval_margin": s["eval_margin_end"],
-        "train_pairs": int(s["policy_negatives"]["train"]["pairs"]) if args.labeller else n_pairs(pairs),
+        # the pairs that train: those of the data that fit --max_seq_len, not identical or empty
+        "train_pairs": int(s["policy_negatives"]["train"]["pairs"])
+        if args.labeller
+        else resolved["data"]["train"]["kept"],
         "on_policy_pairs": s["policy_negatives"]["train"] if args.labeller else None,
         "train_pairs_read": s["steps"] * resolved["global_batch_size"],
         "steps": s["steps"],

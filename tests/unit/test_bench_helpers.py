@@ -168,3 +168,37 @@ def test_the_alignment_benchmarks_hh_run_refuses_bad_ppo_flags_before_any_work(t
     assert proc.returncode == 2, proc.stderr
     assert "--kl_in loss with --kl_estimator k1" in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("suite", ["verifiable", "hh"])
+def test_the_dpo_benchmarks_loss_flags_reach_its_dpo_run(tmp_path, monkeypatch, suite):
+    """bench_dpo.py reports --sft_coef, --beta, --learning_rate and --seed in its JSON: both suites' DPO
+    commands must carry them (the hh suite ran without --sft_coef while reporting it)."""
+    import argparse
+
+    import bench_dpo
+
+    class Stop(Exception):
+        pass
+
+    seen: list[list[str]] = []
+
+    def run(cmd):
+        seen.append(cmd)
+        if "step2_dpo_finetuning" in cmd[0]:
+            raise Stop
+
+    monkeypatch.setattr(bench_dpo, "run", run)
+    monkeypatch.setattr(bench_dpo, "HH", tmp_path / "hh_data")  # the hh suite links the data, never reads it
+    args = argparse.Namespace(suite=suite, step1=str(tmp_path / "step1"), judge=None, labeller=None, start=None,
+                              learning_rate=3e-5, beta=0.2, sft_coef=0.5, seed=7, max_steps=5, lora_dim=0)  # fmt: skip
+    with pytest.raises(Stop):
+        (bench_dpo.verifiable if suite == "verifiable" else bench_dpo.hh)(args, tmp_path / "out")
+    cmd = seen[-1]
+    flags = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert (flags["--sft_coef"], flags["--beta"], flags["--learning_rate"], flags["--seed"]) == (
+        "0.5",
+        "0.2",
+        "3e-05",
+        "7",
+    )
