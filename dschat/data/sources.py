@@ -165,6 +165,10 @@ def _carve_eval(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sa
     return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
 
 
+# A directory's held-out files (test.jsonl, eval.json, val.jsonl, validation.json, dev.jsonl ...)
+EVAL_FILE_PREFIXES = ("test", "eval", "val", "dev")
+
+
 def _load_local(path: Path, seed: int) -> SourceData:
     if path.is_file():
         train, evals = _carve_eval(read_json_file(path), seed)
@@ -172,8 +176,13 @@ def _load_local(path: Path, seed: int) -> SourceData:
     files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
     if not files:
         raise UserError(f"{path}: directory holds no .json or .jsonl files")
-    eval_files = [p for p in files if p.stem.startswith(("test", "eval", "valid"))]
+    eval_files = [p for p in files if p.stem.lower().startswith(EVAL_FILE_PREFIXES)]
     train_files = [p for p in files if p not in eval_files]
+    named = [p for p in train_files if p.stem.lower().startswith("train")]
+    if named and len(named) < len(train_files):  # with named splits, a file that is neither is not trained on
+        other = next(p for p in train_files if p not in named)
+        raise UserError(f"{other}: neither a train* nor a {'*/'.join(EVAL_FILE_PREFIXES)}* file beside "
+                        f"{named[0].name}; rename it to the split it belongs to, or move it out")  # fmt: skip
     train = [s for p in train_files for s in read_json_file(p)]
     if eval_files:
         return SourceData(str(path), train, [s for p in eval_files for s in read_json_file(p)])
@@ -260,7 +269,8 @@ def fingerprint(spec: str) -> str:
     if kind == "local":
         p = Path(spec).expanduser()
         files = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
-        return spec + "|" + ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+        # "split 2": val*/dev* files became held-out (2026-11-28); a cache of the old split must not serve
+        return spec + "|split 2|" + ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     if kind == "builtin":
         return (
             f"{spec}|{BUILTIN_TRAIN_PER_TASK}|{BUILTIN_EVAL_PER_TASK}|{BUILTIN_SEED}|v{tasks.TASKS_VERSION}"

@@ -226,6 +226,27 @@ def test_directory_with_train_and_test_files(tmp_path):
     assert [s.prompt for s in src.eval] == ["eQ0", "eQ1", "vQ0"]
 
 
+@pytest.mark.parametrize("name", ["val.jsonl", "validation.json", "dev.jsonl", "eval_set.jsonl"])
+def test_a_directorys_validation_file_is_the_eval_split_under_its_common_names(tmp_path, name):
+    """val/dev files are held out, never trained on (they were read as training data, and the eval set
+    carved from train + val)."""
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", qa_rows(20, "t"))
+    write_jsonl(d / name, qa_rows(3, "v"))
+    src = load_source(str(d), seed=0)
+    assert [s.prompt for s in src.train] == [f"tQ{i}" for i in range(20)]
+    assert [s.prompt for s in src.eval] == ["vQ0", "vQ1", "vQ2"]
+
+
+def test_a_file_beside_train_files_that_is_no_split_is_one_line(tmp_path):
+    """With train* files present, another data file is neither split: refused, not trained on."""
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", qa_rows(3, "t"))
+    write_jsonl(d / "holdout.jsonl", qa_rows(3, "h"))
+    with pytest.raises(UserError, match=r"holdout\.jsonl: .*neither a train\* nor"):
+        load_source(str(d), seed=0)
+
+
 def test_directory_without_eval_files_is_carved(tmp_path):
     d = tmp_path / "data"
     write_jsonl(d / "a.jsonl", qa_rows(20, "a"))
