@@ -26,8 +26,8 @@ from dschat.utils.io import cache_root
 
 LOG = logging.getLogger("dschat")
 # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len;
-# 6: token columns stored as flat tensors (_pack_rows)
-CACHE_VERSION = 6
+# 6: token columns stored as flat tensors (_pack_rows); 7: held-out prompts fit the length limit
+CACHE_VERSION = 7
 
 
 @dataclass
@@ -142,9 +142,7 @@ def _build_sft(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
         raise UserError(
             f"no evaluation samples: the sources give none that fit --max_seq_len {args.max_seq_len}"
         )
-    # Prompts for generation-based metrics, shuffled so that any prefix mixes every task.
-    prompts = [s.prompt for s in eval_s]
-    random.Random(f"eval-prompts:{args.data_seed}").shuffle(prompts)
+    prompts, _ = held_out_prompts(eval_s, fmt, args.max_seq_len - 1, args.data_seed)
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
@@ -194,6 +192,19 @@ def _check_pairs(samples: list[Sample]) -> None:
             )
 
 
+def held_out_prompts(
+    eval_s: list[Sample], fmt: PromptFormat, limit: int, seed: int
+) -> tuple[list[str], dict[str, int]]:
+    """The held-out prompts that generation-based metrics (true accuracy, held-out reward) answer: those
+    whose rendered ids fit ``limit`` tokens, as the training prompts must (a longer one would be evaluated
+    on another distribution than the step trains on, and pad every batch beyond what the memory planner
+    counted), shuffled so that any prefix mixes every task; with their counts."""
+    ids = fmt.encode_prompts([s.prompt for s in eval_s])
+    prompts = [s.prompt for s, p in zip(eval_s, ids, strict=True) if len(p) <= limit]
+    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    return prompts, {"samples": len(ids), "kept": len(prompts), "dropped_too_long": len(ids) - len(prompts)}
+
+
 def _build_pairs(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
     train_s, eval_s = gather_samples(args, phase)
     _check_pairs(train_s)
@@ -206,8 +217,7 @@ def _build_pairs(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
         )
     if not evals:
         raise UserError(f"no usable evaluation pairs: {json.dumps(estats)} (see --max_seq_len)")
-    prompts = [s.prompt for s in eval_s]
-    random.Random(f"eval-prompts:{args.data_seed}").shuffle(prompts)
+    prompts, _ = held_out_prompts(eval_s, fmt, args.max_seq_len - 1, args.data_seed)
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
@@ -222,9 +232,8 @@ def _build_prompts(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedDat
         raise UserError(
             f"no prompts for step {phase}: all {len(ids)} are longer than --max_prompt_seq_len {args.max_seq_len}"
         )
-    prompts = [s.prompt for s in eval_s]
-    random.Random(f"eval-prompts:{args.data_seed}").shuffle(prompts)
-    return PreparedData(train, [], {"train": stats}, prompts)
+    prompts, estats = held_out_prompts(eval_s, fmt, args.max_seq_len, args.data_seed)
+    return PreparedData(train, [], {"train": stats, "eval": estats}, prompts)
 
 
 BUILDERS = {"sft": _build_sft, "pairs": _build_pairs, "prompts": _build_prompts}

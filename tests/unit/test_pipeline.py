@@ -309,3 +309,19 @@ def test_cache_rows_round_trip_with_token_columns_stored_as_tensors(tmp_path):
     floats = [{"w": [0.5, 1.0]}]
     for case in (ragged, floats, []):
         assert pipeline._unpack_rows(pipeline._pack_rows(case)) == case
+
+
+def test_held_out_prompts_that_do_not_fit_the_prompt_budget_are_left_out(tmp_path, tokenizer):
+    """Step 3 generates from its held-out prompts as from its training prompts: one longer than
+    --max_prompt_seq_len (dropped from training) is left out of the evaluation too, not generated from
+    (another distribution, and more memory than the planner counted)."""
+    from dschat.data.pipeline import prepare_prompt_data
+
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", [{"prompt": f"Q{i}", "response": " A"} for i in range(4)])
+    # BOS + "E0" = 3 tokens; BOS + "E1 long long long" = 17 tokens
+    write_jsonl(d / "test.jsonl", [{"prompt": "E0", "response": " B"}, {"prompt": "E1 long long long", "response": " B"},
+                                   {"prompt": "E2", "response": " B"}])  # fmt: skip
+    data = prepare_prompt_data(make_args(d, tmp_path, data_split="0,0,1"), tokenizer, max_prompt_len=8)
+    assert sorted(data.eval_prompts) == ["E0", "E2"]
+    assert data.stats["eval"] == {"samples": 3, "kept": 2, "dropped_too_long": 1}
