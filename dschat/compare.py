@@ -17,6 +17,7 @@ from dschat import tasks
 from dschat.data.prompt_format import is_dialogue, make_prompt
 from dschat.data.sources import BUILTIN_SEED, builtin_task_names
 from dschat.utils.errors import UserError
+from dschat.utils.io import data_lines, read_data_text
 
 
 def builtin_prompts(n: int, names: list[str] | None = None) -> list[str]:
@@ -47,7 +48,7 @@ def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:
     if not p.is_file():
         raise UserError(f"{flag} {path}: no such file")
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = data_lines(read_data_text(p))
     except UnicodeDecodeError as exc:
         raise UserError(f"{flag} {path}: not UTF-8 text ({exc.reason})") from None
     prompts: list[str] = []

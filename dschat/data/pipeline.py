@@ -26,7 +26,8 @@ from dschat.utils.io import cache_root
 
 LOG = logging.getLogger("dschat")
 # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len;
-# 6: token columns stored as flat tensors (_pack_rows); 7: held-out prompts fit the length limit
+# 6: token columns stored as flat tensors (_pack_rows); 7: held-out prompts fit the length limit, blank
+# SFT answers dropped
 CACHE_VERSION = 7
 
 
@@ -94,8 +95,8 @@ def tokenize_sft(
     prompts = fmt.encode_prompts([s.prompt for s in samples])
     responses = fmt.encode_responses([s.chosen for s in samples])
     out, too_long, empty = [], 0, 0
-    for p, r in zip(prompts, responses):
-        if not r:
+    for s, p, r in zip(samples, prompts, responses, strict=True):
+        if not r or not s.chosen.strip():  # spaces are no answer (the Human/Assistant form keeps them)
             empty += 1
             continue
         ex = sft_example(p, r, fmt.end_id, train_on_prompt)

@@ -25,6 +25,7 @@ from dschat import tasks
 from dschat.data.prompt_format import dialogue_of
 from dschat.data.schema import Sample
 from dschat.utils.errors import UserError
+from dschat.utils.io import data_lines, read_data_text
 
 BUILTIN_TRAIN_PER_TASK = 10000
 BUILTIN_EVAL_PER_TASK = 200
@@ -82,6 +83,23 @@ HUB_ADAPTERS: dict[str, Callable[[dict[str, Any]], Sample | None]] = {
 
 
 # ---------------------------------------------------------------- local files
+def _turn_text(content: Any, where: str, i: int) -> str:
+    """A ``messages`` turn's content as text: a string, or the OpenAI form's list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if (
+        isinstance(content, list)
+        and content
+        and all(
+            isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+            for c in content
+        )
+    ):
+        return "".join(c["text"] for c in content)
+    raise UserError(f"{where}: field 'messages': turn {i}'s content must be text (a string or a list of "
+                    f"{{\"type\": \"text\"}} parts), got {json.dumps(content)[:60]}")  # fmt: skip
+
+
 def _row_to_sample(row: Any, where: str) -> Sample:
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
@@ -96,13 +114,19 @@ def _row_to_sample(row: Any, where: str) -> Sample:
             raise UserError(
                 f"{where}: field 'messages' must be a list of turns ending with an assistant turn"
             )
+        turns = [{"role": m.get("role"), "content": _turn_text(m.get("content"), where, i)} if isinstance(m, dict)
+                 else m for i, m in enumerate(msgs, 1)]  # fmt: skip
         try:
-            prompt = dialogue_of([{"role": str(m["role"]), "content": str(m["content"])} for m in msgs[:-1]])
+            prompt = dialogue_of([{"role": str(m["role"]), "content": m["content"]} for m in turns[:-1]])
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{where}: field 'messages': every turn needs a role (system, user, assistant) "
                             f"and a content ({exc})") from None  # fmt: skip
+        if not any(m["role"] == "user" for m in turns[:-1]):
+            raise UserError(
+                f"{where}: field 'messages': no user turn (the prompt is the dialogue before the answer)"
+            )
         # A response in dialogue text starts with a space (" 432"), as in the HH-RLHF data.
-        return Sample(prompt, " " + str(msgs[-1].get("content", "")).strip(), None, where)
+        return Sample(prompt, " " + turns[-1]["content"].strip(), None, where)
     if "prompt" not in row:
         raise UserError(
             f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)"
@@ -119,7 +143,7 @@ def _row_to_sample(row: Any, where: str) -> Sample:
     for key, val in (
         ("prompt", row["prompt"]),
         ("chosen/response", response),
-        ("rejected", rejected or ""),
+        ("rejected", "" if rejected is None else rejected),
     ):
         if not isinstance(val, str):
             raise UserError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
@@ -129,7 +153,7 @@ def _row_to_sample(row: Any, where: str) -> Sample:
 def read_json_file(path: Path) -> list[Sample]:
     """Read a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_data_text(path)
     except FileNotFoundError:
         raise UserError(f"{path}: data file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -143,7 +167,7 @@ def read_json_file(path: Path) -> list[Sample]:
         for i, row in enumerate(rows):
             samples.append(_row_to_sample(row, f"{path} item {i}"))
         return samples
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(data_lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -209,10 +233,15 @@ def _load_hub(name: str, seed: int) -> SourceData:
         for i, row in enumerate(rows):
             try:
                 s = adapter(row)
-            except (KeyError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a missing or null field
                 raise UserError(
-                    f"{name} {split} row {i}: does not fit the registered adapter ({exc})"
+                    f"{name} {split} row {i}: does not fit the registered adapter ({type(exc).__name__}: {exc})"
                 ) from None
+            bad = s is not None and next(
+                (k for k in ("prompt", "chosen") if not isinstance(getattr(s, k), str)), None
+            )
+            if bad or (s is not None and s.rejected is not None and not isinstance(s.rejected, str)):
+                raise UserError(f"{name} {split} row {i}: field '{bad or 'rejected'}' is not text")
             if s is not None:
                 out.append(Sample(s.prompt, s.chosen, s.rejected, name))
         splits[split] = out

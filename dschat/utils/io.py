@@ -74,3 +74,17 @@ def cache_root() -> Path:
     """``$DSCHAT_CACHE``, else ``~/.cache/dschat``: the model cache (``models/``) and the tokenized-data
     cache (``data/``) live under it."""
     return Path(os.environ.get("DSCHAT_CACHE", Path.home() / ".cache" / "dschat"))
+
+
+def read_data_text(path: str | os.PathLike) -> str:
+    """A data file's UTF-8 text without a leading byte-order mark (Windows editors write one)."""
+    return Path(path).read_text(encoding="utf-8-sig")
+
+
+def data_lines(text: str) -> list[str]:
+    """The lines of a JSONL or text file: split at "\\n" only (with a trailing "\\r" removed), never at the
+    other breaks ``str.splitlines`` takes (U+2028, U+0085, form feed), which JSON strings may hold raw."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]

@@ -91,3 +91,9 @@ def test_markdown_report_has_one_row_per_prompt_and_escapes_cells():
     assert len(table) == 2 + len(rows)
     assert table[2] == "| 1 | a\\|b | x<br>y | z | 1.0000 | 2.0000 |"
     assert "verdict" not in md  # no task prompts, no verdict columns
+
+
+def test_a_text_prompts_file_splits_at_newlines_only_and_drops_a_byte_order_mark(tmp_path):
+    t = tmp_path / "p.txt"
+    t.write_text("\ufeffPage one\x0cpage two\r\nA\u2028B\n", encoding="utf-8")
+    assert compare.read_prompts(t) == ["Page one\x0cpage two", "A\u2028B"]

@@ -325,3 +325,17 @@ def test_held_out_prompts_that_do_not_fit_the_prompt_budget_are_left_out(tmp_pat
     data = prepare_prompt_data(make_args(d, tmp_path, data_split="0,0,1"), tokenizer, max_prompt_len=8)
     assert sorted(data.eval_prompts) == ["E0", "E2"]
     assert data.stats["eval"] == {"samples": 3, "kept": 2, "dropped_too_long": 1}
+
+
+@pytest.mark.parametrize("chat_template", ["off", "on"])
+def test_a_whitespace_only_response_is_dropped_as_empty_in_every_format(chat_template):
+    """A response of only spaces is no answer: in the Human/Assistant form it tokenized to a space and
+    trained the model to answer ' ' + EOS; step 2 already drops such pairs."""
+    from dschat.data.pipeline import tokenize_sft
+
+    tok = build_tokenizer()  # not the shared fixture: a template is set on it
+    if chat_template == "on":
+        tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    fmt = prompt_format(tok, chat_template)
+    out, stats = tokenize_sft([Sample("Q", " "), Sample("Q", "   "), Sample("Q", " A")], fmt, 64, False)
+    assert stats["dropped_empty_response"] == 2 and len(out) == 1

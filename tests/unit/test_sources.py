@@ -103,6 +103,42 @@ def test_messages_with_a_bad_turn_name_the_field(tmp_path, turn):
 
 
 @pytest.mark.parametrize(
+    "messages, why",
+    [
+        ([{"role": "user", "content": None}, {"role": "assistant", "content": "A"}], "turn 1's content"),
+        ([{"role": "user", "content": "U"}, {"role": "assistant", "content": None}], "turn 2's content"),
+        ([{"role": "user", "content": "U"}, {"role": "assistant"}], "turn 2's content"),
+        ([{"role": "user", "content": 7}, {"role": "assistant", "content": "A"}], "turn 1's content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, {"role": "assistant", "content": "A"}],
+         "turn 1's content"),
+        ([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}], "no user turn"),
+    ],
+)  # fmt: skip
+def test_messages_whose_turns_are_not_text_are_one_line(tmp_path, messages, why):
+    """null content trained as the text 'None', a list of content parts as its Python repr, a missing
+    final content as an empty answer, a dialogue without a user turn as a user message holding the
+    rendered system turn: each is one line naming the row."""
+    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}])
+    with pytest.raises(UserError, match=re.escape(f"{p}:1: field 'messages': {why}")):
+        read_json_file(p)
+
+
+def test_messages_content_given_as_text_parts_is_their_text(tmp_path):
+    """The OpenAI form of a turn's content: a list of {"type": "text", "text": ...} parts, joined."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]
+    row = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]}  # fmt: skip
+    p = write_jsonl(tmp_path / "d.jsonl", [row])
+    assert read_json_file(p) == [Sample("\n\nHuman: What is 2+2?\n\nAssistant:", " 4", None, f"{p}:1")]
+
+
+@pytest.mark.parametrize("rejected", [0, False, [], {}])
+def test_a_rejected_answer_that_is_not_text_is_one_line(tmp_path, rejected):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "P", "chosen": " C", "rejected": rejected}])
+    with pytest.raises(UserError, match=re.escape(f"{p}:1: field 'rejected' must be a string")):
+        read_json_file(p)
+
+
+@pytest.mark.parametrize(
     "messages",
     [[], "hi", [{"role": "user", "content": "U"}], [{"role": "assistant", "content": "A"}, "x"]],
 )
@@ -403,3 +439,35 @@ def test_fingerprint_of_builtin_and_hub(monkeypatch, tmp_path):
     plain = fingerprint("Dahoas/rm-static")
     monkeypatch.setenv("DSCHAT_HUB_MIRROR", "/some/mirror")
     assert fingerprint("Dahoas/rm-static") != plain
+
+
+@pytest.mark.parametrize("raw", ["\u2028", "\u0085", "\x0c", "\u2029"])
+def test_a_jsonl_row_holding_a_unicode_line_break_is_one_row(tmp_path, raw):
+    """json.dumps(ensure_ascii=False) writes U+2028 and friends raw; str.splitlines would cut the row."""
+    p = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"a{raw}b", "response": " c"}, {"prompt": "d", "response": " e"}]
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert [s.prompt for s in read_json_file(p)] == [f"a{raw}b", "d"]
+    assert read_json_file(p)[1].source == f"{p}:2"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_data_file_with_a_byte_order_mark_is_read(tmp_path, suffix):
+    p = tmp_path / f"d{suffix}"
+    rows = [{"prompt": "P", "response": " R"}]
+    text = json.dumps(rows) if suffix == ".json" else json.dumps(rows[0]) + "\n"
+    p.write_text("\ufeff" + text, encoding="utf-8")
+    assert [(s.prompt, s.chosen) for s in read_json_file(p)] == [("P", " R")]
+
+
+def test_a_hub_row_with_a_null_field_is_one_line(hub_mirror):
+    write_jsonl(hub_mirror / "Dahoas" / "synthetic-instruct-gptj-pairwise" / "train.jsonl",
+                [{"prompt": "Q", "chosen": "C", "rejected": "R"}, {"prompt": "Q", "chosen": None, "rejected": "R"}])  # fmt: skip
+    with pytest.raises(UserError, match=re.escape("Dahoas/synthetic-instruct-gptj-pairwise train row 1: ")):
+        load_source("Dahoas/synthetic-instruct-gptj-pairwise", seed=0)
+    write_jsonl(hub_mirror / "Dahoas" / "rm-static" / "train.jsonl",
+                [{"prompt": "Q", "chosen": None, "rejected": "R", "response": "x"}])  # fmt: skip
+    with pytest.raises(
+        UserError, match=re.escape("Dahoas/rm-static train row 0: field 'chosen' is not text")
+    ):
+        load_source("Dahoas/rm-static", seed=0)
