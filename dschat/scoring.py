@@ -8,6 +8,7 @@ import torch
 
 from dschat.data.collate import pad_right
 from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.generation.decoding import context_length
 
 
 @torch.no_grad()
@@ -15,10 +16,12 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, b
                 device: str | torch.device = "cpu", max_len: int | None = None,
                 fmt: PromptFormat | None = None) -> torch.Tensor:  # fmt: skip
     """(N,) reward scores of ``prompt + response`` by a reward model (``ScalarHeadModel``), in eval mode;
-    see :func:`score_with`."""
+    see :func:`score_with`. Rows are cut to ``max_len`` and never beyond what the model attends to (its
+    position table: a learned one has no position past it, whatever the tokenizer's limit says)."""
     model.eval()
+    limit = context_length(model.hf_model, tokenizer)
     return score_with(model.score, tokenizer, prompts, responses, batch_size=batch_size, device=device,
-                      max_len=max_len, fmt=fmt)  # fmt: skip
+                      max_len=min(max_len or limit, limit), fmt=fmt)  # fmt: skip
 
 
 @torch.no_grad()

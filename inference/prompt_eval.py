@@ -39,7 +39,14 @@ from dschat.generation.decoding import (
     decode_options,
     generate_replies,
 )
-from dschat.models.loading import inference_dtype, load_config, load_for_generation, load_tokenizer, resolve
+from dschat.models.loading import (
+    inference_dtype,
+    load_config,
+    load_for_generation,
+    load_tokenizer,
+    require_weights,
+    resolve,
+)
 from dschat.models.reward import load_reward_model
 from dschat.scoring import score_texts
 from dschat.utils.errors import UserError, run_cli
@@ -151,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     models = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
     for side in SIDES:  # both models found (a GGUF file converted) before minutes of generation
         flag = f"--model_name_or_path_{side}"
-        load_config(
-            resolve(models[side], flag), trust_remote_code=args.inference.trust_remote_code, flag=flag
-        )
+        path = resolve(models[side], flag)
+        load_config(path, trust_remote_code=args.inference.trust_remote_code, flag=flag)
+        require_weights(path, flag)
     replies: dict[str, list[str]] = {}
     cut_off: dict[str, list[bool]] = {}
     for side in SIDES:

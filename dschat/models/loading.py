@@ -131,6 +131,10 @@ def load_causal_lm(
         raise UserError(
             f"{flag} {path}: not a causal language model ({str(exc).splitlines()[0][:200]})"
         ) from None
+    except OSError as exc:  # missing or unreadable weights
+        raise UserError(
+            f"{flag} {path}: cannot load its weights ({str(exc).strip().splitlines()[0][:200]})"
+        ) from None
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().weight.shape[0] > 0:
         model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8)))
     if tokenizer is not None:
@@ -181,6 +185,29 @@ def _check_model_dir(path: str, flag: str) -> None:
         raise UserError(
             f"{flag} {path}: is a reward model (sequence classification), not a language model that generates"
         )
+    require_weights(path, flag)
+
+
+# What a saved model's weights are called (a shard index counts: its shards are checked by the loader)
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".safetensors.index.json",
+    ".bin.index.json",
+    ".pth",
+    ".msgpack",
+    ".h5",
+)
+
+
+def require_weights(path: str, flag: str) -> None:
+    """One line, before any slow work, for a local model directory holding a config but no weights (an
+    interrupted save, a copy of the config alone); hub names and non-directories pass."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    if not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
+        raise UserError(f"{flag} {path}: holds config.json but no weights (model.safetensors or "
+                        "pytorch_model.bin): an interrupted save? Export or copy the model again")  # fmt: skip
 
 
 def load_for_generation(

@@ -260,6 +260,10 @@ def load_reward_model(
         raise UserError(
             f"{flag} {path}: cannot be loaded as a reward model ({str(exc).splitlines()[0][:200]})"
         ) from None
+    except OSError as exc:  # missing or unreadable weights
+        raise UserError(
+            f"{flag} {path}: cannot load its weights ({str(exc).strip().splitlines()[0][:200]})"
+        ) from None
     # Only the head may start fresh: a body weight missing from the checkpoint would silently train from
     # random values (a tied embedding stored only under the LM head's name did exactly that).
     missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] != "score")

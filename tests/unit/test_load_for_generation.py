@@ -93,3 +93,23 @@ def test_a_step_names_a_missing_model_path_in_one_line(tmp_path):
     with pytest.raises(UserError, match="neither a local model directory nor downloadable") as e:
         load_tokenizer(str(tmp_path / "gone" / "model"))
     assert "Repo id" not in str(e.value).split("(")[0]
+
+
+def test_a_model_directory_without_weights_is_one_line(base_dir, tmp_path):
+    """An interrupted save leaves config.json and the tokenizer: one line before any slow work, from
+    the inference tools' loader and from the steps' own loaders (transformers raises OSError there)."""
+    import shutil
+
+    from dschat.models.loading import load_causal_lm
+    from dschat.models.reward import load_reward_model
+
+    bare = tmp_path / "bare"
+    shutil.copytree(base_dir, bare)
+    for f in bare.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(UserError, match=r"--path .*bare: holds config.json but no weights"):
+        load_for_generation(str(bare))
+    with pytest.raises(UserError, match=r"--model_name_or_path .*bare: cannot load its weights"):
+        load_causal_lm(str(bare))
+    with pytest.raises(UserError, match=r"--model_name_or_path .*bare: cannot load its weights"):
+        load_reward_model(str(bare))

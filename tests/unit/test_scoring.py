@@ -1,0 +1,37 @@
+"""dschat.scoring: reward scores of prompt/response texts outside training."""
+
+from __future__ import annotations
+
+import torch
+
+from dschat.models.builtin import build_tokenizer
+from dschat.models.reward import ScalarHeadModel
+from dschat.scoring import score_texts
+
+
+def _gpt2_reward_model(positions: int) -> ScalarHeadModel:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model("gpt2", vocab_size=259, n_embd=32, n_layer=2, n_head=4, n_positions=positions,
+                                  num_labels=1, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    return ScalarHeadModel(model).eval()
+
+
+def test_a_row_longer_than_the_models_positions_keeps_the_end_of_its_prompt():
+    """A model with learned positions (GPT-2, OPT) has no position past its table; the tokenizer's own
+    limit may be larger (OPT's is unlimited). A long row keeps BOS, the end of its prompt and the whole
+    response, as step 2 cuts it, instead of indexing past the table."""
+    tok = build_tokenizer()
+    tok.model_max_length = 10**30  # as OPT's tokenizer reports it
+    model = _gpt2_reward_model(positions=32)
+    prompt, response = "x" * 100 + " the end?", " ok"
+    long = score_texts(model, tok, [prompt], [response])
+    # the same row cut by hand: BOS + the last prompt tokens + the response, 32 tokens in all
+    ids = tok(prompt)["input_ids"]
+    r = tok(response, add_special_tokens=False)["input_ids"]
+    row = [ids[0], *ids[len(ids) - (32 - 1 - len(r)) :], *r]
+    want = model.score(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))
+    assert len(row) == 32 and torch.allclose(long, want)
