@@ -12,7 +12,7 @@ variant produces exactly that many):
 - ``plain_zero3``: Hugging Face ``generate`` on the ZeRO-3 module (``synced_gpus``), as without the flag;
 - ``hybrid``: :class:`HybridGenerator` (switch into generation mode + generate, timed together);
 - ``unwrapped``: ``generate`` on a plain copy of the same weights (no DeepSpeed), on every rank;
-- ``hybrid_tp2`` (2 ranks): the same with ``--inference_tp_size 2``.
+- ``hybrid_tpN`` (N > 1 ranks): the same with ``--inference_tp_size N`` (keys ``tpN_*``).
 
 Tokens/s count every rank's tokens over the slowest rank's time; each variant runs once untimed, then
 the best of ``--repeats`` timed rounds is kept. Also reported: the switch time and the peak bytes of
@@ -113,9 +113,10 @@ def bench_model(model_name: str, args: argparse.Namespace, dtype: str) -> dict:
         return tokens / best(lambda: run(gen), args.repeats)
 
     row["plain_zero3_tokens_per_sec"] = tps(PlainGenerator(engine, tok, s, zero3=True))
-    for key, kw in (("", {}), ("chunked_", {"gather_layers": 1}), ("tp2_", {"tp_size": world})):
-        if key == "tp2_" and world == 1:
-            continue
+    variants = [("", {}), ("chunked_", {"gather_layers": 1})]
+    if world > 1:  # tensor-parallel inference over every rank, named by its degree
+        variants.append((f"tp{world}_", {"tp_size": world}))
+    for key, kw in variants:
         gen = HybridGenerator(engine, tok, s, zero3=True, gather=gather_zero3, measure_logprobs=False, **kw)
         row[f"{key}hybrid_tokens_per_sec"] = tps(gen)
         st = gen.stats()

@@ -23,15 +23,18 @@ tasks where it is absent), read back from its ``summary.json`` and ``metrics.jso
 
 Throughput counts real (non-padding) tokens of the samples, a shared prompt twice as in two unpacked
 rows (``computed_tokens_per_sec``: those the model ran); ``padding_fraction`` is the share of padded
-positions. MFU is the model FLOPs per computed real token (forward through every layer and the head it uses, backward through
+positions. Throughputs are the steady windows' tokens over their seconds (the first step left out). MFU is
+the model FLOPs per computed real token (forward through every layer and the head it uses, backward through
 what it must: weight and input gradients of trainable layers, input gradients of frozen layers above a
-trainable one, the LM head's input gradient) times tokens/s, over the bf16 (or fp32) matmul peak
+trainable one, the LM head's input gradient; step 1's head runs on the answer tokens alone, the share
+``target_fraction`` of its log) times tokens/s, over the bf16 (or fp32) matmul peak
 measured at the start of this run. Attention-score FLOPs (under 7% at 256 tokens) are not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -84,10 +87,13 @@ def model_shape(model: str) -> dict[str, int]:
             "hidden": s.hidden_size}  # fmt: skip
 
 
-def flops_per_token(shape: dict[str, int], step: int, trains: object) -> float:
-    """Model FLOPs per token of one training step (see the module docstring), without recomputation."""
+def flops_per_token(shape: dict[str, int], step: int, trains: object, target_fraction: float = 1.0) -> float:
+    """Model FLOPs per token of one training step (see the module docstring), without recomputation.
+    ``target_fraction``: step 1's share of tokens that are answer tokens, the only rows its fused loss
+    runs the LM head on."""
     n_layers, per_layer = shape["layers"], shape["per_layer"]
-    head = shape["head"] if step == 1 else shape["hidden"]  # the reward model's head is hidden x 1
+    # the reward model's head is hidden x 1 on every token; step 1's the vocabulary, on the targets alone
+    head = shape["head"] * target_fraction if step == 1 else shape["hidden"]
     forward = 2 * (n_layers * per_layer + head)
     if trains == "all":
         return forward + 4 * n_layers * per_layer + 2 * head  # (the tied head's weight gradient aside)
@@ -120,13 +126,34 @@ def run(model: str, lever: str, steps: int, batch: int, max_seq_len: int) -> dic
             return {"lever": lever, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
         summary = json.loads((Path(out) / "summary.json").read_text())
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["split"] == "train"]
-    steady = train[1:] if len(train) > 1 else train  # the first step warms allocators and kernels
-    tps = sum(r["tokens_per_sec"] for r in steady) / len(steady)
-    computed = sum(r.get("computed_tokens_per_sec", r["tokens_per_sec"]) for r in steady) / len(steady)
     return {"lever": lever, "step": step, "dtype": summary["dtype"], "steps": summary["steps"],
-            "real_tokens_per_sec": tps, "computed_tokens_per_sec": computed,
+            **steady_rates([r for r in rows if r["split"] == "train"]),
             "wall_seconds": time.perf_counter() - t0, "padding_fraction": summary.get("padding_fraction")}  # fmt: skip
+
+
+def steady_rates(train: list[dict]) -> dict[str, float]:
+    """Real and computed tokens/s over the logged windows after the first (which warms allocators and
+    kernels): their tokens over their seconds, not the mean of per-window rates (windows differ in size),
+    and step 1's token-weighted ``target_fraction``. Each row's window: its cumulative ``tokens`` less
+    the previous row's, over ``tokens_per_sec``."""
+    tokens = [b["tokens"] - a["tokens"] for a, b in itertools.pairwise(train)]
+    steady = train[1:]
+    if not steady:  # one window: it is all there is
+        tokens, steady = [train[0]["tokens"]], train
+    seconds = [n / max(r["tokens_per_sec"], 1e-9) for n, r in zip(tokens, steady, strict=True)]
+    computed = sum(
+        r.get("computed_tokens_per_sec", r["tokens_per_sec"]) * s
+        for r, s in zip(steady, seconds, strict=True)
+    )
+    out = {
+        "real_tokens_per_sec": sum(tokens) / sum(seconds),
+        "computed_tokens_per_sec": computed / sum(seconds),
+    }
+    if all("target_fraction" in r for r in steady):
+        out["target_fraction"] = sum(
+            r["target_fraction"] * n for r, n in zip(steady, tokens, strict=True)
+        ) / sum(tokens)
+    return out
 
 
 def main() -> None:
@@ -143,7 +170,7 @@ def main() -> None:
     for lever in args.levers:
         r = run(args.model, lever, args.steps, args.batch, args.max_seq_len)
         if "real_tokens_per_sec" in r:
-            f = flops_per_token(shape, r["step"], LEVERS[lever][2])
+            f = flops_per_token(shape, r["step"], LEVERS[lever][2], r.get("target_fraction", 1.0))
             r["model_gflops_per_token"] = f / 1e9
             r["mfu"] = f * r["computed_tokens_per_sec"] / peaks[r["dtype"]]
         results.append(r)

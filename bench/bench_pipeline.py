@@ -78,7 +78,9 @@ def main() -> None:
             "held_out_reward_rises": (s3.get("held_out_reward_end") or 0) > (s3.get("held_out_reward_start") or 0),
             "kl_end_below_bound": s3.get("kl_end") is not None and s3["kl_end"] < KL_BOUND,
             "kl_bound_nats_per_response": KL_BOUND,
-            "within_30_minutes": wall is None or wall <= 1800,
+            # a run read with --from is judged on its steps' own time (start-up between steps left out)
+            "within_30_minutes": (wall if wall is not None else s1["wall_seconds"] + s2["wall_seconds"]
+                                  + s3["wall_seconds"]) <= 1800,
         },
     }  # fmt: skip
     print(json.dumps(result, indent=2))

@@ -40,6 +40,8 @@ def setup_step(model: ModelArgs, run: RunArgs, data: DataArgs) -> StepSetup:
     log = setup_logging(None)
     check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
     engine_core.init_distributed()
+    # which ranks write files, and the DeepSpeed config's checkpoint layout, from here on
+    dist.set_node_local_storage(run.node_local_storage)
     dtype = engine_core.resolve_dtype(model.dtype)
     torch.manual_seed(run.seed)
     model_path = resolve(model.model_name_or_path)
@@ -52,9 +54,7 @@ def begin_outputs(run: RunArgs) -> logging.Logger:
     """Once the inputs are known good: clear a run being overwritten, then log to OUTPUT_DIR/training.log.
 
     Called after data and flags are validated, so bad input never leaves an output directory behind.
-    Also records ``--node_local_storage`` for the process (which ranks write files, the DeepSpeed config).
     """
-    dist.set_node_local_storage(run.node_local_storage)
     if run.overwrite:
         clear_previous_run(run.output_dir)
     dist.barrier()
@@ -75,9 +75,10 @@ class Batches:
 def begin_step(
     step: int, args: tuple, run: RunArgs, setup: StepSetup, batches: Batches, data, mined=None
 ) -> dict[str, Any]:
-    """Once the inputs are known good, the outputs begin (:func:`begin_outputs`) with every
-    option of step 1 or 2 plus what was resolved from them (returned for the metrics loggers) and the
-    on-policy pairs ``mined`` from a policy, if any."""
+    """Once the inputs are known good and the model has taken its flags (called after the engine is built:
+    a flag refused by the model must not have cleared a finished run under --overwrite), the outputs begin
+    (:func:`begin_outputs`) with every option of step 1 or 2 plus what was resolved from them (returned
+    for the metrics loggers) and the on-policy pairs ``mined`` from a policy, if any."""
     begin_outputs(run)
     if mined:
         mined.write(run.output_dir)

@@ -73,7 +73,7 @@ def train_ds_config(optim: OptimArgs, ds: DeepSpeedArgs, dtype: str) -> dict[str
         world_size=dist.world_size(),
         offload=ds.offload,
         max_grad_norm=optim.max_grad_norm,
-        node_local_storage=dist.node_local_storage(),  # set by begin_outputs from --node_local_storage
+        node_local_storage=dist.node_local_storage(),  # set by the step's setup from --node_local_storage
     )
 
 

@@ -81,6 +81,21 @@ def test_output_dir_holding_a_finished_run_needs_overwrite(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
 
 
+def test_overwrite_keeps_the_finished_run_when_the_model_refuses_a_flag(tmp_path):
+    """Flags checked against the model (its layer count, LoRA's module names) are found when the model
+    loads, after start-up; --overwrite must not have removed the finished run by then."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"step": 1}\n')
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    error_line(
+        step1(out, *FAST, "--max_steps", "1", "--overwrite", "--trainable_layers", "99"),
+        "--trainable_layers 99",
+    )
+    assert (out / "summary.json").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "summary.json"]
+
+
 def test_train_py_more_processes_than_devices(tmp_path):
     proc = train_py(
         "--step", "1", "--deployment-type", "single_node", "--num-gpus", "64", "--output-dir", str(tmp_path),

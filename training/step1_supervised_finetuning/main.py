@@ -56,18 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = batches
 
-    resolved = S.begin_step(1, args, run, setup, batches, data)
-    log.info(
-        "data: %d train / %d eval samples (dropped %d longer than --max_seq_len), %d steps",
-        len(data.train), len(data.eval), data.stats["train"]["dropped_too_long"], total_steps,
-    )  # fmt: skip
-
     # ---------------------------------------------------------------- 3. model and engine
     load = partial(
         load_causal_lm, model_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code
     )
     engine, n_params = T.build_step_engine(load, model_args=model_args, lora=lora_args,
                                            optim=optim, ds=ds_args, dtype=dtype, total_steps=total_steps)  # fmt: skip
+    # the outputs begin (a finished run is cleared under --overwrite) only once the model has taken every
+    # flag checked against it (--trainable_layers, --lora_module_name)
+    resolved = S.begin_step(1, args, run, setup, batches, data)
+    log.info(
+        "data: %d train / %d eval samples (dropped %d longer than --max_seq_len), %d steps",
+        len(data.train), len(data.eval), data.stats["train"]["dropped_too_long"], total_steps,
+    )  # fmt: skip
     log.info("model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
              ds_args.zero_stage, world)  # fmt: skip
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))
     spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine, optim.gradient_accumulation_steps),
-                      columns=lambda w, seconds: {}, shown=shown, targets=step_targets)  # fmt: skip
+                      columns=sft_columns, shown=shown, targets=step_targets)  # fmt: skip
     T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
@@ -114,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     log.info("done: eval perplexity %.3f -> %.3f, %.0f tokens/s, model saved to %s",
              eval_start["perplexity"], eval_end["perplexity"], summary["train_tokens_per_sec"], run.output_dir)  # fmt: skip
     return 0
+
+
+def sft_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
+    """The share of the window's real tokens that are answer tokens (the loss's targets: the only rows
+    the LM head runs on), so that model FLOPs per token can be counted from the log."""
+    return {"target_fraction": w["loss_weight"] / max(w["tokens"], 1.0)}
 
 
 def step_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -102,15 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = batches
 
-    resolved = S.begin_step(2, args, run, setup, batches, data, mined)
-    log.info(S.describe_pairs(data, total_steps))
-
     # ---------------------------------------------------------------- 3. policy and engine
     load = partial(
         load_causal_lm, model_path, tokenizer=tokenizer, trust_remote_code=model_args.trust_remote_code
     )
     engine, n_params = T.build_step_engine(load, model_args=model_args, lora=lora_args,
                                            optim=optim, ds=ds_args, dtype=dtype, total_steps=total_steps)  # fmt: skip
+    # the outputs begin once the model has taken every flag checked against it (see step 1)
+    resolved = S.begin_step(2, args, run, setup, batches, data, mined)
+    log.info(S.describe_pairs(data, total_steps))
     log.info("policy: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s); beta %g, loss %s", model_path,
              n_params / 1e6, dtype, ds_args.zero_stage, world, hp.beta, hp.dpo_loss)  # fmt: skip
 

@@ -108,12 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = batches
 
-    resolved = S.begin_step(2, args, run, setup, batches, data, mined)
-    log.info(S.describe_pairs(data, total_steps))
-    if length_w is not None:
-        log.info("length expert: P(chosen wins) = sigmoid(%.3f * log(len_chosen / len_rejected)); alone it ranks %.3f "
-                 "of the training pairs right; the reward model learns the rest", length_w, length_w_accuracy)  # fmt: skip
-
     # ---------------------------------------------------------------- 3. model (body + scalar head) and engine
     def load(dropout: float | None):  # the body with its score head, as a transformers model
         return load_reward_model(model_path, tokenizer=tokenizer, dropout=dropout,
@@ -122,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     engine, n_params = T.build_step_engine(load, model_args=model_args, lora=lora_args, optim=optim, ds=ds_args,
                                            dtype=dtype, total_steps=total_steps, keep_trainable=("score.",),
                                            wrap=ScalarHeadModel)  # fmt: skip
+    # the outputs begin once the model has taken every flag checked against it (see step 1)
+    resolved = S.begin_step(2, args, run, setup, batches, data, mined)
+    log.info(S.describe_pairs(data, total_steps))
+    if length_w is not None:
+        log.info("length expert: P(chosen wins) = sigmoid(%.3f * log(len_chosen / len_rejected)); alone it ranks %.3f "
+                 "of the training pairs right; the reward model learns the rest", length_w, length_w_accuracy)  # fmt: skip
     log.info("reward model: %s, %.2fM parameters, dtype %s, ZeRO-%d, %d rank(s)", model_path, n_params / 1e6, dtype,
              ds_args.zero_stage, world)  # fmt: skip
     if collate.share_prompt:

@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_logging(None)
     check_output_dir(run.output_dir, overwrite=run.overwrite, resume=run.resume)
     engine_core.init_distributed()
+    dist.set_node_local_storage(run.node_local_storage)  # which ranks write files, the DeepSpeed config
     dtype = engine_core.resolve_dtype(o.actor.dtype, "--dtype")
     world = dist.world_size()
     torch.manual_seed(run.seed)
@@ -279,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                  "on %s)", norm["mean"], norm["std"], norm["source"])  # fmt: skip
     prompts = prepare_prompt_data(o.data, tokenizer, max_prompt_len=ppo.max_prompt_seq_len, phase=3)  # fmt: skip
     rounds = plan_rounds(o, prompts, tokenizer)
+    # 2. the four models, the generator and the trainer
+    m = build_models(o, paths, tokenizer, dtype, actor_updates=rounds.actor_updates,
+                     critic_updates=rounds.critic_updates)  # fmt: skip
+    # the outputs begin (a finished run is cleared under --overwrite) only once the models have taken every
+    # flag checked against them (--actor_trainable_layers, --actor_lora_module_name ...)
     S.begin_outputs(run)
     global_batch = ppo.per_device_generation_batch_size * world
     resolved = {
@@ -291,10 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     save_resolved_config(run.output_dir, resolved)
     log.info("prompts: %d (dropped %d longer than --max_prompt_seq_len), %d generation rounds of %d prompts",
              len(prompts.train), prompts.stats["train"]["dropped_too_long"], rounds.total, global_batch)  # fmt: skip
-
-    # 2. the four models, the generator and the trainer
-    m = build_models(o, paths, tokenizer, dtype, actor_updates=rounds.actor_updates,
-                     critic_updates=rounds.critic_updates)  # fmt: skip
     dist.seed_per_rank(run.seed)  # each rank's rollouts its own draws (a resume restores each rank's RNG)
     sampling = ppo.sampling()
     generator = make_generator(o, m.actor, tokenizer, sampling, fmt)
