@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import math
 import os
 import shlex
 import sys
@@ -82,6 +83,10 @@ class Parser(argparse.ArgumentParser):
         )
         if close:  # a typo of train.py's own flag
             return f"; did you mean {close[0]}?"
+        if name in ("--model_name_or_path", "--actor_model_name_or_path"):  # chained from step to step
+            return "; train.py takes step 1's model as --actor-model (and step 2's as --reward-model)"
+        if name == "--critic_model_name_or_path":
+            return "; train.py takes the reward model as --reward-model"
         return f"; a step's own flags go after --: train.py -- {name} ..."
 
 
@@ -319,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             check_zero_stage(flag, value)
     for flag, value in (("--device-memory", args.device_memory), ("--cpu-memory", args.cpu_memory),
                         ("--dist-timeout", args.dist_timeout)):  # fmt: skip
-        if value is not None and value <= 0:
-            raise UserError(f"{flag} must be > 0, got {value}")
+        if value is not None and not (0 < value < math.inf):  # NaN fails too
+            raise UserError(f"{flag} must be a finite number > 0, got {value}")
     preset = load_preset(args)
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)

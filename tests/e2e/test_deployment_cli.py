@@ -176,11 +176,14 @@ def test_the_plan_adds_what_fits_and_explicit_flags_win(train, tmp_path):
         (["--deployment-type", "single_node", "--launcher", "openmpi"], ["--launcher", "multi_node"]),
         (["--preset", "no-such-preset"], ["--preset no-such-preset", "builtin-tiny"]),
         (["--device-memory", "0"], ["--device-memory"]),
+        (["--device-memory", "nan"], ["--device-memory", "nan"]),
+        (["--dist-timeout", "inf"], ["--dist-timeout", "inf"]),
         # a step flag shortened: the planner, which matches flags as spelt, added --zero_stage beside it
         (["--", "--zero", "0"], ["unrecognized arguments: --zero"]),
     ],
     ids=["zero-stage-twice", "offload-zero0", "torchrun-missing", "node-rank-range", "nnodes-single-gpu",
-         "launcher-single-node", "unknown-preset", "device-memory-0", "abbreviated-step-flag"],
+         "launcher-single-node", "unknown-preset", "device-memory-0", "device-memory-nan", "dist-timeout-inf",
+         "abbreviated-step-flag"],
 )  # fmt: skip
 def test_bad_deployment_flags_are_one_line(tmp_path, args, needles):
     proc = train_py(

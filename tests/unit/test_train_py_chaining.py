@@ -1,0 +1,38 @@
+"""train.py chains each step's model from the earlier steps' outputs: a model flag after -- (which reaches
+every step) must not silently replace that chain."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dschat.launch.steps import check_conflicts
+from dschat.utils.errors import UserError
+
+
+def ns(**kw) -> argparse.Namespace:
+    base = {"algorithm": "ppo", "actor_zero_stage": None, "reward_zero_stage": None, "actor_model": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "algorithm, steps, extra, needle",
+    [
+        ("ppo", [1, 2], ["--model_name_or_path", "x"], "step 2's model"),
+        ("ppo", [2], ["--model_name_or_path=x"], "step 2's model"),
+        ("dpo", [1, 2], ["--model_name_or_path", "x"], "DPO's policy"),
+        ("ppo", [1, 2, 3], ["--actor_model_name_or_path", "x"], "step 3's model"),
+        ("ppo", [3], ["--critic_model_name_or_path", "x"], "step 3's critic"),
+    ],
+)
+def test_a_chained_model_flag_after_the_separator_is_one_line(algorithm, steps, extra, needle):
+    with pytest.raises(
+        UserError, match=rf"{extra[0].split('=')[0]} after -- would replace {needle}.*--actor-model"
+    ):
+        check_conflicts(ns(algorithm=algorithm), extra, steps)
+
+
+def test_step_1_alone_takes_its_model_after_the_separator():
+    """Step 1's model is not chained: -- --model_name_or_path is its own flag (as --actor-model)."""
+    check_conflicts(ns(), ["--model_name_or_path", "x"], [1])
