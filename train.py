@@ -327,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not (0 < value < math.inf):  # NaN fails too
             raise UserError(f"{flag} must be a finite number > 0, got {value}")
     preset = load_preset(args)
+    if args.algorithm == "dpo" and 2 in steps and preset and DPO_STEP.dir_name not in preset:
+        # its step 1 would train on the preset's data with its LoRA, and DPO on the step defaults
+        raise UserError(f"--algorithm dpo: the preset {preset['_name']} ({preset['_why']}) has no {DPO_STEP.dir_name} "
+                        "section, so DPO would run on the step's defaults (built-in data, no LoRA); add one to a "
+                        "preset file (--preset FILE.yaml), or use --preset none and give DPO's flags after --")  # fmt: skip
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)
     check_models(args)

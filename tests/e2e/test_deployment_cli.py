@@ -124,11 +124,20 @@ def test_estimate_memory_of_step_3_from_the_built_in_table(tmp_path):
 def test_estimate_memory_of_dpo_plans_the_policy_on_pairs(tmp_path):
     # DPO's step 2 is the step-1 policy (LM head) on chosen + rejected, not the reward model
     proc = train_py("--estimate-memory", "--algorithm", "dpo", "--step", "2", "--actor-model", "facebook/opt-1.3b",
-                    "--device-memory", "80", "--output-dir", str(tmp_path))  # fmt: skip
+                    "--preset", "none", "--device-memory", "80", "--output-dir", str(tmp_path))  # fmt: skip
     assert_ok(proc)
     assert "step 2 (DPO)" in proc.stdout
     assert "model: facebook/opt-1.3b, 1.32B parameters" in proc.stdout  # the policy's start, with its LM head
     assert "pairs (chosen + rejected)" in proc.stdout and "<- choice" in proc.stdout
+
+
+def test_dpo_with_a_preset_that_has_no_dpo_section_is_one_line(tmp_path):
+    """The OPT preset (implied by --actor-model) configures steps 1-3 only: DPO would run on the step's
+    defaults (built-in data, no LoRA) beside a step 1 on the preset's data."""
+    proc = train_py("--dry-run", "--algorithm", "dpo", "--actor-model", "facebook/opt-1.3b", "--output-dir",
+                    str(tmp_path))  # fmt: skip
+    error_line(proc, "--algorithm dpo", "opt-1.3b-single_gpu", "no step2_dpo section")
+    assert not (tmp_path / "step1").exists()
 
 
 def test_estimate_memory_of_an_unknown_offline_model_is_one_line():
