@@ -205,9 +205,12 @@ def parse_step(step: Step, argv: list[str]) -> tuple:
     from dschat import config as C
 
     module = importlib.import_module(step.module)  # the step registry: recipes are modules
-    return C.parse_groups(
+    groups = C.parse_groups(
         step.entry.parent.name, "", module.GROUPS, argv, getattr(module, "STEP_DEFAULTS", None)
     )
+    if hasattr(module, "check_groups"):  # a step's rules across its groups (step 3's)
+        module.check_groups(groups)
+    return groups
 
 
 def planning_models(

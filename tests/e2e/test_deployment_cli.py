@@ -389,3 +389,13 @@ def test_torchrun_cpu_ranks_are_started_with_their_share_of_the_cores(train, tmp
                        "--launcher", "torchrun", "--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
                        "--master-port", "29500", "--num-gpus", "2", "--output-dir", str(tmp_path)])  # fmt: skip
     assert code == 0 and ran[0][1].get("OMP_NUM_THREADS") == "4"
+
+
+def test_step_3s_rules_across_its_options_stop_a_job_before_step_1(tmp_path):
+    """A preset's step 3 that breaks a rule spanning its option groups is refused before step 1 starts,
+    not after steps 1 and 2 have trained."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model: builtin:micro-llama\nstep3:\n  --share_reference_with_actor: true\n")
+    proc = train_py("--preset", str(preset), "--dry-run", "--output-dir", str(tmp_path / "out"))
+    error_line(proc, "--share_reference_with_actor needs --actor_lora_dim")
+    assert "==> step 1" not in proc.stdout and not (tmp_path / "out").exists()

@@ -257,12 +257,18 @@ def export(m: Models, tokenizer, out: Path) -> None:
         m.ema.export(m.actor.module, tokenizer, out / "actor_ema")
 
 
+def check_groups(groups: tuple) -> None:
+    """The rules across this step's option groups (:func:`check_options`): train.py runs them on the step's
+    command line before a job's first step, so a three-step job does not fail after steps 1 and 2."""
+    check_options(RLHFOptions(*groups))
+
+
 def main(argv: list[str] | None = None) -> int:
     groups = C.parse_groups("step3_rlhf_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
     o = RLHFOptions(*groups)
     ppo, run = o.ppo, o.run
     # 1. setup: checks across groups, the inputs named, then every model and the data, before any engine starts
-    check_options(o)
+    check_groups(groups)
     check_inputs(GROUPS, groups, kinds=(DATA, FUNCTION))
     C.check_resume(GROUPS, groups, run.output_dir, run.resume)  # the interrupted run's options
     check_model_paths(o)
