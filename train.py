@@ -199,6 +199,14 @@ class StepLine:
         return [*self.base, *planned, *self.user]
 
 
+def reads_step_2(line: StepLine) -> bool:
+    """Whether step 3's command line holds a model read from step 2's output: a critic or a reward model
+    (a verifier as the whole reward with a critic-free estimator holds neither)."""
+    from dschat.rlhf.models import RLHFOptions, held_model_specs
+
+    return bool({"critic", "reward"} & set(held_model_specs(RLHFOptions(*line.groups))))
+
+
 def parse_step(step: Step, argv: list[str]) -> tuple:
     """The step's option groups parsed from ``argv`` by the step's own parser (its ``GROUPS`` and
     ``STEP_DEFAULTS``), without running the step: a bad flag stops here, before any step starts."""
@@ -356,9 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             actions.get(n) == RESUME if actions else args.resume
         )  # with --overwrite too: the step refuses
         per_step[n] = step_ns = argparse.Namespace(**{**vars(args), "resume": resume})
+        lines[n] = StepLine.of(n, step_ns, extra, preset)  # every step's flags, before any runs
         for needed in (1, 2) if n == 3 else ():
             if needed not in steps and not finished(Path(args.output_dir) / f"step{needed}"):
-                if needed == 2 and args.reward_model:
+                if needed == 2 and (args.reward_model or not reads_step_2(lines[n])):
                     continue
                 raise UserError(
                     f"--step 3 needs a finished step {needed} in {Path(args.output_dir) / f'step{needed}'} "
@@ -366,7 +375,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
         check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite,
                          resume=step_ns.resume, flag="--output-dir")  # fmt: skip
-        lines[n] = StepLine.of(n, step_ns, extra, preset)  # every step's flags, before any runs
         # its data too (its models may be written by an earlier step of this job: the step checks those)
         check_inputs(importlib.import_module(lines[n].step.module).GROUPS, lines[n].groups, kinds=(DATA,))
     env = launcher_env(args)

@@ -399,3 +399,16 @@ def test_step_3s_rules_across_its_options_stop_a_job_before_step_1(tmp_path):
     proc = train_py("--preset", str(preset), "--dry-run", "--output-dir", str(tmp_path / "out"))
     error_line(proc, "--share_reference_with_actor needs --actor_lora_dim")
     assert "==> step 1" not in proc.stdout and not (tmp_path / "out").exists()
+
+
+def test_step_3_without_a_critic_or_reward_model_does_not_need_step_2(tmp_path):
+    """A verifier as the whole reward with a critic-free estimator reads nothing from step 2: step 3
+    alone after step 1 is not refused for want of it; with a reward model it is."""
+    out = tmp_path / "out"
+    (out / "step1").mkdir(parents=True)
+    (out / "step1" / "summary.json").write_text("{}")
+    rlvr = ["--reward_fn", "dschat.tasks:verifier_reward", "--reward_fn_mode", "replace", "--advantage_estimator",
+            "rloo", "--n_samples_per_prompt", "4"]  # fmt: skip
+    common = ["--preset", "none", "--step", "3", "--dry-run", "--output-dir", str(out)]
+    assert_ok(train_py(*common, "--", *rlvr))
+    error_line(train_py(*common), "--step 3 needs a finished step 2")
