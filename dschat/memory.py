@@ -329,6 +329,7 @@ class RLHFWorkload:
     offload_reward: bool = False  # --offload_reward_model (with ZeRO-3)
     critic_trained: bool = True  # False for the critic-free estimators (the critic shape is then unused)
     judge: ModelShape | None = None  # --judge_reward_model: frozen, like the reward model
+    reward: ModelShape | None = None  # --reward_model_name_or_path: its own shape (default: the critic's)
     samples_per_prompt: int = 1  # --n_samples_per_prompt: generation_batch x this sequences per round
     inference_copy: bool = False  # the hybrid engine's copy of the actor in the training dtype
     inference_tp_size: int = 1  # the copy's matrices are split over this many ranks
@@ -355,7 +356,7 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
         cpu += c
     for present, name, shape, head, off in (
         (work.reference, "reference", work.actor, "lm", work.offload_reference),
-        (work.reward_model, "reward model", work.critic, "score", work.offload_reward),
+        (work.reward_model, "reward model", work.reward or work.critic, "score", work.offload_reward),
         (work.judge is not None, "judge", work.judge or work.critic, "score", work.offload_reward),
     ):
         if present:

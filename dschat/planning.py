@@ -214,6 +214,12 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
         critic = shape("critic", model_args[1].model_name_or_path, "--critic_model_name_or_path")
         held = step3_models(eng, ppo)  # what the step builds, described once
         judge = shape("judge", eng.judge_reward_model, "--judge_reward_model") if held.judge else None
+        own_reward = held.reward_model and eng.reward_model_name_or_path  # else it is the critic's model
+        reward = (
+            shape("reward", eng.reward_model_name_or_path, "--reward_model_name_or_path")
+            if own_reward
+            else None
+        )
         work = M.RLHFWorkload(
             actor[2], critic[2], ppo.per_device_generation_batch_size, ppo.per_device_training_batch_size,
             ppo.max_prompt_seq_len, ppo.max_answer_seq_len, w, actor_lora_dim=loras[0].lora_dim,
@@ -221,12 +227,12 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             actor_trainable_layers=model_args[0].trainable_layers, critic_trainable_layers=model_args[1].trainable_layers,
             reward_model=held.reward_model, offload_reference=eng.offload_reference_model,
             offload_reward=eng.offload_reward_model, critic_trained=held.critic, judge=judge[2] if judge else None,
-            samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy,
+            samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy, reward=reward[2] if reward else None,
             inference_tp_size=held.inference_tp_size, share_frozen_trunk=ppo.share_frozen_trunk,
             one_update_per_round=one_update_per_round(ppo, model_args[0], loras[0], zero_stage=0),
             critic_one_update_per_round=one_update_per_round(ppo, model_args[1], loras[1], zero_stage=0),
         )  # fmt: skip
-        models = [actor, critic, *([judge] if judge else [])]
+        models = [actor, critic, *([reward] if reward else []), *([judge] if judge else [])]
     fixed = fixed_choice(step, argv)
     choices = ordered_choices(fixed, hw.on_gpu, hw.gpus_per_node * hw.nodes)
     if not choices:

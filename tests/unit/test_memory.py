@@ -202,6 +202,18 @@ def test_rlhf_estimate_counts_four_models_and_the_largest_phase(small):
     assert moved.cpu_node == kept.cpu_node + int(2792 * 2 * 1.5)
 
 
+def test_a_reward_model_of_its_own_is_counted_with_its_own_shape(small):
+    """--reward_model_name_or_path: the frozen reward model is that model, not one of the critic's
+    shape (4 layers here: 800 + 4 x 592 + 8 + 8 score parameters in 16 bits)."""
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    deeper = S.shape_from_config({**SMALL, "num_hidden_layers": 4})
+    e = M.estimate_rlhf(
+        M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, reward=deeper), M.Choice(0, False, False), hw
+    )
+    assert e.parts["reward model"] == 2 * (800 + 4 * 592 + 8 + 8)
+    assert e.parts["critic states"] == 20 * 2000  # the critic keeps its own
+
+
 def test_rlhf_estimate_follows_what_step3_holds(small):
     """The parts that step 3's options add or remove, as Step3Models describes them."""
     hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
