@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -64,6 +65,7 @@ class Chat:
 
     def __init__(self, model, tokenizer, args: argparse.Namespace, out=None) -> None:
         self.model, self.tokenizer, self.out = model, tokenizer, out or sys.stdout
+        self.interrupted = False  # a reply was stopped with Ctrl-C (piped input then stops too)
         self.fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
         self.opts = decode_options(args, DECODING)
         context = context_length(model, tokenizer)
@@ -101,6 +103,10 @@ class Chat:
         except KeyboardInterrupt:
             stream.cancel()
             self.out.write(" [stopped]")
+            self.interrupted = True
+        except BrokenPipeError:  # the reader went away: stop generating before leaving
+            stream.cancel()
+            raise
         self.out.write("\n")
         self.out.flush()
         self.conversation.add_exchange(message, stream.text)
@@ -162,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.prompt is not None:
         chat.say(args.prompt)
     else:
-        for line in sys.stdin:
-            if not chat.handle(line):
-                break
+        try:
+            for line in sys.stdin:
+                if not chat.handle(line) or chat.interrupted:  # Ctrl-C stops the reply and the run
+                    return 130 if chat.interrupted else 0
+        except BrokenPipeError:  # `chat.py < messages | head -1`: leave quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
     return 0
 
 

@@ -128,6 +128,34 @@ def test_stdin_messages_and_commands(tiny):
     assert "(conversation cleared)" in proc.stderr
 
 
+def test_a_reader_that_goes_away_ends_chat_quietly(tiny):
+    """`chat.py < messages | head -1`: when the pipe closes, chat.py stops at once with status 0 and no
+    traceback (it aborted with a BrokenPipeError while its generation thread ran)."""
+    proc = subprocess.Popen([sys.executable, CHAT, "--path", str(tiny.right), "--greedy"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    proc.stdin.write("hi\n" * 200)
+    proc.stdin.close()
+    assert proc.stdout.readline() == "579\n"
+    proc.stdout.close()  # the reader goes away
+    assert proc.wait(timeout=120) == 0
+    err = proc.stderr.read()
+    assert "Traceback" not in err and "BrokenPipe" not in err and "terminate called" not in err
+
+
+def test_ctrl_c_stops_a_run_reading_messages_from_a_pipe(tiny):
+    """Piped messages: Ctrl-C (SIGINT) stops the reply in progress and the run, not one reply per line."""
+    proc = subprocess.Popen([sys.executable, CHAT, "--path", str(tiny.endless), "--greedy", "--max_new_tokens",
+                             "60000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc.stdin.write("one\ntwo\nthree\n")
+    proc.stdin.close()
+    assert proc.stdout.read(5)  # the first reply is streaming
+    proc.send_signal(signal.SIGINT)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == 130  # stopped by the user, as a shell reports it
+    assert out.endswith(" [stopped]\n") and out.count("\n") == 1  # no second reply
+
+
 def test_lora_adapter_without_its_base_is_one_line(tiny):
     line = error_line(run_cmd([CHAT, "--path", str(tiny.adapter), "--prompt", "hi"]))
     assert "deleted-base" in line and "pass --base_model" in line
