@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
+from dschat.data.pipeline import comparable_pairs
 from dschat.data.prompt_format import as_dialogue, prompt_format
 from dschat.data.sources import read_json_file
 from dschat.models.loading import inference_dtype, load_tokenizer, resolve
@@ -92,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             samples = samples[: args.max_samples]
         if not samples:
             raise UserError(f"{args.file}: no rows")
-        if all(s.rejected is not None for s in samples):
+        paired = sum(s.rejected is not None for s in samples)
+        if 0 < paired < len(samples):
+            first = next(s for s in samples if s.rejected is None)
+            raise UserError(f"{first.source}: no 'rejected' answer, where {paired} of the file's {len(samples)} rows "
+                            "have one: give preference pairs or prompt + response rows, not both")  # fmt: skip
+        if paired:
             return report_pairs(samples, score, args, fmt)
         rows = [{"prompt": s.prompt, "response": s.chosen} for s in samples]
     scores = score([r["prompt"] for r in rows], [r["response"] for r in rows])
@@ -110,18 +116,23 @@ def main(argv: list[str] | None = None) -> int:
 def report_pairs(samples, score, args, fmt) -> int:
     """Pairwise accuracy, split by which answer is longer in tokens (as step 2 and DPO count them), and the
     score distributions."""
+    samples, dropped = comparable_pairs(samples)  # as step 2 evaluates them
+    if not samples:
+        raise UserError(f"{args.file}: no pair with two different, non-empty answers ({json.dumps(dropped)})")
     prompts = [s.prompt for s in samples]
     chosen = score(prompts, [s.chosen for s in samples])
     rejected = score(prompts, [s.rejected for s in samples])
     lc, lr = (torch.tensor([len(ids) for ids in fmt.encode_responses([getattr(s, side) for s in samples])])
               for side in ("chosen", "rejected"))  # fmt: skip
     metrics = ranking_metrics(ranking_sums(chosen, rejected, lc, lr, torch.ones(len(samples))))
-    result = {"model": args.model, "pairs": len(samples), **metrics, "chosen_scores": describe(chosen),
+    result = {"model": args.model, "pairs": len(samples), **dropped, **metrics, "chosen_scores": describe(chosen),
               "rejected_scores": describe(rejected), "margin_scores": describe(chosen - rejected)}  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"reward model {args.model}: {len(samples)} pairs")
+    skipped = sum(dropped.values())
+    print(f"reward model {args.model}: {len(samples)} pairs"
+          + (f" ({skipped} left out: identical or empty answers, as step 2 leaves them out)" if skipped else ""))  # fmt: skip
     print(f"  pairwise accuracy       {metrics['accuracy']:.4f}")
     if "accuracy_chosen_longer" in metrics:
         print(f"    chosen longer          {metrics['accuracy_chosen_longer']:.4f}")

@@ -147,6 +147,21 @@ def _build_sft(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 
 
+def comparable_pairs(samples: list[Sample]) -> tuple[list[Sample], dict[str, int]]:
+    """The pairs a ranking can be learned or measured on: both answers non-blank and different (an
+    identical pair has no right order, and a tie would count as a wrong ranking); with the counts of the
+    others. Step 2, DPO and rw_eval.py judge pairs by this one rule."""
+    usable, dropped = [], {"dropped_identical": 0, "dropped_empty_response": 0}
+    for s in samples:
+        if not s.chosen.strip() or not s.rejected.strip():
+            dropped["dropped_empty_response"] += 1
+        elif s.chosen.strip() == s.rejected.strip():
+            dropped["dropped_identical"] += 1
+        else:
+            usable.append(s)
+    return usable, dropped
+
+
 def tokenize_pairs(samples: list[Sample], fmt: PromptFormat, max_seq_len: int) -> tuple[list[dict], dict]:
     """Preference pairs -> ``{"chosen", "rejected"}`` token lists (see :func:`pair_example`).
 
@@ -154,16 +169,8 @@ def tokenize_pairs(samples: list[Sample], fmt: PromptFormat, max_seq_len: int) -
     long for ``max_seq_len`` keeps its most recent tokens (the end of the dialogue, after the BOS) so
     both responses stay whole; pairs whose responses alone do not fit are dropped. All are counted.
     """
-    stats = {"samples": len(samples), "kept": 0, "dropped_identical": 0, "dropped_empty_response": 0,
-             "dropped_too_long": 0, "prompt_truncated": 0}  # fmt: skip
-    usable = []
-    for s in samples:
-        if not s.chosen.strip() or not s.rejected.strip():
-            stats["dropped_empty_response"] += 1
-        elif s.chosen.strip() == s.rejected.strip():
-            stats["dropped_identical"] += 1
-        else:
-            usable.append(s)
+    usable, dropped = comparable_pairs(samples)
+    stats = {"samples": len(samples), "kept": 0, **dropped, "dropped_too_long": 0, "prompt_truncated": 0}
     if not usable:
         return [], stats
     prompts = fmt.encode_prompts([s.prompt for s in usable])

@@ -1,0 +1,39 @@
+"""``inference/rw_eval.py`` on a reward model with known scores (tests/tiny_chat_models.py: +8 for a text
+ending in 9, -8 for one ending in 8)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dschat.utils.errors import UserError
+from tests.conftest import ROOT
+from tests.e2e.conftest import load_entry_main
+
+
+@pytest.fixture(scope="module")
+def rw_main():
+    return load_entry_main(str(ROOT / "inference" / "rw_eval.py"), "dschat_rw_eval_cli")
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_pairs_that_step_2_leaves_out_are_left_out_of_the_accuracy(tiny, rw_main, tmp_path, capsys):
+    """An identical pair has no right order (its tie counted as a wrong ranking): rw_eval.py measures
+    the pairs step 2 would, and says how many it left out."""
+    rows = [{"prompt": "Q", "chosen": " 9", "rejected": " 8"}, {"prompt": "Q", "chosen": " 9", "rejected": " 9"},
+            {"prompt": "Q", "chosen": " 8", "rejected": " 9"}]  # fmt: skip
+    assert rw_main(["--model", str(tiny.reward), "--file", write(tmp_path / "p.jsonl", rows), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pairs"] == 2 and out["accuracy"] == 0.5 and out["dropped_identical"] == 1
+
+
+def test_a_file_mixing_pairs_and_single_answers_is_one_line(tiny, rw_main, tmp_path):
+    rows = [{"prompt": "Q", "chosen": " 9", "rejected": " 8"}, {"prompt": "Q", "response": " 9"}]
+    path = write(tmp_path / "m.jsonl", rows)
+    with pytest.raises(UserError, match=rf"{path}:2: no 'rejected' answer, where 1 of the file's 2 rows"):
+        rw_main(["--model", str(tiny.reward), "--file", path])
