@@ -42,35 +42,45 @@ def run_tasks(data_paths: list[str]) -> list[str] | None:
 
 
 def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:
-    """Prompts from a ``.jsonl`` file (one object per line with a string field ``prompt``) or a text file
-    (one prompt per line; blank lines are skipped). A bad line is a :class:`UserError` naming it."""
+    """Prompts from a ``.jsonl`` file (one object per line with a string field ``prompt``), a ``.json``
+    file (a list of such objects, or of strings) or a text file (one prompt per line; blank lines are
+    skipped). A bad line or item is a :class:`UserError` naming it."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{flag} {path}: no such file")
     try:
-        lines = data_lines(read_data_text(p))
+        text = read_data_text(p)
     except UnicodeDecodeError as exc:
         raise UserError(f"{flag} {path}: not UTF-8 text ({exc.reason})") from None
-    prompts: list[str] = []
-    jsonl = p.suffix == ".jsonl"
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not jsonl:
-            prompts.append(line.replace("\\n", "\n"))
-            continue
+    if p.suffix == ".json":
         try:
-            row = json.loads(line)
+            items = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{no}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or "prompt" not in row:
-            raise UserError(f"{path}:{no}: expected an object with a field 'prompt'")
-        if not isinstance(row["prompt"], str):
+            raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(items, list):
             raise UserError(
-                f"{path}:{no}: field 'prompt' must be a string, got {type(row['prompt']).__name__}"
+                f"{path}: expected a JSON list of prompts (strings or objects with a field 'prompt')"
             )
+        rows = [({"prompt": x} if isinstance(x, str) else x, f"{path} item {i}") for i, x in enumerate(items)]
+    else:
+        lines = [(line, f"{path}:{no}") for no, line in enumerate(data_lines(text), 1) if line.strip()]
+        if p.suffix != ".jsonl":  # a text file: one prompt per line, "\\n" for a newline inside one
+            rows = [({"prompt": line.replace("\\n", "\n")}, where) for line, where in lines]
+        else:
+            rows = []
+            for line, where in lines:
+                try:
+                    rows.append((json.loads(line), where))
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
+    prompts: list[str] = []
+    for row, where in rows:
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise UserError(f"{where}: expected an object with a field 'prompt'")
+        if not isinstance(row["prompt"], str):
+            raise UserError(f"{where}: field 'prompt' must be a string, got {type(row['prompt']).__name__}")
         if not row["prompt"].strip():
-            raise UserError(f"{path}:{no}: field 'prompt' is empty")
+            raise UserError(f"{where}: field 'prompt' is empty")
         prompts.append(row["prompt"])
     if not prompts:
         raise UserError(f"{flag} {path}: no prompts in the file")

@@ -56,6 +56,7 @@ class DecodeOptions:
             (self.num_beams >= 1, f"--num_beams {self.num_beams}: must be at least 1"),
             (0 <= self.penalty_alpha <= 1, f"--penalty_alpha {self.penalty_alpha}: must be in [0, 1]"),
             (self.repetition_penalty > 0, f"--repetition_penalty {self.repetition_penalty}: must be > 0"),
+            (self.seed is None or 0 <= self.seed < 2**63, f"--seed {self.seed}: must be in 0 .. 2**63 - 1"),
             (
                 self.strategy != "contrastive" or self.top_k >= 2,
                 f"--top_k {self.top_k}: contrastive search compares top_k >= 2 candidates (e.g. --top_k 4)",
@@ -160,8 +161,9 @@ def contrastive_search(
     new: list[int] = []
     for _ in range(opts.max_new_tokens):
         probs = logits.float().softmax(-1)
-        top_probs, top_ids = probs.topk(opts.top_k)
-        cand = torch.cat([ids.expand(opts.top_k, -1), top_ids[:, None]], dim=1)  # (k, T+1)
+        k = min(opts.top_k, probs.shape[-1])  # more candidates than tokens: every token is one
+        top_probs, top_ids = probs.topk(k)
+        cand = torch.cat([ids.expand(k, -1), top_ids[:, None]], dim=1)  # (k, T+1)
         o = model(input_ids=cand, output_hidden_states=True, use_cache=False)
         best = contrastive_pick(top_probs, o.hidden_states[-1][:, -1], context, opts.penalty_alpha)
         ids, context, logits = cand[best : best + 1], o.hidden_states[-1][best], o.logits[best, -1]

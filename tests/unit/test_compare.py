@@ -97,3 +97,16 @@ def test_a_text_prompts_file_splits_at_newlines_only_and_drops_a_byte_order_mark
     t = tmp_path / "p.txt"
     t.write_text("\ufeffPage one\x0cpage two\r\nA\u2028B\n", encoding="utf-8")
     assert compare.read_prompts(t) == ["Page one\x0cpage two", "A\u2028B"]
+
+
+def test_a_json_prompts_file_is_a_list_of_prompts_not_lines_of_text(tmp_path):
+    """A .json file was read line by line as text: '[' and '  {"prompt": ...},' became prompts."""
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps([{"prompt": "What is 2 + 3?"}, "Sort: b a"], indent=2))
+    assert compare.read_prompts(j) == ["What is 2 + 3?", "Sort: b a"]
+    j.write_text(json.dumps([{"prompt": "ok"}, {"question": "x"}]))
+    with pytest.raises(UserError, match=r"p\.json item 1: expected an object with a field 'prompt'"):
+        compare.read_prompts(j)
+    j.write_text(json.dumps({"prompt": "x"}))
+    with pytest.raises(UserError, match=r"p\.json: expected a JSON list"):
+        compare.read_prompts(j)

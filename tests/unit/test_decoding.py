@@ -22,6 +22,8 @@ from dschat.utils.errors import UserError
         ({"penalty_alpha": 1.5}, "--penalty_alpha 1.5"),
         ({"repetition_penalty": 0.0}, "--repetition_penalty 0.0"),
         ({"strategy": "contrastive", "top_k": 1}, "--top_k 1: contrastive"),
+        ({"seed": 2**64}, "--seed 18446744073709551616: must be in 0"),
+        ({"seed": -1}, "--seed -1: must be in 0"),
     ],
 )
 def test_bad_options_name_their_flag(kwargs, flag):
@@ -85,6 +87,15 @@ def test_contrastive_search_without_penalty_is_greedy(lm):
     for p in PROMPTS:
         ids = tok(p)["input_ids"]
         assert contrastive_search(model, ids, opts, stop_ids=set()) == unbatched_greedy(model, tok, p, 6)
+
+
+def test_contrastive_search_with_more_candidates_than_the_vocabulary_takes_them_all(lm):
+    """--top_k above the vocabulary size (a crash in topk before): every token is a candidate, and
+    without the penalty the pick is still the greedy one."""
+    model, tok = lm
+    opts = DecodeOptions("contrastive", max_new_tokens=3, top_k=100_000, penalty_alpha=0.0)
+    ids = tok(PROMPTS[0])["input_ids"]
+    assert contrastive_search(model, ids, opts, stop_ids=set()) == unbatched_greedy(model, tok, PROMPTS[0], 3)
 
 
 def test_batched_replies_equal_one_by_one(lm):
