@@ -19,7 +19,7 @@ answer length and wall time, so that each flag's effect is a number. Targets: PP
 model +10 points over step 1, the verifier as the reward +15.
 
 ``hh``: human preferences, where no verifier knows the truth. ``../shared/data/hh_rlhf/train.jsonl`` is
-split into two disjoint halves (even and odd lines); reward model A is trained on one, judge B on the
+split into two disjoint halves by conversation (hh_judge.py); reward model A is trained on one, judge B on the
 other, both from SmolLM2-135M-Instruct (top layers, grouped batches, chat template). PPO (RLOO) starts
 from SmolLM2-135M-Instruct itself (already instruction-tuned: its step 1) on the prompts of A's half,
 against A only, with B logged beside it (``--judge_reward_model``). Then both models answer held-out

@@ -1,7 +1,7 @@
 """Judging a policy on human preferences, where no verifier knows the truth: shared by
 ``bench_alignment.py hh`` (PPO against reward model A) and ``bench_dpo.py hh`` (DPO on A's pairs).
 
-``../shared/data/hh_rlhf/train.jsonl`` is split into two disjoint halves (even and odd lines). A policy is
+``../shared/data/hh_rlhf/train.jsonl`` is split into two disjoint halves, by conversation. A policy is
 trained on half ``a`` only (through reward model A, or directly by DPO); the judge B is a reward model
 trained on half ``b``, so it never saw the policy's training pairs. Both the untuned model and the
 policy answer held-out HH prompts greedily, and the reward models score the answers.
@@ -25,12 +25,32 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def split_by_conversation(rows: list[str]) -> tuple[list[str], list[str]]:
+    """Two halves of JSONL preference rows with every conversation in one half: rows whose dialogues open
+    with the same human turn (pairs taken from one conversation at different turns) stay together, so
+    the judge never saw a pair of a conversation the policy trained on. Each conversation goes, in file
+    order, to the half that has fewer rows so far (ties: a), so the halves differ by at most the size of
+    one conversation."""
+    from dschat.data.prompt_format import parse_dialogue
+
+    halves: tuple[list[str], list[str]] = ([], [])
+    where: dict[str, int] = {}
+    for row in rows:
+        opening = next(m["content"] for m in parse_dialogue(json.loads(row)["prompt"]) if m["role"] == "user")
+        if opening not in where:
+            where[opening] = int(len(halves[1]) < len(halves[0]))
+        halves[where[opening]].append(row)
+    return halves
+
+
 def hh_halves(out: Path) -> dict[str, Path]:
-    """Data directories ``a`` and ``b``: disjoint halves of the HH training pairs, each with the HH test
-    pairs as test.jsonl. ``a`` also gives PPO its prompts (its pairs' prompts; the test pairs' held out)."""
+    """Data directories ``a`` and ``b``: disjoint halves of the HH training pairs, split by conversation
+    (:func:`split_by_conversation`; before 2026-11-28 even and odd lines, which put 96 conversations in
+    both), each with the HH test pairs as test.jsonl. ``a`` also gives PPO its prompts (its pairs'
+    prompts; the test pairs' held out)."""
     rows = (HH / "train.jsonl").read_text().splitlines(keepends=True)
     dirs = {}
-    for name, part in (("a", rows[0::2]), ("b", rows[1::2])):
+    for name, part in zip(("a", "b"), split_by_conversation(rows), strict=True):
         d = out / f"hh_{name}"
         d.mkdir(parents=True)
         (d / "train.jsonl").write_text("".join(part))

@@ -226,3 +226,26 @@ def test_step_1s_lm_head_flops_count_its_answer_tokens_only():
     shape = {"layers": 2, "per_layer": 10, "head": 100, "hidden": 4}
     assert bench_levers.flops_per_token(shape, 1, 1, target_fraction=0.3) == pytest.approx(100 + 40 + 60)
     assert bench_levers.flops_per_token(shape, 2, 1) == pytest.approx(2 * (20 + 4) + 40 + 2 * 4)
+
+
+def test_the_hh_halves_keep_each_conversation_in_one_half():
+    """Pairs from one conversation at different turns open with the same human turn: the judge's half
+    must hold none of the policy's conversations. x opens in a; y, then z, go to b, the half with fewer
+    rows at the time; later turns follow their conversation."""
+    import json
+
+    import hh_judge
+
+    def row(first: str, later: str = "") -> str:
+        p = (
+            f"\n\nHuman: {first}"
+            + (f"\n\nAssistant: ok\n\nHuman: {later}" if later else "")
+            + "\n\nAssistant:"
+        )
+        return json.dumps({"prompt": p, "chosen": " c", "rejected": " r"}) + "\n"
+
+    rows = [row("x"), row("y"), row("x", "more"), row("z"), row("x", "again"), row("y", "more")]
+    a, b = hh_judge.split_by_conversation(rows)
+    assert a == [rows[0], rows[2], rows[4]] and b == [rows[1], rows[3], rows[5]]
+    firsts = [{json.loads(r)["prompt"].split("\n\n")[1] for r in half} for half in (a, b)]
+    assert not firsts[0] & firsts[1]
