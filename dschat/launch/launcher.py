@@ -101,6 +101,11 @@ def launcher(args: argparse.Namespace) -> list[str]:
         return torchrun(args)
     port = str(args.master_port or free_port())
     runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", port]
+    if args.master_addr and args.deployment_type == "single_node":
+        # the runner rendezvous on this machine (127.0.0.1) whatever it is given: the flag would be dropped
+        raise UserError(
+            "--master-addr needs --deployment-type multi_node (single_node rendezvous on this machine)"
+        )
     if args.master_addr:
         runner += ["--master_addr", args.master_addr]
     if args.deployment_type == "single_node":

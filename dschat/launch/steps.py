@@ -139,6 +139,13 @@ def check_conflicts(args: argparse.Namespace, extra: list[str], steps: list[int]
     from dschat.planning import given
 
     check_chained_models(args, extra, steps)
+    if given(extra, "--output_dir") is not None:  # every step would write into the one directory
+        raise UserError("--output_dir after -- would send every step to one directory: give train.py "
+                        "--output-dir (each step writes its own OUTPUT_DIR/stepN)")  # fmt: skip
+    if args.data_path and given(extra, "--data_path") is not None:
+        raise UserError(
+            f"conflicting flags: --data-path {' '.join(args.data_path)} and --data_path after --; give one"
+        )
 
     for name, per_step in ALIASES.items():
         value = getattr(args, name)

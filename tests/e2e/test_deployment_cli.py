@@ -222,8 +222,8 @@ def test_multi_node_commands(tmp_path):
     cmd = launch_line(proc.stdout, 1)
     i = cmd.index("deepspeed.launcher.runner")
     assert cmd[i + 1 : i + 3] == ["--master_port", cmd[i + 2]]
-    assert cmd[i + 3 :][:10] == ["--hostfile", str(hosts), "--launcher", "openmpi", "--force_multi", "--no_ssh_check",
-                                 "--master_addr", "node-a", "--launcher_args", "-x FOO=1"]  # fmt: skip
+    assert cmd[i + 3 :][:9] == ["--hostfile", str(hosts), "--launcher", "openmpi", "--force_multi", "--no_ssh_check",
+                                "--master_addr", "node-a", "--launcher_args=-x FOO=1"]  # fmt: skip
     assert "--node_local_storage" in cmd
 
     proc = train_py("--dry-run", "--step", "1", "--actor-model", "builtin:micro-llama", "--deployment-type",

@@ -294,3 +294,9 @@ def test_a_rank_killed_by_a_signal_without_a_name_is_still_reported():
         watch.report()
         == "rank 1 (pid 4242, killed by signal 35) ended first; the launcher then stopped the other ranks"
     )
+
+
+def test_master_addr_on_a_single_node_is_one_line():
+    """The runner sets MASTER_ADDR=127.0.0.1 on one node whatever it is given: the flag would be dropped."""
+    with pytest.raises(UserError, match=r"--master-addr needs --deployment-type multi_node"):
+        launcher(args(deployment_type="single_node", master_addr="10.0.0.1"))

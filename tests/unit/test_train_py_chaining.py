@@ -12,7 +12,13 @@ from dschat.utils.errors import UserError
 
 
 def ns(**kw) -> argparse.Namespace:
-    base = {"algorithm": "ppo", "actor_zero_stage": None, "reward_zero_stage": None, "actor_model": None}
+    base = {
+        "algorithm": "ppo",
+        "actor_zero_stage": None,
+        "reward_zero_stage": None,
+        "actor_model": None,
+        "data_path": None,
+    }
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -36,3 +42,17 @@ def test_a_chained_model_flag_after_the_separator_is_one_line(algorithm, steps, 
 def test_step_1_alone_takes_its_model_after_the_separator():
     """Step 1's model is not chained: -- --model_name_or_path is its own flag (as --actor-model)."""
     check_conflicts(ns(), ["--model_name_or_path", "x"], [1])
+
+
+def test_output_dir_after_the_separator_is_one_line():
+    """It reaches every step: all of them would write into one directory."""
+    with pytest.raises(UserError, match="--output_dir after -- would send every step to one directory"):
+        check_conflicts(ns(data_path=None), ["--output_dir", "/tmp/shared"], [1, 2, 3])
+
+
+def test_data_path_given_twice_is_a_conflict():
+    with pytest.raises(
+        UserError, match="conflicting flags: --data-path builtin:sort and --data_path after --"
+    ):
+        check_conflicts(ns(data_path=["builtin:sort"]), ["--data_path", "builtin:reverse_words"], [1])
+    check_conflicts(ns(data_path=None), ["--data_path", "builtin:reverse_words"], [1])  # one of them: fine
