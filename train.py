@@ -505,11 +505,17 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
         rel = os.path.relpath(ROOT / "inference" / name)
         return str(ROOT / "inference" / name) if rel.startswith("..") else rel
 
-    # the run's own built-in tasks (a preset's --data_path builtin:sort,reverse_words), if it used some
-    data = args.data_path or [
-        str(v) for v in str((preset or {}).get("step1", {}).get("--data_path", "")).split()
-    ]
-    names = [t for d in data if d.startswith("builtin:") for t in d.split(":", 1)[1].split(",")]
+    # the run's own built-in tasks (a preset's --data_path builtin:sort,reverse_words, or the steps' default
+    # "builtin": the default tasks), if it used some
+    from dschat.compare import run_tasks
+    from dschat.config import DataArgs
+
+    data = (
+        args.data_path
+        or [str(v) for v in str((preset or {}).get("step1", {}).get("--data_path", "")).split()]
+        or DataArgs().data_path
+    )
+    names = run_tasks(data) or []
     compare = ["python", script("prompt_eval.py"), "--model_name_or_path_baseline", start,
                "--model_name_or_path_finetune", str(result), *(["--reward_model", reward] if reward else []),
                *(["--tasks", ",".join(names)] if names else []),

@@ -88,6 +88,16 @@ def test_the_comparison_uses_the_runs_own_built_in_tasks(train, tmp_path):
     assert flag(cmp, "--tasks") is None
 
 
+def test_the_compare_command_asks_the_default_tasks_of_a_run_on_builtin(train, tmp_path):
+    """A preset without --data_path (builtin-tiny) or --data-path builtin trains on the default tasks: the
+    comparison asks those, not every built-in task (add and reverse_words it never trained on)."""
+    from dschat import tasks
+
+    for argv, preset in (([], {"step1": {}}), (["--data-path", "builtin"], None)):
+        _, cmp = commands(train, ["--output-dir", str(tmp_path), *argv], preset=preset)
+        assert flag(cmp, "--tasks") == ",".join(tasks.DEFAULT_TASKS)
+
+
 def test_after_dpo_the_result_is_step2_dpo(train, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
