@@ -140,14 +140,16 @@ def _row_to_sample(row: Any, where: str) -> Sample:
             f"{where}: missing field 'chosen' or 'response' (need prompt + chosen [+ rejected] or prompt + response)"
         )
     rejected = row.get("rejected")
-    for key, val in (
-        ("prompt", row["prompt"]),
-        ("chosen/response", response),
-        ("rejected", "" if rejected is None else rejected),
-    ):
-        if not isinstance(val, str):
-            raise UserError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
+    _require_text(where, (("prompt", row["prompt"]), ("chosen/response", response), ("rejected", rejected)))
     return Sample(row["prompt"], response, rejected, where)
+
+
+def _require_text(where: str, fields: tuple[tuple[str, Any], ...]) -> None:
+    """One line for the first field that is not a string (a missing rejected answer, None, is allowed):
+    local rows and hub adapters' samples alike."""
+    for key, val in fields:
+        if not isinstance(val, str) and not (key == "rejected" and val is None):
+            raise UserError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
 
 
 def read_json_file(path: Path) -> list[Sample]:
@@ -237,12 +239,9 @@ def _load_hub(name: str, seed: int) -> SourceData:
                 raise UserError(
                     f"{name} {split} row {i}: does not fit the registered adapter ({type(exc).__name__}: {exc})"
                 ) from None
-            bad = s is not None and next(
-                (k for k in ("prompt", "chosen") if not isinstance(getattr(s, k), str)), None
-            )
-            if bad or (s is not None and s.rejected is not None and not isinstance(s.rejected, str)):
-                raise UserError(f"{name} {split} row {i}: field '{bad or 'rejected'}' is not text")
             if s is not None:
+                _require_text(f"{name} {split} row {i}",
+                              (("prompt", s.prompt), ("chosen", s.chosen), ("rejected", s.rejected)))  # fmt: skip
                 out.append(Sample(s.prompt, s.chosen, s.rejected, name))
         splits[split] = out
     if not splits["test"]:  # train-only hub datasets: hold out a share, as for local files

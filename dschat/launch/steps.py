@@ -107,14 +107,15 @@ ALIASES = {
 }
 
 
-# step -> the model flags train.py chains from the earlier steps' outputs (and its own --actor-model /
-# --reward-model): given after -- (which reaches every step), they would silently replace the chain
-CHAINED_MODELS = {
-    2: ("--model_name_or_path", "step 1's output, or --reward-model"),
-    "dpo": ("--model_name_or_path", "step 1's output"),
-    3: ("--actor_model_name_or_path", "step 1's output"),
-    "3c": ("--critic_model_name_or_path", "step 2's output, or --reward-model"),
-}
+# The model flags train.py chains from the earlier steps' outputs (and its own --actor-model / --reward-model),
+# as (step, algorithm, flag, what it names, what train.py sets it to): given after -- (which reaches every
+# step), they would silently replace the chain
+CHAINED_MODELS = (
+    (2, "ppo", "--model_name_or_path", "step 2's model", "step 1's output, or --reward-model"),
+    (2, "dpo", "--model_name_or_path", "DPO's policy", "step 1's output"),
+    (3, "ppo", "--actor_model_name_or_path", "step 3's model", "step 1's output"),
+    (3, "ppo", "--critic_model_name_or_path", "step 3's critic", "step 2's output, or --reward-model"),
+)
 
 
 def check_chained_models(args: argparse.Namespace, extra: list[str], steps: list[int]) -> None:
@@ -122,15 +123,11 @@ def check_chained_models(args: argparse.Namespace, extra: list[str], steps: list
     every step, so ``-- --model_name_or_path X`` would also replace step 2's start (step 1's output)."""
     from dschat.planning import given
 
-    dpo = getattr(args, "algorithm", "ppo") == "dpo"
-    for key, (flag, chained) in CHAINED_MODELS.items():
-        n = {"dpo": 2, "3c": 3}.get(key, key)
-        applies = {2: not dpo, "dpo": dpo}.get(key, True)  # step 2 is the reward model or DPO
-        if not applies or n not in steps or given(extra, flag) is None:
-            continue
-        name = "DPO's policy" if key == "dpo" else f"step {n}'s {'critic' if key == '3c' else 'model'}"
-        raise UserError(f"{flag} after -- would replace {name}, which train.py sets ({chained}); give the model "
-                        "of step 1 with --actor-model and of step 2 with --reward-model")  # fmt: skip
+    algorithm = getattr(args, "algorithm", "ppo")
+    for n, alg, flag, name, chained in CHAINED_MODELS:
+        if alg == algorithm and n in steps and given(extra, flag) is not None:
+            raise UserError(f"{flag} after -- would replace {name}, which train.py sets ({chained}); give the "
+                            "model of step 1 with --actor-model and of step 2 with --reward-model")  # fmt: skip
 
 
 def check_conflicts(args: argparse.Namespace, extra: list[str], steps: list[int]) -> None:

@@ -18,7 +18,7 @@ import torch
 from dschat.models import builtin, gguf
 from dschat.models.attention import use_fast_attention
 from dschat.models.layers import contiguous_head_input
-from dschat.utils.errors import UserError
+from dschat.utils.errors import UserError, first_line
 
 LOG = logging.getLogger("dschat")
 
@@ -128,13 +128,9 @@ def load_causal_lm(
             path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None
         )
     except ValueError as exc:
-        raise UserError(
-            f"{flag} {path}: not a causal language model ({str(exc).splitlines()[0][:200]})"
-        ) from None
+        raise UserError(f"{flag} {path}: not a causal language model ({first_line(exc)})") from None
     except OSError as exc:  # missing or unreadable weights
-        raise UserError(
-            f"{flag} {path}: cannot load its weights ({str(exc).strip().splitlines()[0][:200]})"
-        ) from None
+        raise UserError(f"{flag} {path}: cannot load its weights ({first_line(exc)})") from None
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().weight.shape[0] > 0:
         model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8)))
     if tokenizer is not None:
@@ -256,9 +252,8 @@ def load_for_generation(
         try:
             model = PeftModel.from_pretrained(model, path).merge_and_unload()
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise UserError(
-                f"{flag} {path}: the LoRA adapter does not fit base model {base} ({first})"
+                f"{flag} {path}: the LoRA adapter does not fit base model {base} ({first_line(exc)})"
             ) from None
     else:
         if os.path.exists(path):

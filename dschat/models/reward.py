@@ -30,7 +30,7 @@ from dschat.losses import gather_last
 from dschat.models.attention import use_fast_attention
 from dschat.models.loading import apply_dropout, has_value_head, load_config
 from dschat.utils import dist
-from dschat.utils.errors import UserError
+from dschat.utils.errors import UserError, first_line
 
 LOG = logging.getLogger("dschat")
 
@@ -257,13 +257,9 @@ def load_reward_model(
             output_loading_info=True,
         )
     except ValueError as exc:
-        raise UserError(
-            f"{flag} {path}: cannot be loaded as a reward model ({str(exc).splitlines()[0][:200]})"
-        ) from None
+        raise UserError(f"{flag} {path}: cannot be loaded as a reward model ({first_line(exc)})") from None
     except OSError as exc:  # missing or unreadable weights
-        raise UserError(
-            f"{flag} {path}: cannot load its weights ({str(exc).strip().splitlines()[0][:200]})"
-        ) from None
+        raise UserError(f"{flag} {path}: cannot load its weights ({first_line(exc)})") from None
     # Only the head may start fresh: a body weight missing from the checkpoint would silently train from
     # random values (a tied embedding stored only under the LM head's name did exactly that).
     missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] != "score")

@@ -14,6 +14,13 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (200 characters) for a one-line error; its type where
+    it has no message."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
 def run_cli(main: Callable[[], int | None]) -> None:
     """Run ``main`` and turn a :class:`UserError` into ``error: <message>`` on stderr and exit 2.
 

@@ -468,6 +468,7 @@ def test_a_hub_row_with_a_null_field_is_one_line(hub_mirror):
     write_jsonl(hub_mirror / "Dahoas" / "rm-static" / "train.jsonl",
                 [{"prompt": "Q", "chosen": None, "rejected": "R", "response": "x"}])  # fmt: skip
     with pytest.raises(
-        UserError, match=re.escape("Dahoas/rm-static train row 0: field 'chosen' is not text")
+        UserError,
+        match=re.escape("Dahoas/rm-static train row 0: field 'chosen' must be a string, got NoneType"),
     ):
         load_source("Dahoas/rm-static", seed=0)
