@@ -298,3 +298,26 @@ def test_rank_slice_gives_every_rank_as_many_prompts_and_counts_each_once(monkey
     counted = [p for mine, w in slices for p, x in zip(mine, w) if x == 1.0]
     assert counted == prompts  # each prompt once, in order; the rest are weight-0 repeats
     assert all(x in (0.0, 1.0) for _, w in slices for x in w)
+
+
+def _problem(task: str, question: str) -> tuple:
+    """What a question asks, up to wording that does not change the problem (hand-written per task)."""
+    m = TASKS[task].pattern.match(question)
+    if task == "add":
+        return tuple(sorted((int(m[1]), int(m[2]))))  # 3 + 85 and 85 + 3 are one sum
+    if task == "sort":
+        return tuple(sorted(m[1].split()))  # any order of the same words has one answer
+    return (m[1],)  # a reversal's answer names its input
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_held_out_problems_are_never_trained_on_in_other_words(name):
+    """The built-in split held out prompts by their exact wording, so 'Sort: owl cat dog' was evaluated while
+    'Sort: cat dog owl' (same answer) was trained on: every held-out sort question had such a twin."""
+    from dschat.data.sources import BUILTIN_EVAL_PER_TASK, BUILTIN_SEED, BUILTIN_TRAIN_PER_TASK
+
+    train = generate([name], BUILTIN_TRAIN_PER_TASK, BUILTIN_SEED, held_out=False)
+    held = generate([name], BUILTIN_EVAL_PER_TASK, BUILTIN_SEED + 1, held_out=True)
+    assert len(held) == BUILTIN_EVAL_PER_TASK
+    trained = {_problem(name, last_question(e.prompt)) for e in train}
+    assert not [e.prompt for e in held if _problem(name, last_question(e.prompt)) in trained]
