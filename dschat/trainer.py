@@ -242,16 +242,22 @@ def micro_batches(loader, state: TrainState, num_epochs: int) -> Iterator[Any]:
         state.batch_in_epoch = 0
 
 
-def checkpoint_due(run: RunArgs, step: int, total_steps: int) -> bool:
-    """Every ``--save_steps`` optimizer steps, not at the very end (the final model is exported)."""
-    return bool(run.save_steps) and step % run.save_steps == 0 and step < total_steps
+def checkpoint_due(run: RunArgs, step: int, total_steps: int, since: int | None = None) -> bool:
+    """Whether a multiple of ``--save_steps`` lies in (``since``, ``step``], not at the very end (the final
+    model is exported). ``since``: the last step at which the caller could have saved (default ``step - 1``:
+    every step can). A loop that can save only at some steps (step 3 with ``--generation_batches G``, only
+    once its buffer is trained on: every G-th round) saves at the first of them at or after each due step,
+    instead of only where the two coincide."""
+    since = step - 1 if since is None else since
+    return bool(run.save_steps) and step // run.save_steps > since // run.save_steps and step < total_steps
 
 
 def maybe_checkpoint(engine, run: RunArgs, state: TrainState, total_steps: int,
-                     tensors: dict[str, dict[str, torch.Tensor] | None] | None = None) -> None:  # fmt: skip
-    """Save every ``--save_steps`` optimizer steps (not at the very end: the final model is exported);
-    ``tensors``: state outside the engines (see :func:`save_checkpoint`)."""
-    if not checkpoint_due(run, state.step, total_steps):
+                     tensors: dict[str, dict[str, torch.Tensor] | None] | None = None,
+                     since: int | None = None) -> None:  # fmt: skip
+    """Save every ``--save_steps`` steps (see :func:`checkpoint_due`; not at the very end: the final model is
+    exported); ``tensors``: state outside the engines (see :func:`save_checkpoint`)."""
+    if not checkpoint_due(run, state.step, total_steps, since):
         return
     root = Path(run.output_dir) / "checkpoints"
     save_checkpoint(

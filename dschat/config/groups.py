@@ -218,13 +218,18 @@ class DeepSpeedArgs:
 class RunArgs:
     output_dir: str = opt("output/step1", "where the model, metrics, logs and checkpoints go", resumable=True)
     seed: int = opt(1234, "random seed (data order, initialisation, dropout)")
-    eval_interval: int = opt(100, "evaluate every N optimizer steps (0 = only at start and end)")
+    eval_interval: int = opt(
+        100, "evaluate every N optimizer steps (step 3: generation rounds; 0 = only at start and end)"
+    )
     eval_generation_samples: int = opt(
         300, "built-in task prompts answered greedily at start and end to measure true accuracy (0 = off)"
     )
     log_interval: int = opt(10, "write a train line to metrics.jsonl every N optimizer steps", resumable=True)
     save_steps: int = opt(
-        200, "save a resumable checkpoint every N optimizer steps (0 = never)", resumable=True
+        200,
+        "save a resumable checkpoint every N optimizer steps (step 3: generation rounds, at the first round that "
+        "ends a --generation_batches group; 0 = never)",
+        resumable=True,
     )
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep", resumable=True)
     resume: bool = opt(False, "continue from the latest checkpoint in OUTPUT_DIR/checkpoints", resumable=True)

@@ -219,7 +219,7 @@ class PPOArgs:
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
-                     "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len"):  # fmt: skip
+                     "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len", "kl_horizon"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.n_samples_per_prompt < 1:
@@ -245,9 +245,12 @@ class PPOArgs:
         if self.kl_in == "loss" and self.kl_estimator == "k1":
             raise UserError("--kl_in loss with --kl_estimator k1: the gradient of k1 = log pi - log pi_ref is zero in "
                             "expectation, so the penalty would not hold the policy back; use k2 or k3")  # fmt: skip
+        if not self.clip_reward_value > 0:  # 0 would clamp every score to 0: no reward at all
+            raise UserError(
+                f"--clip_reward_value must be > 0 (inf: no clipping), got {self.clip_reward_value}"
+            )
         for name in (
             "kl_coef",
-            "clip_reward_value",
             "cliprange",
             "cliprange_value",
             "unsup_coef",

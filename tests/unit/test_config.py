@@ -217,6 +217,10 @@ def test_parse_data_split_names_the_given_flag():
         (OptimArgs(weight_decay=-0.1), "--weight_decay must be >= 0, got -0.1"),
         (OptimArgs(max_grad_norm=-1.0), "--max_grad_norm must be >= 0, got -1.0"),
         (PPOArgs(n_samples_per_prompt=0), "--n_samples_per_prompt must be >= 1, got 0"),
+        # the adaptive controller divides by it (0: ZeroDivisionError after start-up; < 0: runs backwards)
+        (PPOArgs(kl_horizon=0), "--kl_horizon must be >= 1, got 0"),
+        # 0 clamped every score to 0, so the policy learned from the KL penalty alone
+        (PPOArgs(clip_reward_value=0.0), "--clip_reward_value must be > 0 (inf: no clipping), got 0.0"),
         (PolicyPairsArgs(policy_negatives_per_prompt=0), "--policy_negatives_per_prompt must be >= 1, got 0"),
         (
             PolicyPairsArgs(policy_negatives_max_prompts=-1),

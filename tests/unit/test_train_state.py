@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dschat.trainer import MetricWindow, TrainState, with_unlogged
+from dschat.config import RunArgs
+from dschat.trainer import MetricWindow, TrainState, checkpoint_due, with_unlogged
 
 
 def test_a_checkpoint_between_log_rows_saves_the_tokens_and_seconds_since_the_last_row():
@@ -19,3 +20,25 @@ def test_a_checkpoint_between_log_rows_saves_the_tokens_and_seconds_since_the_la
     assert (state.tokens, state.positions, state.train_seconds) == (100.0, 120.0, 10.0)  # not the live one
     w = window.reduce()  # the next log row still sees its whole window
     assert w["tokens"] == 12 and w["loss"] == pytest.approx(0.75) and w["micro"] == 2
+
+
+def _saves(save_steps: int, every: int, total: int) -> list[int]:
+    """The steps at which a loop that can save only at every ``every``-th step saves."""
+    run = RunArgs(save_steps=save_steps)
+    return [s for s in range(every, total + 1, every) if checkpoint_due(run, s, total, since=s - every)]
+
+
+def test_a_loop_that_saves_only_every_g_steps_still_saves_about_every_save_steps():
+    """Step 3 with --generation_batches G can save only after every G-th round (its buffer is empty only
+    there); it used to save only where a multiple of --save_steps was one of those rounds, so G=3 with
+    --save_steps 50 over 100 rounds saved nothing, and a crash lost the whole run."""
+    assert _saves(50, 3, 100) == [51]  # 99 is before the next due step (100), and 100 is the end
+    assert _saves(50, 3, 400) == [51, 102, 150, 201, 252, 300, 351]
+    assert _saves(4, 2, 12) == [4, 8]  # where they coincide, exactly the due steps
+    assert _saves(50, 1, 160) == [50, 100, 150]  # one round per update: every --save_steps
+    assert _saves(0, 3, 100) == []  # --save_steps 0: never
+
+
+def test_checkpoint_due_every_save_steps_but_not_at_the_end():
+    run = RunArgs(save_steps=5)
+    assert [s for s in range(1, 21) if checkpoint_due(run, s, 20)] == [5, 10, 15]

@@ -349,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         trainer.kl_ctl.update(round_kl, n_steps=round_rows)  # after the log line, which shows this round's
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < rounds.total:
             evaluate(state.step)
-        if not buffer:  # checkpoint only between PPO rounds: the buffer is empty there
+        if not buffer:  # checkpoint only between PPO updates: the buffer is empty every G-th round
             state.extra["kl_controller"] = trainer.kl_ctl.state_dict()
             state.extra[PPO_PROGRESS] = trainer.progress()
             rounds.save_unsup_position(state)
             with sw("checkpoint"):
                 T.maybe_checkpoint(m.engines(), run, state, rounds.total,
-                                   tensors={EMA_NAME: m.ema.state} if m.ema is not None else None)  # fmt: skip
+                                   tensors={EMA_NAME: m.ema.state} if m.ema is not None else None,
+                                   since=state.step - ppo.generation_batches)  # fmt: skip
         if state.step >= rounds.total:
             break
     bar.close()
