@@ -116,6 +116,9 @@ class DataArgs(FormatArgs):
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         parse_data_split(self.data_split, flag=f"--{prefix}data_split")
+        from dschat.data.sources import check_named_once  # the data layer knows what a source spec names
+
+        check_named_once({f"--{prefix}{f}": getattr(self, f) for f in ("data_path", "sft_only_data_path")})
         if self.max_seq_len < 8:
             raise UserError(f"--{prefix}max_seq_len must be at least 8, got {self.max_seq_len}")
         if self.max_eval_samples < 0:

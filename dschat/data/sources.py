@@ -255,6 +255,35 @@ def builtin_task_names(spec: str) -> list[str] | None:
     return spec.split(":", 1)[1].split(",") if ":" in spec else None
 
 
+def source_parts(spec: str) -> list[str]:
+    """What a data source spec contributes, to find data named twice: one entry per task of a built-in
+    source (``builtin`` alone names the default tasks), else the resolved path, or the hub name."""
+    if spec == "builtin" or spec.startswith("builtin:"):
+        return [f"builtin:{n}" for n in builtin_task_names(spec) or tasks.DEFAULT_TASKS]
+    path = os.path.expanduser(spec)
+    return [os.path.realpath(path)] if os.path.exists(path) else [spec]
+
+
+def check_named_once(specs: dict[str, list[str]]) -> None:
+    """``{flag: specs}``: no data named twice, within a flag or across flags. Data named twice is trained on
+    twice, and the steps' disjoint shares are drawn per source, so step 1's share of one copy overlaps
+    step 2's or step 3's of the other."""
+    named: dict[str, str] = {}
+    for flag, values in specs.items():
+        for spec in values:
+            for part in source_parts(spec):
+                if part in named:
+                    what = (
+                        "built-in task " + part.split(":", 1)[1]
+                        if part.startswith("builtin:")
+                        else "this data"
+                    )
+                    raise UserError(
+                        f"{flag} {spec}: {what} is already named by {named[part]}: name each source once"
+                    )
+                named[part] = f"{flag} {spec}"
+
+
 def _load_builtin(spec: str) -> SourceData:
     names = builtin_task_names(spec)
     try:

@@ -316,6 +316,39 @@ def test_builtin_unknown_task():
         load_source("builtin:mul", seed=0)
 
 
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"data_path": ["builtin:sort,sort"]}, "--data_path builtin:sort,sort: built-in task sort is already named by "
+         "--data_path builtin:sort,sort"),
+        # bare builtin names the default tasks, sort among them
+        ({"data_path": ["builtin", "builtin:sort"]}, "--data_path builtin:sort: built-in task sort is already named "
+         "by --data_path builtin"),
+        ({"data_path": ["builtin:reverse"], "sft_only_data_path": ["builtin"]}, "--sft_only_data_path builtin: "
+         "built-in task reverse is already named by --data_path builtin:reverse"),
+        ({"data_path": ["{d}/a.jsonl", "{d}/../{name}/a.jsonl"]}, "--data_path {d}/../{name}/a.jsonl: this data is already named by "
+         "--data_path {d}/a.jsonl: name each source once"),
+    ],
+)  # fmt: skip
+def test_data_named_twice_is_refused(tmp_path, kw, message):
+    """'builtin:sort,sort' used to generate every sort question twice, and each copy was split into the
+    steps' shares on its own, so step 1 trained on step 3's prompts; a file named twice did the same."""
+    from dschat.config import DataArgs
+
+    write_jsonl(tmp_path / "a.jsonl", qa_rows(4))
+    kw = {k: [v.format(d=tmp_path, name=tmp_path.name) for v in vs] for k, vs in kw.items()}
+    with pytest.raises(UserError, match="^" + re.escape(message.format(d=tmp_path, name=tmp_path.name))):
+        DataArgs(**kw).validate()
+
+
+def test_distinct_sources_are_accepted(tmp_path):
+    from dschat.config import DataArgs
+
+    write_jsonl(tmp_path / "a.jsonl", qa_rows(4))
+    DataArgs(data_path=["builtin:sort", "builtin:reverse_words", str(tmp_path / "a.jsonl"), "Dahoas/rm-static"],
+             sft_only_data_path=["builtin:add"]).validate()  # fmt: skip
+
+
 # ---------------------------------------------------------------- hub adapters on rows
 def test_anthropic_hh_splits_at_the_last_assistant_turn():
     prompt = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye\n\nAssistant:"
