@@ -592,3 +592,46 @@ def test_a_reward_model_that_mis_scores_packed_rows_scores_separate_rows(tokeniz
     assert ppo.reward_packing == {"reward": False} and source.packed_calls == 1
     ppo.make_experience(*prompts(tokenizer))
     assert source.packed_calls == 1  # separate rows from then on
+
+
+def test_rounds_with_a_frozen_actor_read_no_ptx_batches(monkeypatch):
+    """--freezing_actor_steps with --unsupervised_dataset_name: the frozen rounds drew an SFT batch for every
+    minibatch and threw it away (only the actor's update uses it), so the PTX term skipped that much data."""
+    from types import SimpleNamespace
+
+    from dschat.trainer import MetricWindow, TrainState
+    from training.step3_rlhf_finetuning import main as step3
+
+    class Collected:
+        def __len__(self):
+            return 8
+
+        def slice(self, start, stop):
+            return (start, stop)
+
+    monkeypatch.setattr(step3.Experience, "cat", staticmethod(lambda buffer, pad_id: Collected()))
+    seen = []
+
+    class Trainer:
+        def make_experience(self, *args, train_actor):
+            return object(), {"kl_sum": 0.0, "rows": 8.0}
+
+        def train(self, minibatch, unsup, *, train_actor):
+            seen.append((train_actor, unsup["i"].item() if unsup is not None else None))
+            return {}
+
+    ptx = iter({"i": torch.tensor(i)} for i in range(100))
+    o = SimpleNamespace(ppo=SimpleNamespace(freezing_actor_steps=2, generation_batches=1, ppo_epochs=1,
+                                            per_device_training_batch_size=4))  # fmt: skip
+    m = SimpleNamespace(actor=SimpleNamespace(device="cpu"), ema=None)
+    rounds = SimpleNamespace(unsup=ptx)
+    batch = {
+        "input_ids": torch.zeros(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3),
+        "prompts": [],
+    }
+    state = TrainState()
+    for _ in range(3):
+        step3.ppo_round(o, Trainer(), m, batch, [], rounds, state, MetricWindow(), pad_id=0)
+    # two frozen rounds of two minibatches, then the first trained round reads the first two SFT batches
+    assert seen == [(False, None)] * 4 + [(True, 0), (True, 1)]

@@ -178,7 +178,10 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
         mb = ppo.per_device_training_batch_size
         for _ in range(ppo.ppo_epochs):
             for s in range(0, len(collected), mb):
-                unsup = {k: v.to(device) for k, v in next(rounds.unsup).items()} if rounds.unsup else None
+                # the PTX term trains the actor only: a frozen round reads no SFT batch (the run's PTX data
+                # starts where the actor starts learning)
+                ptx = rounds.unsup is not None and train_actor
+                unsup = {k: v.to(device) for k, v in next(rounds.unsup).items()} if ptx else None
                 stats = trainer.train(collected.slice(s, s + mb), unsup, train_actor=train_actor)
                 window.add(updates=1, actor_updates=float("policy_loss" in stats), **stats)
                 if m.ema is not None:
