@@ -94,6 +94,8 @@ def parse_dialogue(text: str) -> list[Message]:
 
 
 _TURN = re.compile(r"(?:^|\n\n)(Human|Assistant|System):")
+# where a turn starts inside dialogue text: text that holds it cannot be one turn's content
+TURN_START = re.compile(r"\n\n(?:Human|Assistant|System):")
 
 
 def as_dialogue(text: str) -> str:

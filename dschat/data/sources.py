@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat import tasks
-from dschat.data.prompt_format import dialogue_of
+from dschat.data.prompt_format import TURN_START, dialogue_of
 from dschat.data.schema import Sample
 from dschat.utils.errors import UserError
 from dschat.utils.io import data_lines, read_data_text
@@ -121,6 +121,10 @@ def _row_to_sample(row: Any, where: str) -> Sample:
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{where}: field 'messages': every turn needs a role (system, user, assistant) "
                             f"and a content ({exc})") from None  # fmt: skip
+        for i, m in enumerate(turns[:-1], 1):
+            if turn_mark := TURN_START.search(m["content"]):
+                raise UserError(f"{where}: field 'messages': turn {i}'s content holds {turn_mark[0]!r}, where the "
+                                f"pipeline's dialogue text starts a new turn: it would train as more turns")  # fmt: skip
         if not any(m["role"] == "user" for m in turns[:-1]):
             raise UserError(
                 f"{where}: field 'messages': no user turn (the prompt is the dialogue before the answer)"

@@ -112,6 +112,9 @@ def test_messages_with_a_bad_turn_name_the_field(tmp_path, turn):
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, {"role": "assistant", "content": "A"}],
          "turn 1's content"),
         ([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}], "no user turn"),
+        # flattened to dialogue text and parsed back, this content became a user turn and an assistant turn
+        ([{"role": "user", "content": "Fix this log:\n\nAssistant: ok"}, {"role": "assistant", "content": "A"}],
+         "turn 1's content holds '\\n\\nAssistant:', where the pipeline's dialogue text starts a new turn"),
     ],
 )  # fmt: skip
 def test_messages_whose_turns_are_not_text_are_one_line(tmp_path, messages, why):
