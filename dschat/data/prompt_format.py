@@ -93,9 +93,10 @@ def parse_dialogue(text: str) -> list[Message]:
     return messages
 
 
-_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant|System):")
+_ROLES = "Human|Assistant|System"
+_TURN = re.compile(rf"(?:^|\n\n)({_ROLES}):")
 # where a turn starts inside dialogue text: text that holds it cannot be one turn's content
-TURN_START = re.compile(r"\n\n(?:Human|Assistant|System):")
+TURN_START = re.compile(rf"\n\n(?:{_ROLES}):")
 
 
 def as_dialogue(text: str) -> str:

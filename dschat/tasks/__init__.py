@@ -219,15 +219,17 @@ def resolve_tasks(names: list[str] | None) -> list[Task]:
     return [TASKS[n] for n in names]
 
 
+def recognise(prompt: str) -> tuple[Task, re.Match[str]] | None:
+    """The built-in task whose question a prompt's last human turn asks, with its match; None if none does."""
+    q = last_question(prompt)
+    return next(((t, m) for t in TASKS.values() if (m := t.pattern.match(q))), None)
+
+
 def problem_key(prompt: str) -> str:
     """``task:problem`` for a built-in question, where rewordings with one answer ("Sort: owl cat dog" and
     "Sort: cat dog owl") share a key; the prompt itself for anything else."""
-    q = last_question(prompt)
-    for task in TASKS.values():
-        m = task.pattern.match(q)
-        if m:
-            return f"{task.name}:{task.problem(m)}"
-    return prompt
+    found = recognise(prompt)
+    return prompt if found is None else f"{found[0].name}:{found[0].problem(found[1])}"
 
 
 def is_held_out(prompt: str) -> bool:
@@ -279,12 +281,8 @@ def clean_response(response: str) -> str:
 
 def reference_answer(prompt: str) -> str | None:
     """The right answer (without the leading space) if a built-in task recognises the prompt."""
-    q = last_question(prompt)
-    for task in TASKS.values():
-        m = task.pattern.match(q)
-        if m:
-            return task.answer(m)
-    return None
+    found = recognise(prompt)
+    return None if found is None else found[0].answer(found[1])
 
 
 def verify(prompt: str, response: str) -> bool | None:
@@ -294,8 +292,8 @@ def verify(prompt: str, response: str) -> bool | None:
 
 
 def task_of(prompt: str) -> str | None:
-    q = last_question(prompt)
-    return next((t.name for t in TASKS.values() if t.pattern.match(q)), None)
+    found = recognise(prompt)
+    return None if found is None else found[0].name
 
 
 def verifier_reward(prompts: list[str], responses: list[str]) -> list[float]:
