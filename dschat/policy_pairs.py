@@ -38,11 +38,10 @@ import torch
 
 from dschat import tasks
 from dschat.config import DataArgs, PolicyPairsArgs
-from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.data.prompt_format import PromptFormat, cut_reply, prompt_format
 from dschat.data.schema import Sample
 from dschat.generation.decoding import Replies
 from dschat.generation.sampling import SamplingConfig
-from dschat.generation.streaming import cut_reply
 from dschat.generation.texts import generate_text_replies
 from dschat.losses import gather_last
 from dschat.rlhf.ppo_math import group_relative_scores

@@ -42,6 +42,12 @@ CHOICES = ("auto", "on", "off")
 TURN_STOPS = ("\n\nHuman:", "\n\nAssistant:", "\nHuman:", "\nAssistant:")
 
 
+def cut_reply(text: str, stops: tuple[str, ...] = TURN_STOPS) -> str:
+    """``text`` up to the first stop string (the start of an invented turn), trailing space removed."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut].rstrip()
+
+
 def make_prompt(question: str) -> str:
     """The one-turn dialogue text of ``question``."""
     return f"{HUMAN}{question}{ASSISTANT}"

@@ -18,10 +18,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dschat.data.prompt_format import TURN_STOPS
+from dschat.data.prompt_format import TURN_STOPS, cut_reply
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.stops import stop_ids_for
-from dschat.generation.streaming import cut_reply
 from dschat.utils.errors import UserError
 
 STRATEGIES = ("greedy", "sample", "beam", "contrastive")

@@ -1,7 +1,7 @@
 """A reply as it is generated, cut where the model starts an invented turn.
 
 A model trained on the Human/Assistant form keeps writing the dialogue after its answer
-("\\n\\nHuman: ..."): :func:`cut_reply` (whole texts) and :class:`StopFilter` (text arriving in pieces)
+("\\n\\nHuman: ..."): :func:`dschat.data.prompt_format.cut_reply` (whole texts) and :class:`StopFilter` (text arriving in pieces)
 end the reply where that invented turn starts. :class:`ReplyStream` runs ``model.generate`` in a
 background thread and yields the reply's text as it is generated::
 
@@ -21,12 +21,6 @@ import torch
 
 from dschat.data.prompt_format import TURN_STOPS
 from dschat.generation.stops import stop_ids_for
-
-
-def cut_reply(text: str, stops: tuple[str, ...] = TURN_STOPS) -> str:
-    """``text`` up to the first stop string (the start of an invented turn), trailing space removed."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
-    return text[:cut].rstrip()
 
 
 class StopFilter:

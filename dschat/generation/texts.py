@@ -40,7 +40,7 @@ def generate_text_replies(
     the decoder on ``model``. Rows that repeat a prompt (K samples each) share its prefill.
     ``greedy_rows`` (one flag per prompt): those are answered greedily, the others by ``sampling``.
     A reply that reached no stop token is cut off (``Replies.cut_off``): it used every new token and
-    stops mid-answer. Texts are not cut at the format's stop strings (:func:`dschat.generation.streaming.cut_reply`
+    stops mid-answer. Texts are not cut at the format's stop strings (:func:`dschat.data.prompt_format.cut_reply`
     does that where a caller needs it).
     """
     side = tokenizer.padding_side

@@ -18,7 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from dschat.data.prompt_format import ASSISTANT, make_prompt
+from dschat.data.prompt_format import ASSISTANT, cut_reply, make_prompt
 
 
 class Task(Protocol):
@@ -275,8 +275,11 @@ def generate(
 
 
 def clean_response(response: str) -> str:
-    """The answer part of a generated reply: up to the model inventing the next turn or a newline."""
-    return response.split("\n")[0].strip() if response.strip() else ""
+    """The answer a generated reply gives: the whole reply up to the model inventing the next turn
+    ("\n\nHuman: ..."), without surrounding whitespace. Lines after the first are part of the answer:
+    a verifier that read only the first line paid full reward for a right line followed by anything,
+    which an RL policy can learn (with a chat template a newline does not end the turn)."""
+    return cut_reply(response).strip()
 
 
 def reference_answer(prompt: str) -> str | None:

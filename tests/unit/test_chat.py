@@ -13,11 +13,12 @@ from dschat.data.prompt_format import (
     HUMAN_ASSISTANT,
     TURN_STOPS,
     as_dialogue,
+    cut_reply,
     is_dialogue,
     render_human_assistant,
 )
 from dschat.data.prompt_format import prompt_format as chat_format
-from dschat.generation.streaming import StopFilter, cut_reply
+from dschat.generation.streaming import StopFilter
 from dschat.models.builtin import build_tokenizer
 from dschat.utils.errors import UserError
 

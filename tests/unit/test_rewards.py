@@ -137,9 +137,11 @@ def test_verifier_reward_hand_values():
     add = tasks.make_prompt("What is 2 + 3?")
     rev = tasks.make_prompt("Reverse: abc")
     prompts = [add, add, add, rev, tasks.make_prompt("Tell me a joke"), add]
-    responses = [" 5", " 6", " 5\n\nHuman: more?", " cba", " ha", ""]
-    # right, wrong, right (reply cut at the newline), right, unknown task, empty = wrong
-    assert tasks.verifier_reward(prompts, responses) == [1.0, -1.0, 1.0, 1.0, 0.0, -1.0]
+    responses = [" 5", " 6", " 5\n\nHuman: more?", " cba", " ha", "", " 5\nor 6"]
+    prompts.append(add)
+    # right, wrong, right (reply cut at the invented turn), right, unknown task, empty = wrong,
+    # right first line with more after it = wrong
+    assert tasks.verifier_reward(prompts, responses) == [1.0, -1.0, 1.0, 1.0, 0.0, -1.0, -1.0]
 
 
 def test_verifier_reward_through_function_source():

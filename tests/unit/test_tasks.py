@@ -105,16 +105,28 @@ def test_verify_uses_the_last_human_turn():
     [
         (" 432", "432"),
         (" 432\n\nHuman: next", "432"),
-        ("abc \ndef", "abc"),
+        (" 432\nHuman: next", "432"),
+        (" 432\n\nAssistant: and", "432"),
+        ("abc \ndef", "abc \ndef"),  # a second line is part of the answer, not dropped
         ("  apple fox  ", "apple fox"),
         ("", ""),
         ("   ", ""),
         ("\n\n", ""),
-        ("\n432", ""),
+        ("\n432\n", "432"),
     ],
 )
 def test_clean_response(response, expected):
     assert clean_response(response) == expected
+
+
+def test_verify_refuses_text_after_the_answer():
+    # The first-line verifier accepted a right first line followed by anything: an RL policy could append
+    # text after a newline (with a chat template a newline does not end the turn) and keep full reward.
+    prompt = make_prompt("What is 347 + 85?")
+    assert verify(prompt, " 432\nI hope this helps!") is False
+    assert verify(prompt, " 432\n432") is False
+    assert verify(prompt, " 432\n") is True
+    assert verify(prompt, " 432\n\nHuman: thanks") is True  # the model inventing the next turn ends its reply
 
 
 def test_resolve_tasks():
