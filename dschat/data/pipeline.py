@@ -28,7 +28,7 @@ LOG = logging.getLogger("dschat")
 # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len;
 # 6: token columns stored as flat tensors (_pack_rows); 7: held-out prompts fit the length limit, blank
 # SFT answers dropped
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 
 
 @dataclass

@@ -141,11 +141,11 @@ class PromptFormat:
         return self._render(messages)
 
     def prompt_text(self, prompt: str) -> str:
-        """A data set's prompt -> the text the model continues. In the Human/Assistant form the prompt is
-        used byte for byte as the data holds it; with a chat template a dialogue is parsed into messages
-        and any other text is one user message."""
+        """A data set's prompt -> the text the model continues. A dialogue is used byte for byte in the
+        Human/Assistant form and parsed into messages for a chat template; any other text is one user
+        turn in both, in training as at inference (``prompt_eval.py`` and ``chat.py`` ask a question so)."""
         if self.name == HUMAN_ASSISTANT:
-            return prompt
+            return as_dialogue(prompt)
         if is_dialogue(prompt):
             return self.render(parse_dialogue(prompt))
         return self.render([{"role": "user", "content": prompt}])

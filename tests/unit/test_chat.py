@@ -62,7 +62,10 @@ def test_dialogue_prompts_are_used_verbatim_or_rendered_with_the_template():
     assert not is_dialogue("Say Assistant:")  # no Human turn: a question like any other
     assert as_dialogue("Sort: cat dog owl") == tasks.make_prompt("Sort: cat dog owl")
     assert as_dialogue(rendered) == rendered
-    assert fmt.prompt_text("raw text") == "raw text"  # a data set's own prompt, byte for byte
+    # A prompt that is not a dialogue is one user turn, as prompt_eval.py and chat.py ask it: it trained
+    # byte for byte until 2026-11-29, so a model tuned on bare prompts was asked another text at inference.
+    assert fmt.prompt_text("raw text") == tasks.make_prompt("raw text")
+    assert fmt.encode_prompts(["Sort: cat dog owl"]) == fmt.encode_prompts([as_dialogue("Sort: cat dog owl")])
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     templated = chat_format(tok)
     assert templated.prompt_text(rendered) == "<user>hi<assistant>yo<user>and?<assistant>"

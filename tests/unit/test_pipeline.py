@@ -14,17 +14,20 @@ from dschat.config import DataArgs
 from dschat.data import pipeline
 from dschat.data.collate import IGNORE_INDEX as M
 from dschat.data.pipeline import gather_samples, prepare_sft_data, tokenize_sft
-from dschat.data.prompt_format import prompt_format
+from dschat.data.prompt_format import make_prompt, prompt_format
 from dschat.data.schema import Sample
 from dschat.models.builtin import build_tokenizer
 from dschat.utils.errors import UserError
 
-SPACE = 223
+SPACE, NEWLINE = 223, 201
+# A bare prompt trains as one Human turn: "\n\nHuman: " (9 tokens) before it, "\n\nAssistant:" (12) after it
+WRAP = 21
 
 
 def ids(text: str) -> list[int]:
-    """Hand encoding of printable ASCII (id = ord - 30) and spaces (223) under the builtin tokenizer."""
-    return [SPACE if c == " " else ord(c) - 30 for c in text]
+    """Hand encoding of printable ASCII (id = ord - 30), spaces (223) and newlines (201) under the
+    builtin tokenizer."""
+    return [SPACE if c == " " else NEWLINE if c == "\n" else ord(c) - 30 for c in text]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -47,23 +50,25 @@ def make_args(data_dir, tmp_path, **kw) -> DataArgs:
 
 
 def expected(prompt: str, response: str, train_on_prompt: bool = False) -> dict:
-    p, r = [1, *ids(prompt)], [*ids(response), 2]
+    p, r = [1, *ids(make_prompt(prompt))], [*ids(response), 2]
     return {"input_ids": p + r, "labels": (p if train_on_prompt else [M] * len(p)) + r}
 
 
 # ---------------------------------------------------------------- tokenize_sft
 def test_tokenize_sft_by_hand(tokenizer):
     samples = [Sample("ab", " c"), Sample("a", "bcdefgh"), Sample("xy", "")]
-    out, stats = tokenize_sft(samples, prompt_format(tokenizer), max_seq_len=8, train_on_prompt=False)
-    assert out == [{"input_ids": [1, 67, 68, 223, 69, 2], "labels": [M, M, M, 223, 69, 2]}]
+    out, stats = tokenize_sft(samples, prompt_format(tokenizer), max_seq_len=8 + WRAP, train_on_prompt=False)
+    prompt = [1, *ids(make_prompt("ab"))]
+    assert ids("ab") == [67, 68] and len(prompt) == 3 + WRAP
+    assert out == [{"input_ids": [*prompt, 223, 69, 2], "labels": [M] * len(prompt) + [223, 69, 2]}]
     assert stats == {"samples": 3, "kept": 1, "dropped_too_long": 1, "dropped_empty_response": 1}
 
 
 def test_tokenize_sft_keeps_exactly_max_seq_len(tokenizer):
-    # [<s> a] + [b c d e f g] + [</s>] = 9 tokens
+    # [<s> a] + [b c d e f g] + [</s>] = 9 tokens, and the Human/Assistant wrapping
     s = Sample("a", "bcdefg")
-    assert tokenize_sft([s], prompt_format(tokenizer), 9, False)[1]["kept"] == 1
-    assert tokenize_sft([s], prompt_format(tokenizer), 8, False)[1] == {
+    assert tokenize_sft([s], prompt_format(tokenizer), 9 + WRAP, False)[1]["kept"] == 1
+    assert tokenize_sft([s], prompt_format(tokenizer), 8 + WRAP, False)[1] == {
         "samples": 1, "kept": 0, "dropped_too_long": 1, "dropped_empty_response": 0,
     }  # fmt: skip
 
@@ -123,8 +128,8 @@ def test_prepare_sft_data_exact_examples(data_dir, tmp_path, tokenizer):
 
 
 def test_prepare_sft_data_drops_and_counts_long_samples(data_dir, tmp_path, tokenizer):
-    # Q0..Q9 + ' A0'..: 3 + 3 + eos = 7 tokens; Q10..Q19: 9 tokens
-    data = prepare_sft_data(make_args(data_dir, tmp_path, max_seq_len=8), tokenizer)
+    # Q0..Q9 + ' A0'..: 3 + 3 + eos = 7 tokens; Q10..Q19: 9 tokens (and the wrapping)
+    data = prepare_sft_data(make_args(data_dir, tmp_path, max_seq_len=8 + WRAP), tokenizer)
     assert data.train == [expected(f"Q{i}", f" A{i}") for i in range(10)]
     assert data.stats["train"] == {
         "samples": 20,
@@ -152,7 +157,7 @@ def test_second_call_is_a_cache_hit(data_dir, tmp_path, tokenizer, monkeypatch):
 def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
     prepare_sft_data(args, tokenizer)
-    other = dataclasses.replace(args, max_seq_len=8)
+    other = dataclasses.replace(args, max_seq_len=8 + WRAP)
     assert pipeline._cache_key(args, 1, prompt_format(tokenizer), "sft") != pipeline._cache_key(
         other, 1, prompt_format(tokenizer), "sft"
     )
@@ -253,9 +258,10 @@ def test_no_eval_sample_fits(tmp_path, tokenizer):
     write_jsonl(d / "train.jsonl", [{"prompt": "Q", "response": " A"}])
     write_jsonl(d / "test.jsonl", [{"prompt": "a much longer eval prompt", "response": " A"}])
     with pytest.raises(
-        UserError, match=re.escape("no evaluation samples: the sources give none that fit --max_seq_len 8")
+        UserError,
+        match=re.escape(f"no evaluation samples: the sources give none that fit --max_seq_len {8 + WRAP}"),
     ):
-        prepare_sft_data(make_args(d, tmp_path, max_seq_len=8), tokenizer)
+        prepare_sft_data(make_args(d, tmp_path, max_seq_len=8 + WRAP), tokenizer)
 
 
 # ---------------------------------------------------------------- known library bugs (see the reason strings)
@@ -319,10 +325,10 @@ def test_held_out_prompts_that_do_not_fit_the_prompt_budget_are_left_out(tmp_pat
 
     d = tmp_path / "data"
     write_jsonl(d / "train.jsonl", [{"prompt": f"Q{i}", "response": " A"} for i in range(4)])
-    # BOS + "E0" = 3 tokens; BOS + "E1 long long long" = 17 tokens
+    # BOS + "E0" = 3 tokens; BOS + "E1 long long long" = 17 tokens (and the wrapping)
     write_jsonl(d / "test.jsonl", [{"prompt": "E0", "response": " B"}, {"prompt": "E1 long long long", "response": " B"},
                                    {"prompt": "E2", "response": " B"}])  # fmt: skip
-    data = prepare_prompt_data(make_args(d, tmp_path, data_split="0,0,1"), tokenizer, max_prompt_len=8)
+    data = prepare_prompt_data(make_args(d, tmp_path, data_split="0,0,1"), tokenizer, max_prompt_len=8 + WRAP)
     assert sorted(data.eval_prompts) == ["E0", "E2"]
     assert data.stats["eval"] == {"samples": 3, "kept": 2, "dropped_too_long": 1}
 

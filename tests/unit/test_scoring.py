@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dschat.data.prompt_format import as_dialogue
 from dschat.models.builtin import build_tokenizer
 from dschat.models.reward import ScalarHeadModel
 from dschat.scoring import score_texts
@@ -30,7 +31,7 @@ def test_a_row_longer_than_the_models_positions_keeps_the_end_of_its_prompt():
     prompt, response = "x" * 100 + " the end?", " ok"
     long = score_texts(model, tok, [prompt], [response])
     # the same row cut by hand: BOS + the last prompt tokens + the response, 32 tokens in all
-    ids = tok(prompt)["input_ids"]
+    ids = tok(as_dialogue(prompt))["input_ids"]  # a bare prompt is one Human turn
     r = tok(response, add_special_tokens=False)["input_ids"]
     row = [ids[0], *ids[len(ids) - (32 - 1 - len(r)) :], *r]
     want = model.score(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))
