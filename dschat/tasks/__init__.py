@@ -18,7 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from dschat.data.prompt_format import ASSISTANT, cut_reply, make_prompt
+from dschat.data.prompt_format import cut_reply, is_dialogue, make_prompt, parse_dialogue
 
 
 class Task(Protocol):
@@ -205,9 +205,11 @@ class TaskExample:
 
 
 def last_question(prompt: str) -> str:
-    """The last human turn of a Human/Assistant dialogue prompt."""
-    body = prompt.rsplit("Human:", 1)[-1]
-    return body.split(ASSISTANT, 1)[0].strip()
+    """The last human turn of a Human/Assistant dialogue prompt (turns as :func:`parse_dialogue` finds
+    them, so "Human:" inside a turn's text is text); a prompt that is not a dialogue is the question."""
+    if not is_dialogue(prompt):
+        return prompt.strip()
+    return next(m["content"] for m in reversed(parse_dialogue(prompt)) if m["role"] == "user")
 
 
 def resolve_tasks(names: list[str] | None) -> list[Task]:

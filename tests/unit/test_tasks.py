@@ -96,6 +96,10 @@ def test_verify_unknown_prompt_is_none():
 def test_verify_uses_the_last_human_turn():
     prompt = make_prompt("What is 1 + 1?") + " 2" + make_prompt("What is 2 + 3?")
     assert last_question(prompt) == "What is 2 + 3?"
+    # A turn starts only at the text's start or after a blank line: "Human:" inside a turn is its text
+    quoted = make_prompt("Reverse the order of the words: Human: cat")
+    assert last_question(quoted) == "Reverse the order of the words: Human: cat"
+    assert last_question("What is 2 + 3?") == "What is 2 + 3?"  # a bare question is its own last turn
     assert verify(prompt, " 5") is True
     assert verify(prompt, " 2") is False
 
