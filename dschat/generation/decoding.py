@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers import RepetitionPenaltyLogitsProcessor
 
 from dschat.data.prompt_format import TURN_STOPS, cut_reply
 from dschat.generation.sampling import SamplingConfig
@@ -150,15 +151,21 @@ def contrastive_search(
     """New token ids for one prompt by contrastive search (``opts.top_k`` candidates, ``opts.penalty_alpha``).
 
     Each step runs the model on the k candidate continuations without a KV cache (k x T tokens), so it
-    is meant for comparing short answers, not for long texts.
+    is meant for comparing short answers, not for long texts. ``opts.repetition_penalty`` reweighs the
+    candidates' probabilities as it does for the other strategies (on every token of the text so far).
     """
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
     context = out.hidden_states[-1][0]  # (T, H)
     logits = out.logits[0, -1]
+    penalise = (
+        RepetitionPenaltyLogitsProcessor(opts.repetition_penalty) if opts.repetition_penalty != 1 else None
+    )
     new: list[int] = []
     for _ in range(opts.max_new_tokens):
+        if penalise is not None:
+            logits = penalise(ids, logits[None].float())[0]
         probs = logits.float().softmax(-1)
         k = min(opts.top_k, probs.shape[-1])  # more candidates than tokens: every token is one
         top_probs, top_ids = probs.topk(k)

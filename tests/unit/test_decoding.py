@@ -74,10 +74,10 @@ PROMPTS = [
 ]
 
 
-def unbatched_greedy(model, tok, prompt: str, n: int) -> list[int]:
+def unbatched_greedy(model, tok, prompt: str, n: int, repetition_penalty: float = 1.0) -> list[int]:
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         pad_token_id=tok.pad_token_id)  # fmt: skip
+                         pad_token_id=tok.pad_token_id, repetition_penalty=repetition_penalty)  # fmt: skip
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -87,6 +87,16 @@ def test_contrastive_search_without_penalty_is_greedy(lm):
     for p in PROMPTS:
         ids = tok(p)["input_ids"]
         assert contrastive_search(model, ids, opts, stop_ids=set()) == unbatched_greedy(model, tok, p, 6)
+
+
+def test_contrastive_search_applies_the_repetition_penalty(lm):
+    """--repetition_penalty was ignored by contrastive search (the other strategies pass it to generate):
+    without the degeneration penalty it must pick what greedy decoding with the same penalty picks."""
+    model, tok = lm
+    opts = DecodeOptions("contrastive", max_new_tokens=8, top_k=3, penalty_alpha=0.0, repetition_penalty=5.0)
+    found = [contrastive_search(model, tok(p)["input_ids"], opts, stop_ids=set()) for p in PROMPTS]
+    assert found == [unbatched_greedy(model, tok, p, 8, repetition_penalty=5.0) for p in PROMPTS]
+    assert found != [unbatched_greedy(model, tok, p, 8) for p in PROMPTS]  # the penalty changes a reply
 
 
 def test_contrastive_search_with_more_candidates_than_the_vocabulary_takes_them_all(lm):
