@@ -51,6 +51,10 @@ class DecodeOptions:
         """Raise :class:`UserError` naming the flag of the first out-of-range option."""
         if self.strategy not in STRATEGIES:
             raise UserError(f"--decoding {self.strategy}: choose one of {', '.join(STRATEGIES)}")
+        if self.strategy == "sample" and self.temperature == 0:
+            raise UserError(
+                f"--temperature {self.temperature}: must be > 0 for --decoding sample (temperature 0 is --decoding greedy)"
+            )
         self.sampling.validate()
         checks = [
             (self.num_beams >= 1, f"--num_beams {self.num_beams}: must be at least 1"),

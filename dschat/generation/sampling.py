@@ -41,7 +41,9 @@ class SamplingConfig:
         flag = {f.name: f"--{f.name}" for f in fields(self)} | (flags or {})
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens", "must be at least 1"),
-            (self.temperature > 0, "temperature", "must be > 0 (use greedy decoding for 0)"),
+            # greedy never reads it, and 0 is the usual way to say greedy
+            (self.temperature > 0 or (not self.do_sample and self.temperature == 0), "temperature",
+             "must be > 0 (sampling divides the logits by it)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
             (0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]"),

@@ -31,6 +31,21 @@ def test_bad_options_name_their_flag(kwargs, flag):
         DecodeOptions(**kwargs).validate()
 
 
+def test_temperature_zero_is_greedy_and_refused_only_for_sampling():
+    """``--decoding greedy --temperature 0`` (the usual way to say greedy) was refused with the advice to
+    use greedy decoding; greedy, beam and contrastive search do not read the temperature."""
+    for strategy in ("greedy", "beam", "contrastive"):
+        opts = DecodeOptions(strategy, temperature=0.0, top_k=4 if strategy == "contrastive" else 0)
+        assert opts.validate().generate_kwargs()["temperature"] is None
+    with pytest.raises(
+        UserError,
+        match=r"--temperature 0.0: must be > 0 for --decoding sample \(temperature 0 is --decoding greedy\)",
+    ):
+        DecodeOptions("sample", temperature=0.0).validate()
+    with pytest.raises(UserError, match=r"--temperature -1\.0: must be > 0"):
+        DecodeOptions("greedy", temperature=-1.0).validate()
+
+
 def test_generate_kwargs():
     greedy = DecodeOptions().generate_kwargs()
     assert greedy["do_sample"] is False and greedy["num_beams"] == 1 and greedy["top_k"] is None
