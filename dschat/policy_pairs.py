@@ -168,19 +168,25 @@ def best_worst_pairs(
 
     prompts (P,); answers, scores, cut_off (P * k,), grouped by prompt. A cut-off answer never becomes
     chosen: DPO's chosen side ends with the end-of-turn token, so it would teach ending mid-sentence (and
-    a longer budget would have written more). Empty answers are left out. Ties go to the first answer.
+    a longer budget would have written more). Empty answers are left out. Copies of one text (once
+    stripped) are one answer scored by their mean (copies differ only by batch rounding), and a text is
+    cut off if any copy is. Ties go to the first answer.
     """
     if not (len(answers) == len(scores) == len(cut_off) == len(prompts) * k):
         raise ValueError(f"{len(prompts)} prompts x k={k} need {len(prompts) * k} answers, scores and flags")
     out, margins = [], []
     for i, prompt in enumerate(prompts):
-        group = [j for j in range(i * k, (i + 1) * k) if answers[j].strip()]
-        ended = [j for j in group if not cut_off[j]]
+        copies: dict[str, list[int]] = {}  # text -> its answers' indices, first seen first
+        for j in range(i * k, (i + 1) * k):
+            if answers[j].strip():
+                copies.setdefault(answers[j].strip(), []).append(j)
+        score = {js[0]: sum(scores[j] for j in js) / len(js) for js in copies.values()}
+        ended = [js[0] for js in copies.values() if not any(cut_off[j] for j in js)]
         if not ended:
             continue
-        best = max(ended, key=lambda j: (scores[j], -j))
-        worst = min(group, key=lambda j: (scores[j], j))
-        margin = scores[best] - scores[worst]
+        best = max(ended, key=lambda j: (score[j], -j))
+        worst = min(score, key=lambda j: (score[j], j))
+        margin = score[best] - score[worst]
         # a tie says nothing about which is better (only that one was cut off): no pair
         if answers[best].strip() == answers[worst].strip() or margin <= 0 or margin < min_margin:
             continue

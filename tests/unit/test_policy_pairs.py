@@ -152,6 +152,17 @@ def test_best_worst_pairs_by_hand():
         best_worst_pairs(["a", "b"], [" x"] * 5, [0.0] * 5, [False] * 5, 3, 0.0)
 
 
+def test_best_worst_pairs_score_one_text_once():
+    """Copies of one answer text are one answer (their scores differ only by batch rounding, or by
+    nothing): it was best by one copy and worst by the other, and the prompt gave no pair although
+    another text scored between them. Now each text takes its copies' mean score."""
+    answers, cut = [" A", " A ", " B"], [False] * 3
+    pairs, margins = best_worst_pairs(["p"], answers, [0.50, 0.30, 0.45], cut, 3, 0.0)
+    assert [(p.chosen, p.rejected) for p in pairs] == [(" B", " A")] and margins == pytest.approx([0.05])
+    pairs, margins = best_worst_pairs(["p"], answers, [0.50, 0.46, 0.45], cut, 3, 0.0)
+    assert [(p.chosen, p.rejected) for p in pairs] == [(" A", " B")] and margins == pytest.approx([0.03])
+
+
 def test_text_replies_say_which_answers_ran_out_of_tokens(tmp_path):
     # A model that answers " 579" then EOS: cut off with a budget of 2 new tokens, ended with 8; one that
     # cycles ":579:579..." never ends.
