@@ -217,7 +217,10 @@ def _load_plain(path: Path, flag: str):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = ""
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config draws initial weights (then overwritten): the run's seeded generator must not see whether
+    # this run converted the file or found it converted
+    with torch.random.fork_rng(devices=[]):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.tie_weights()
     if tokenizer.pad_token is None:
@@ -287,7 +290,10 @@ def hub_snapshot(name: str) -> str | None:
         return None
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
     try:
-        return snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+        cached = snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+        # a tokenizer or config lookup caches a snapshot without weights: that is not the model
+        if any(Path(cached).glob("*.safetensors")) and (Path(cached) / "config.json").is_file():
+            return cached
     except Exception:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False") or not _hub_reachable():

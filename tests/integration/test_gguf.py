@@ -257,3 +257,31 @@ def test_an_offline_alias_prefers_the_hub_copy_in_the_hugging_face_cache(
         assert Path(resolve("org/Cached-Instruct")) == snapshot
     assert "org/Cached-Instruct: using the Hugging Face Hub copy at" in caplog.text
     assert not [e for e in _entries(cache) if "gguf" in e]  # nothing converted
+
+
+def test_converting_a_gguf_file_leaves_the_random_state_alone(cache, micro_gguf):
+    """The conversion builds a model from its config (random initial weights): it drew from the global
+    generator after the step had seeded it, so a run's LoRA, value-head and dropout draws differed between
+    its first use of a GGUF file (converting) and every later one (a cache hit)."""
+    torch.manual_seed(0)
+    resolve(str(micro_gguf))  # converts
+    converting = torch.rand(3)
+    torch.manual_seed(0)
+    resolve(str(micro_gguf))  # a cache hit
+    assert torch.equal(converting, torch.rand(3))
+
+
+def test_a_partial_hub_cache_is_not_taken_for_the_hub_copy(cache, tmp_path, monkeypatch, micro_gguf):
+    """A Hugging Face cache holding only a model's config (left by a tokenizer or config lookup) is not
+    the model: the offline alias falls back to its packaged GGUF instead of failing to load weights."""
+    import huggingface_hub.constants as hub_constants
+
+    hub = tmp_path / "hf-hub"
+    snapshot = hub / "models--org--Partial-Instruct" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(materialize("builtin:micro-llama")) / "config.json", snapshot / "config.json")
+    (hub / "models--org--Partial-Instruct" / "refs").mkdir()
+    (hub / "models--org--Partial-Instruct" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert gguf.hub_snapshot("org/Partial-Instruct") is None
