@@ -62,16 +62,27 @@ def top_block_names(model: nn.Module, k: int) -> list[str]:
     return [f"{name}.{i}" for i in range(first, len(blocks))]
 
 
+def input_side(module_name: str) -> bool:
+    """Whether a module outside the decoder blocks runs before them, besides the embedding tables: in
+    transformers' models such modules are named for the embeddings (BLOOM's ``word_embeddings_layernorm``,
+    ``embed_norm``, ``embedding_layernorm`` ...) or are OPT's ``project_in`` (the embeddings projected up to
+    the hidden size, as in OPT-350m)."""
+    leaf = module_name.rsplit(".", 1)[-1].lower()
+    return leaf == "project_in" or "emb" in leaf
+
+
 def freeze_below(model: nn.Module, k: int, *, flag: str = "--trainable_layers") -> dict[str, int]:
-    """Freeze the embeddings (input, output and position) and every decoder block below the top ``k``;
-    nothing is unfrozen (so a frozen LoRA base stays frozen). Returns parameter counts
-    ``{"trainable", "total", "layers", "trainable_layers"}``."""
+    """Freeze the embeddings (input, output and position), what runs between them and the first block
+    (:func:`input_side`) and every decoder block below the top ``k``; nothing is unfrozen (so a frozen
+    LoRA base stays frozen). Returns parameter counts ``{"trainable", "total", "layers", "trainable_layers"}``."""
     name, blocks = decoder_layers(model)
     if k > len(blocks):
         raise UserError(f"{flag} {k}: the model has only {len(blocks)} decoder layers")
     first = len(blocks) - k
     frozen_blocks = {f"{name}.{i}." for i in range(first)}
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    embeddings |= {id(p) for mname, m in model.named_modules()
+                   if input_side(mname) and not mname.startswith(f"{name}.") for p in m.parameters()}  # fmt: skip
     out_emb = _output_embeddings(model)
     if out_emb is not None:
         embeddings |= {id(p) for p in out_emb.parameters()}

@@ -56,6 +56,32 @@ def test_backward_stops_at_the_first_trainable_layer():
     assert seen == [2]  # no gradient flows into the frozen blocks below
 
 
+def test_what_runs_before_the_first_block_is_frozen_too():
+    """OPT-350m's projection of the embeddings up to the hidden size and BLOOM's layer norm of the
+    embeddings run before block 0: left trainable, a weight below the top K trained and the backward pass
+    ran through every frozen block. Their final norm (and OPT's projection back down) run after the blocks
+    and train."""
+    from transformers import BloomConfig, BloomForCausalLM, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, word_embed_proj_dim=8, ffn_dim=32,
+                                   num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=32))  # fmt: skip
+    freeze_below(opt, 1)
+    names = trainable(opt)
+    assert "model.decoder.project_in.weight" not in names and "model.decoder.project_out.weight" in names
+    assert "model.decoder.final_layer_norm.weight" in names
+    assert not [n for n in names if n.startswith(("model.decoder.layers.0.", "model.decoder.layers.1."))]
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=3, n_head=2))
+    freeze_below(bloom, 1)
+    names = trainable(bloom)
+    assert not [n for n in names if "word_embeddings_layernorm" in n] and "transformer.ln_f.weight" in names
+    seen = []
+    for i, block in enumerate(bloom.transformer.h):
+        block.register_full_backward_hook(lambda m, gi, go, i=i: seen.append(i))
+    bloom(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert seen == [2]
+
+
 def test_lora_goes_into_the_top_layers_only():
     model = llama()
     peft = inject_lora(model, dim=2, only_optimize_lora=True, within=top_block_names(model, 1))

@@ -199,12 +199,15 @@ def test_a_deeper_trunk_replays_the_full_forward_whatever_the_layer_types(tokeni
 
 
 def test_something_trainable_before_the_blocks_shares_nothing(tokenizer):
-    """OPT-350m's shape: a projection between the embeddings and the blocks, which --trainable_layers
-    leaves trainable. Traced on a one-token forward; frozen, it is compared like the embeddings."""
+    """OPT-350m's shape: a projection between the embeddings and the blocks (--trainable_layers freezes
+    it; a LoRA adapter or another freezing could leave it trainable). Traced on a one-token forward;
+    frozen, it is compared like the embeddings."""
     reference = tiny("opt", len(tokenizer))
     actor = copy.deepcopy(reference).requires_grad_(True)
     freeze_below(actor, 1)
-    assert actor.model.decoder.project_in.weight.requires_grad
+    assert not actor.model.decoder.project_in.weight.requires_grad
+    assert T.shared_depth([actor, reference]) == 3
+    actor.model.decoder.project_in.requires_grad_(True)
     assert T.shared_depth([actor, reference]) == 0 and T.shared_depth([actor]) == 0
     actor.model.decoder.project_in.requires_grad_(False)
     assert T.shared_depth([actor, reference]) == 3
