@@ -201,9 +201,12 @@ class EvalMemo:
     first forward of a batch records the hidden states above the model's frozen bottom (its own
     :func:`shared_depth`), and every later forward of that batch starts there and runs only the trained top
     blocks. Keyed by the content of the call's tensors; everything else is ``model``'s (``memo.eval()``,
-    ``memo.device``). The first replay is also run in full and compared (:func:`dschat.lm.within_rounding`,
-    collective: every rank evaluates its first repeated batch at the same point); where they differ the
-    memo stops, with a warning. No frozen bottom (or ZeRO-3): every forward runs in full.
+    ``memo.device``). Each evaluation runs inside ``with memo.evaluation():``. The first evaluation replays
+    nothing (a batch met twice in it runs twice); the first batch of the second is replayed and also run in
+    full and compared (:func:`dschat.lm.within_rounding`, collective: every rank reaches that batch
+    together, where a rank's first repeated batch could come in its first evaluation while its peers had
+    none); where they differ the memo stops, with a warning. No frozen bottom (or ZeRO-3): every forward
+    runs in full.
 
     Memory: one ``(rows, T, hidden)`` tensor per distinct batch, in the model's dtype."""
 
@@ -211,7 +214,19 @@ class EvalMemo:
         self.model, self.what = model, what
         self.depth = shared_depth([model])
         self.kept: dict[bytes, Trunk] = {}
+        self.evaluations = 0  # begun
         self.checked = False
+        self.first_call = False  # the next call is its evaluation's first
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """One evaluation's forwards (every rank runs the same number of evaluations)."""
+        self.evaluations += 1
+        self.first_call = True
+        try:
+            yield
+        finally:
+            self.first_call = False
 
     def __getattr__(self, name: str):  # only for names not set in __init__
         if name == "model":
@@ -230,30 +245,40 @@ class EvalMemo:
         return h.digest()
 
     def __call__(self, *args, **kwargs):
+        first, self.first_call = self.first_call, False
         if not self.depth:
             return self.model(*args, **kwargs)
         key = self._key(args, kwargs)
         trunk = self.kept.get(key)
+        if not self.checked and first and self.evaluations > 1:
+            self.checked = True  # every rank, at the second evaluation's first batch
+            replayed = None
+            if trunk is not None:
+                with replay(self.model, trunk):
+                    replayed = self.model(*args, **kwargs)
+            return self._check(replayed, self.model(*args, **kwargs))
         if trunk is None:
             with capture(self.model, [self.depth]) as trunks:
                 out = self.model(*args, **kwargs)
             if trunks[self.depth].hidden is not None:
                 self.kept[key] = trunks[self.depth]
             return out
+        if not self.checked:  # met again before the check: in full
+            return self.model(*args, **kwargs)
         with replay(self.model, trunk):
-            out = self.model(*args, **kwargs)
-        if not self.checked:
-            self.checked = True
-            return self._check(out, self.model(*args, **kwargs))
-        return out
+            return self.model(*args, **kwargs)
 
-    def _check(self, replayed: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        ok, diff = replay_agrees(replayed, full, self.model)
+    def _check(self, replayed: torch.Tensor | None, full: torch.Tensor) -> torch.Tensor:
+        """``replayed`` None: this rank had not kept the batch (nothing to compare; the memo stops)."""
+        if replayed is None:  # still collective: the peers decide with this rank
+            ok, diff = within_rounding(float("inf"), next(unwrap(self.model).parameters()).dtype)
+        else:
+            ok, diff = replay_agrees(replayed, full, self.model)
         if ok:
             LOG.info("%s: repeated batches start above the frozen bottom %d blocks (max difference %.1e)",
                      self.what, self.depth, diff)  # fmt: skip
             return replayed
-        LOG.warning("%s: the kept hidden states differ from the full pass by %.3g; computing it in full",
-                    self.what, diff)  # fmt: skip
+        LOG.warning("%s: the kept hidden states differ from the full pass by %.3g (on some rank); computing it "
+                    "in full", self.what, diff)  # fmt: skip
         self.depth, self.kept = 0, {}
         return full

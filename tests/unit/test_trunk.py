@@ -271,17 +271,22 @@ def test_an_evaluation_memo_runs_a_repeated_batch_above_the_frozen_bottom_only(t
     memo = T.EvalMemo(Engine(rm), "test")
     calls = counting(rm.model)
     assert memo.depth == 1 and memo.device == torch.device("cpu")  # the engine's attributes show through
-    first = memo(ids, mask)
-    assert calls[0] == 1
-    with caplog.at_level("INFO", logger="dschat"):
+    with memo.evaluation():
+        first = memo(ids, mask)
+        assert calls[0] == 1
+        assert torch.equal(memo(ids, mask), first) and calls[0] == 2  # the first evaluation replays nothing
+    with memo.evaluation(), caplog.at_level("INFO", logger="dschat"):
         again = memo(ids, mask)  # replayed, and once in full for the check
-    assert calls[0] == 2 and torch.equal(again, first) and "above the frozen bottom 1 blocks" in caplog.text
-    assert torch.equal(memo(ids, mask), first) and calls[0] == 2  # replayed alone
+        assert (
+            calls[0] == 3 and torch.equal(again, first) and "above the frozen bottom 1 blocks" in caplog.text
+        )
+        assert torch.equal(memo(ids, mask), first) and calls[0] == 3  # replayed alone
     with torch.no_grad():
         rm.model.model.layers[1].mlp.up_proj.weight.mul_(1.5)  # the top block trains between evaluations
-    assert torch.equal(memo(ids, mask), rm(ids, mask)) and calls[0] == 3  # replayed; then the full pass
-    memo(ids.flip(0), mask)
-    assert calls[0] == 4  # a batch not seen before runs in full
+    with memo.evaluation():
+        assert torch.equal(memo(ids, mask), rm(ids, mask)) and calls[0] == 4  # replayed; then the full pass
+        memo(ids.flip(0), mask)
+        assert calls[0] == 5  # a batch not seen before runs in full
     free = T.EvalMemo(Engine(micro_llama(len(tokenizer))), "test")
     assert free.depth == 0 and torch.equal(free(input_ids=ids).logits, free.model(input_ids=ids).logits)
 
@@ -290,12 +295,37 @@ def test_an_evaluation_memo_that_does_not_reproduce_the_model_stops_with_a_warni
     _, _, rm = models(tokenizer)
     ids, mask, _ = prompts(tokenizer)
     memo = T.EvalMemo(Engine(rm), "test")
-    full = memo(ids, mask)
+    with memo.evaluation():
+        full = memo(ids, mask)
     [kept] = memo.kept.values()
     kept.hidden += 1.0  # what a model that does more than its blocks say would look like
-    with caplog.at_level("WARNING", logger="dschat"):
+    with memo.evaluation(), caplog.at_level("WARNING", logger="dschat"):
         assert torch.equal(memo(ids, mask), full)  # the full pass's values, not the replayed ones
     assert "computing it in full" in caplog.text and memo.depth == 0 and not memo.kept
+
+
+def _memo_on_a_rank(rank: int) -> list[int]:
+    from dschat.models.builtin import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    _, _, rm = models(tokenizer)
+    ids, mask, _ = prompts(tokenizer)
+    other = (ids.flip(0), mask.flip(0))
+    memo = T.EvalMemo(Engine(rm), "test")
+    calls = counting(rm.model)
+    for _ in range(2):  # two evaluations of the same batches; rank 0 has a batch twice, rank 1 does not
+        with memo.evaluation():
+            memo(ids, mask)
+            memo(*((ids, mask) if rank == 0 else other))
+    return [calls[0], memo.depth]
+
+
+def test_an_evaluation_memo_checks_on_every_rank_together():
+    """The replay check is collective: it ran at each rank's first repeated batch, so a rank that met a
+    batch twice within the first evaluation (duplicate held-out pairs, a policy giving the same answers)
+    waited in the reduction for a peer that had none. Every rank now checks at the first batch of the
+    second evaluation. Two real gloo ranks; 2 + 1 full passes each (the second evaluation's check)."""
+    assert on_two_ranks(_memo_on_a_rank, timeout=60) == {0: [3, 1], 1: [3, 1]}
 
 
 def count_actor_passes(ppo) -> list[int]:

@@ -207,7 +207,7 @@ class RankingEval:
 
     def __call__(self, step: int) -> dict[str, float]:
         t = time.perf_counter()
-        with self.timer("eval"):
+        with self.timer("eval"), self.engine.evaluation():
             ev = evaluate_ranking(self.engine, self.evals)
             ev["scoring_samples_per_sec"] = 2 * ev["pairs"] / max(time.perf_counter() - t, 1e-9)
             if self.policy_evals:  # held-out pairs whose rejected answer the policy itself wrote
