@@ -20,7 +20,7 @@ import torch
 
 from dschat.config import DPOArgs
 from dschat.data.packing import CUSTOM_MASK_ATTENTION, drop_packed, stop_packing
-from dschat.lm import eval_batches, packed_token_logprobs, target_logits, within_rounding
+from dschat.lm import eval_batches, packed_token_logprobs, target_count, target_logits, within_rounding
 from dschat.losses import DPOLoss, dpo_loss, token_nll
 from dschat.models.layers import unwrap
 from dschat.ranking import ranking_metrics, ranking_sums
@@ -38,7 +38,21 @@ class ResponseLogps:
     rejected: torch.Tensor
     chosen_tokens: torch.Tensor  # how many tokens were summed
     rejected_tokens: torch.Tensor
-    chosen_nll_mean: torch.Tensor  # () mean NLL per chosen token over the batch (the SFT term)
+
+    @property
+    def chosen_nll_mean(self) -> torch.Tensor:
+        """() mean NLL per chosen token over the batch."""
+        return -self.chosen.sum() / self.chosen_tokens.sum().clamp_min(1.0)
+
+
+def chosen_targets(batch: dict[str, torch.Tensor]) -> int:
+    """The chosen answers' target tokens in a batch of :func:`response_logps` (rows: chosen then rejected;
+    packed or not): what the SFT term of an optimizer step is a mean over (``LoopSpec.targets``)."""
+    if "target_valid" in batch:
+        valid = batch["target_valid"]
+        return int(valid[: valid.shape[0] // 2].sum())
+    labels = batch["labels"]
+    return int(target_count(labels[: labels.shape[0] // 2]))
 
 
 def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLogps:
@@ -62,7 +76,7 @@ def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLog
         )
         nll, n = token_nll(logits, labels)  # (2B,), (2B,)
     b = nll.shape[0] // 2
-    return ResponseLogps(-nll[:b], -nll[b:], n[:b], n[b:], nll[:b].sum() / n[:b].sum().clamp_min(1.0))
+    return ResponseLogps(-nll[:b], -nll[b:], n[:b], n[b:])
 
 
 @torch.no_grad()
@@ -163,15 +177,25 @@ def reference_table(
     return table.float()
 
 
-def pair_loss(lp: ResponseLogps, ref: torch.Tensor, hp: DPOArgs) -> tuple[torch.Tensor, DPOLoss]:
+def pair_loss(
+    lp: ResponseLogps, ref: torch.Tensor, hp: DPOArgs, sft_tokens: float | None = None
+) -> tuple[torch.Tensor, DPOLoss]:
     """The training objective of one batch: DPO (``ref (B, 2)`` from :func:`reference_table`) plus
-    ``sft_coef`` times the chosen answers' NLL per token. Returns (loss, the DPO part's details)."""
+    ``sft_coef`` times the chosen answers' NLL per token. Returns (loss, the DPO part's details).
+
+    ``sft_tokens``: the tokens the NLL is divided by; default this batch's chosen tokens. A micro-batch
+    of an optimizer step passes the step's count (:func:`chosen_targets` over every micro-batch and rank)
+    over ranks x accumulation, which DeepSpeed averages: the step's SFT term is then the mean over all its
+    chosen tokens, whatever the split, as step 1's loss is (a mean per micro-batch weighs a token by how
+    few others share its micro-batch)."""
     ref = ref.to(lp.chosen.device)
     out = dpo_loss(lp.chosen, lp.rejected, ref[:, 0], ref[:, 1], beta=hp.beta, loss_type=hp.dpo_loss,
                    label_smoothing=hp.label_smoothing, chosen_tokens=lp.chosen_tokens,
                    rejected_tokens=lp.rejected_tokens)  # fmt: skip
-    loss = out.loss + hp.sft_coef * lp.chosen_nll_mean if hp.sft_coef else out.loss
-    return loss, out
+    if not hp.sft_coef:
+        return out.loss, out
+    tokens = lp.chosen_tokens.sum().clamp_min(1.0) if sft_tokens is None else max(sft_tokens, 1e-9)
+    return out.loss + hp.sft_coef * (-lp.chosen.sum()) / tokens, out
 
 
 @torch.no_grad()

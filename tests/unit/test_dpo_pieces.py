@@ -322,3 +322,31 @@ def test_a_separate_reference_that_mis_scores_packed_pairs_gets_separate_rows(mo
     assert not ref_collate.share_prompt and "packed_input_ids" not in ref_collate(feats)
     assert collate.share_prompt  # the policy's own collator is left as it was
     assert "the reference model" in caplog.text
+
+
+def test_the_sft_term_is_a_mean_over_the_optimizer_steps_chosen_tokens():
+    """--sft_coef's term was the chosen NLL per token of each micro-batch, so the objective depended on how
+    a global batch was split into ranks and accumulation (a per-token mean of each part, then averaged).
+    With the step's chosen-token count (divided by the parts, which DeepSpeed averages) the parts' mean is
+    the whole batch's loss. Two pairs: chosen NLL 20 over 10 tokens and 1 over 1 token."""
+    from dschat.config import DPOArgs
+    from dschat.dpo import ResponseLogps, chosen_targets, pair_loss
+
+    hp = DPOArgs(beta=0.1, sft_coef=1.0)
+    chosen, rejected = torch.tensor([-20.0, -1.0]), torch.tensor([-30.0, -3.0])
+    ntok_c, ntok_r = torch.tensor([10.0, 1.0]), torch.tensor([12.0, 2.0])
+    ref = torch.tensor([[-21.0, -29.0], [-1.5, -2.0]])
+
+    def part(rows: slice) -> ResponseLogps:
+        return ResponseLogps(chosen[rows], rejected[rows], ntok_c[rows], ntok_r[rows])
+
+    whole, out = pair_loss(part(slice(0, 2)), ref, hp)
+    # DPO term: mean over the pairs; SFT term: (20 + 1) / 11 tokens
+    assert math.isclose(float(whole), float(out.loss) + 21 / 11, rel_tol=1e-6)
+    halves = [pair_loss(part(slice(i, i + 1)), ref[i : i + 1], hp, sft_tokens=11 / 2)[0] for i in (0, 1)]
+    assert math.isclose(float(sum(halves) / 2), float(whole), rel_tol=1e-6)
+    # the count a micro-batch adds to the step's: its chosen rows' target tokens (the first half of the rows)
+    x = IGNORE_INDEX
+    labels = torch.tensor([[x, 5, 6, 9], [x, x, 7, 9], [x, 8, 9, x], [x, 8, 8, 9]])
+    assert chosen_targets({"labels": labels}) == 5
+    assert chosen_targets({"target_valid": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])}) == 3
