@@ -28,12 +28,28 @@ DROPOUT_KEYS = (
 )  # fmt: skip
 
 
-def has_value_head(path: str) -> bool:
-    """True if ``path`` holds a saved sequence-classification model with one label (a reward model)."""
+def read_config_json(path: str, flag: str = "") -> dict | None:
+    """A model directory's ``config.json`` as a dict; None where there is none. A file that is not a JSON
+    object (truncated by an interrupted save, say) is one line naming it."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        cfg, why = None, first_line(exc)
+    else:
+        why = f"a JSON {type(cfg).__name__}"
+    if not isinstance(cfg, dict):
+        raise UserError(f"{flag + ' ' if flag else ''}{cfg_path}: not a JSON object ({why})")
+    return cfg
+
+
+def has_value_head(path: str) -> bool:
+    """True if ``path`` holds a saved sequence-classification model with one label (a reward model)."""
+    cfg = read_config_json(path)
+    if cfg is None:
         return False
-    cfg = json.loads(cfg_path.read_text())
     archs = cfg.get("architectures") or []
     return (
         any(a.endswith("ForSequenceClassification") for a in archs)
@@ -61,6 +77,8 @@ def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
 def load_config(path: str, *, trust_remote_code: bool = False, flag: str = "--model_name_or_path"):
     from transformers import AutoConfig
 
+    if os.path.isdir(path):
+        read_config_json(path, flag)  # transformers' own errors call a broken one missing
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

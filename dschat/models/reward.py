@@ -9,11 +9,9 @@ and gives the same scores.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,7 +26,7 @@ from dschat.data.packing import (
 )
 from dschat.losses import gather_last
 from dschat.models.attention import use_fast_attention
-from dschat.models.loading import apply_dropout, has_value_head, load_config
+from dschat.models.loading import apply_dropout, has_value_head, load_config, read_config_json
 from dschat.utils import dist
 from dschat.utils.errors import UserError, first_line
 
@@ -88,8 +86,7 @@ class ScoreNormalization:
     @classmethod
     def read(cls, path: str, flag: str) -> ScoreNormalization:
         """A saved reward model's normalisation (``path``: its directory), or one line saying it has none."""
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        stats = cfg.get(cls.CONFIG_KEY)
+        stats = (read_config_json(path, flag) or {}).get(cls.CONFIG_KEY)
         if (
             not isinstance(stats, dict)
             or not {"mean", "std", "source", "n"} <= set(stats)

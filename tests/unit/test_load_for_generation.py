@@ -78,6 +78,19 @@ def test_paths_that_are_not_generating_models(tmp_path):
         load_for_generation("builtin:nope")
 
 
+@pytest.mark.parametrize("text", ['{"model_type": "llama", ', "[]", "null"])
+def test_a_broken_config_json_is_one_line(tmp_path, text):
+    """A truncated config.json was a JSONDecodeError traceback, a list an AttributeError, and the model
+    loaders called the directory one 'without a config.json'."""
+    from dschat.models.loading import has_value_head, load_config
+
+    (tmp_path / "config.json").write_text(text)
+    for call in (lambda: load_for_generation(str(tmp_path)), lambda: has_value_head(str(tmp_path)),
+                 lambda: load_config(str(tmp_path))):  # fmt: skip
+        with pytest.raises(UserError, match=r"config\.json: not a JSON object"):
+            call()
+
+
 def test_inference_dtype():
     assert inference_dtype("auto", "cpu") == torch.float32
     assert inference_dtype("bf16", "cpu") == torch.bfloat16
