@@ -265,7 +265,9 @@ DPO_LOSSES = ("sigmoid", "ipo")
 class DPOLoss:
     loss: torch.Tensor  # () mean over pairs
     losses: torch.Tensor  # (B,) per pair
-    chosen_rewards: torch.Tensor  # (B,) implicit reward beta * (log pi - log ref) of the chosen answer
+    chosen_rewards: (
+        torch.Tensor
+    )  # (B,) implicit reward beta * (log pi - log ref) of the chosen answer (IPO: per token)
     rejected_rewards: torch.Tensor  # (B,) the same of the rejected answer
 
 
@@ -289,7 +291,8 @@ def dpo_loss(
     label_smoothing`` > 0 is conservative DPO (a share of the labels assumed flipped);
     ``ipo``: ``(h - 1 / (2 beta))^2`` on log-probs averaged over each response's tokens
     (``chosen_tokens``, ``rejected_tokens`` (B,)), which bounds the margin instead of pushing it to
-    infinity. Implicit rewards are ``beta * (log pi - log ref)`` of the whole response.
+    infinity. Implicit rewards are ``beta * (log pi - log ref)`` of the whole response (``sigmoid``) or
+    per token (``ipo``, as its loss compares them), so that they rank a pair as the loss does.
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"loss_type {loss_type!r}: one of {DPO_LOSSES}")
@@ -302,6 +305,7 @@ def dpo_loss(
         nc, nr = chosen_tokens.float().clamp_min(1), rejected_tokens.float().clamp_min(1)
         h = (pc - rc) / nc - (pr - rr) / nr
         loss = (h - 1 / (2 * beta)) ** 2
+        chosen_rewards, rejected_rewards = chosen_rewards / nc, rejected_rewards / nr
     else:
         h = (pc - rc) - (pr - rr)
         loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)

@@ -45,6 +45,17 @@ def test_ipo_on_token_averaged_logprobs():
         dpo_loss(PC, PR, RC, RR, beta=0.1, loss_type="ipo")
 
 
+def test_ipo_rewards_rank_as_its_loss_does():
+    """IPO compares log-ratios per token; its implicit rewards (accuracy, margins) were the whole
+    answers' log-ratios, which can rank a pair the other way. Chosen: +1 over 10 tokens (0.1 a token);
+    rejected: +5 over 100 tokens (0.05 a token): IPO prefers the chosen answer, and so do its rewards."""
+    out = dpo_loss(torch.tensor([-9.0]), torch.tensor([-95.0]), torch.tensor([-10.0]), torch.tensor([-100.0]),
+                   beta=0.5, loss_type="ipo", chosen_tokens=torch.tensor([10]), rejected_tokens=torch.tensor([100]))  # fmt: skip
+    assert out.chosen_rewards.tolist() == pytest.approx(
+        [0.05]
+    ) and out.rejected_rewards.tolist() == pytest.approx([0.025])
+
+
 def test_gradient_raises_chosen_lowers_rejected():
     pc, pr = PC.clone().requires_grad_(), PR.clone().requires_grad_()
     dpo_loss(pc, pr, RC, RR, beta=0.1).loss.backward()
