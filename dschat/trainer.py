@@ -26,6 +26,7 @@ from dschat.config import DeepSpeedArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
 from dschat.engine.checkpoint import (
+    agreed_latest_tag,
     export_hf_model,
     latest_tag,
     load_checkpoint,
@@ -193,7 +194,7 @@ def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
     if not run.resume:
         return state
     root = Path(run.output_dir) / "checkpoints"
-    tag = latest_tag(root)
+    tag = agreed_latest_tag(root)
     if tag is None:
         raise UserError(f"--resume: {root}/latest names no complete checkpoint")
     saved = load_checkpoint(engine, root, tag)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dschat.utils import dist
+from dschat.utils.errors import UserError
 from dschat.utils.io import atomic_save_tensors, atomic_write_text, replace_dir
 
 LOG = logging.getLogger("dschat")
@@ -81,6 +82,24 @@ def latest_tag(root: str | Path) -> str | None:
     except OSError:
         return None
     return tag if TAG_RE.match(tag) and (root / tag).is_dir() else None
+
+
+def agreed_latest_tag(root: str | Path) -> str | None:
+    """:func:`latest_tag`, the same on every rank or a :class:`UserError` on every rank (collective). With
+    ``--node_local_storage`` each node reads its own ``latest``, and a node stopped between its peers'
+    saves names an older checkpoint, or none: resuming from different steps would go on with different
+    weights (ZeRO-0/1/2) or leave the ranks with a checkpoint waiting for the others in the load."""
+    tag = latest_tag(root)
+    step = int(TAG_RE.match(tag)[1]) if tag is not None else -1
+    neg_low, high = dist.all_reduce_max([-step, step])
+    if -neg_low != high:
+        low = "none" if neg_low == 1 else f"step{int(-neg_low)}"
+        raise UserError(
+            f"--resume: the ranks' latest checkpoints differ ({low} on some, step{int(high)} on others; with "
+            "--node_local_storage each node keeps its own): give every node the same checkpoint, or start over "
+            "with --overwrite"
+        )
+    return tag
 
 
 def load_checkpoint(engine, root: str | Path, tag: str) -> dict[str, Any]:

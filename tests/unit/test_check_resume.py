@@ -63,3 +63,37 @@ def test_step3s_prefixed_groups_are_compared_with_their_section(tmp_path):
 
 def test_nothing_to_compare_without_a_saved_configuration(tmp_path):
     check(tmp_path, STEP, ["--max_steps", "12"])
+
+
+def _tags_on_a_rank(rank: int, roots: list[str], tags: list[str | None]) -> str:
+    from pathlib import Path
+
+    from dschat.engine.checkpoint import agreed_latest_tag
+
+    root = Path(roots[rank])  # node-local storage: each node its own directory
+    root.mkdir(parents=True, exist_ok=True)
+    if tags[rank] is not None:
+        (root / tags[rank]).mkdir()
+        (root / "latest").write_text(tags[rank])
+    try:
+        return str(agreed_latest_tag(root))
+    except UserError as e:
+        return f"UserError: {e}"
+
+
+@pytest.mark.parametrize(("tags", "agreed"), [(["step4", "step4"], "step4"), (["step2", "step4"], None),
+                                               (["step4", None], None), ([None, None], "None")])  # fmt: skip
+def test_every_rank_resumes_from_the_same_checkpoint(tmp_path, tags, agreed):
+    """With --node_local_storage each node read its own ``latest``: a node stopped between its peers'
+    saves resumed from an older checkpoint (ZeRO-0/1/2: the ranks went on with different weights), and a
+    node without one refused while its peers waited in the collective load. All ranks agree or all refuse."""
+    from tests.unit.gloo import on_two_ranks
+
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    out = on_two_ranks(_tags_on_a_rank, roots, tags, timeout=60)
+    if agreed is not None:
+        assert out == {0: agreed, 1: agreed}
+    else:
+        assert out[0] == out[1] and out[0].startswith(
+            "UserError: --resume: the ranks' latest checkpoints differ"
+        )
