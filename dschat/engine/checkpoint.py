@@ -45,7 +45,9 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
     root = Path(root)
     tag, tmp_tag = f"step{step}", f".tmp-step{step}"
     if dist.is_node_writer():
-        shutil.rmtree(root / tmp_tag, ignore_errors=True)
+        # what a killed save left (of this step or another): one save runs at a time, nothing reads these
+        for stale in root.glob(".tmp-step*") if root.is_dir() else ():
+            shutil.rmtree(stale, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     if isinstance(engine, dict):
@@ -269,6 +271,8 @@ def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | Non
         skeleton = _merged_skeleton(module, state)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.glob(".export-*"):  # a killed export's whole model; one export runs at a time
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
         try:
             if dist.rank() != 0 and hasattr(skeleton, "should_save_on_this_rank"):

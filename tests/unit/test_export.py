@@ -120,3 +120,25 @@ def test_a_second_export_into_the_same_directory_leaves_no_file_of_the_first(tmp
     names = {p.name for p in out.iterdir()}
     assert "chat_template.jinja" not in names and "model-00001-of-00002.safetensors" not in names
     assert {"model.safetensors", "config.json", "metrics.jsonl"} <= names
+
+
+def test_what_a_killed_save_left_is_removed_by_the_next(tmp_path):
+    """A save killed mid-way left a whole model in ``.export-*`` (and a checkpoint in ``.tmp-stepM``,
+    removed only when a later save reached that very step): nothing ever read them, and each held the
+    model's size on disk."""
+    from dschat.engine.checkpoint import save_checkpoint
+
+    model = _model("causal", tied=False, dtype=torch.float32)
+    out = tmp_path / "out"
+    (out / ".export-killed").mkdir(parents=True)
+    (out / ".export-killed" / "model.safetensors").write_bytes(b"half")
+    write_hf_model(model, gather_full_state_dict(model), None, out)
+    assert not [p for p in out.iterdir() if p.name.startswith(".export-")]
+
+    class Saver:  # what save_checkpoint asks of an engine: a directory per tag
+        def save_checkpoint(self, root, tag, client_state, save_latest):
+            (tmp_path / "ckpt" / tag).mkdir(parents=True)
+
+    (tmp_path / "ckpt" / ".tmp-step7").mkdir(parents=True)
+    save_checkpoint(Saver(), tmp_path / "ckpt", 4, {})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step4"]
