@@ -59,6 +59,7 @@ class TrainState:
     positions: float = 0.0  # token positions processed, padding included, all ranks
     train_seconds: float = 0.0
     global_batch_size: int = 0
+    train_examples: int = 0  # the training set's size: the data order and a resumed position follow it
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # step-specific (e.g. the KL coefficient)
 
     def to_client_state(self) -> dict[str, Any]:
@@ -187,10 +188,11 @@ def true_accuracy(
                              device=engine.device, synced_gpus=zero3, fmt=setup.fmt)  # fmt: skip
 
 
-def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
+def resume_state(engine, run: RunArgs, global_batch_size: int, examples: int = 0) -> TrainState:
     """Fresh state, or the one saved with the latest checkpoint when ``--resume`` is given. ``engine`` may
-    be a dict name -> engine (step 3 saves actor and critic together)."""
-    state = TrainState(global_batch_size=global_batch_size)
+    be a dict name -> engine (step 3 saves actor and critic together). ``examples``: the training set's
+    size (step 3: its prompts), which a resume must share with the checkpoint."""
+    state = TrainState(global_batch_size=global_batch_size, train_examples=examples)
     if not run.resume:
         return state
     root = Path(run.output_dir) / "checkpoints"
@@ -204,8 +206,15 @@ def resume_state(engine, run: RunArgs, global_batch_size: int) -> TrainState:
             f"{global_batch_size} (the data order and the schedule follow the global batch: keep per-device batch x "
             "accumulation x ranks)"
         )
+    if examples and saved.get("train_examples") and saved["train_examples"] != examples:
+        raise UserError(
+            f"--resume: checkpoint {tag} was trained on {saved['train_examples']} training examples, this run has "
+            f"{examples} (the data, or what its length limits drop, changed; the data order and the position "
+            "follow the set): resume on the same data, or start over with --overwrite"
+        )
     fields = {f.name for f in dataclasses.fields(TrainState)}
     state = TrainState(**{k: v for k, v in saved.items() if k in fields})
+    state.train_examples = examples or state.train_examples
     LOG.info("resumed from %s/%s at step %d", root, tag, state.step)
     return state
 
@@ -452,8 +461,8 @@ def start_of_run(state: TrainState, key: str, measure: Callable[[], Any]) -> Any
 
 
 def open_run(
-    engine, run: RunArgs, global_batch_size: int, resolved: dict[str, Any]
+    engine, run: RunArgs, global_batch_size: int, resolved: dict[str, Any], examples: int
 ) -> tuple[TrainState, int, MetricsLogger]:
     """The run's state (:func:`resume_state`), the step it starts from and its metrics loggers."""
-    state = resume_state(engine, run, global_batch_size)
+    state = resume_state(engine, run, global_batch_size, examples)
     return state, state.step, open_metrics(run, resolved, state)

@@ -97,3 +97,27 @@ def test_every_rank_resumes_from_the_same_checkpoint(tmp_path, tags, agreed):
         assert out[0] == out[1] and out[0].startswith(
             "UserError: --resume: the ranks' latest checkpoints differ"
         )
+
+
+def test_a_resume_on_another_training_set_is_one_line(tmp_path):
+    """The data order and the resumed position follow the training set's size: a resume on a smaller set
+    was a ValueError traceback from the sampler, one on another size continued in another order."""
+    from dschat.engine.checkpoint import save_checkpoint
+    from dschat.trainer import TrainState, resume_state
+
+    class Engine:  # what save_checkpoint and load_checkpoint ask of an engine
+        def save_checkpoint(self, root, tag, client_state, save_latest):
+            (tmp_path / "out" / "checkpoints" / tag).mkdir(parents=True)
+            (tmp_path / "client.json").write_text(json.dumps(client_state))
+
+        def load_checkpoint(self, root, tag, **kw):
+            return tag, json.loads((tmp_path / "client.json").read_text())
+
+    state = TrainState(step=4, global_batch_size=8, train_examples=100)
+    save_checkpoint(Engine(), tmp_path / "out" / "checkpoints", 4, state.to_client_state())
+    run = C.RunArgs(output_dir=str(tmp_path / "out"), resume=True)
+    assert resume_state(Engine(), run, 8, examples=100).step == 4
+    with pytest.raises(
+        UserError, match=r"--resume: checkpoint step4 was trained on 100 training examples, this run has 90"
+    ):
+        resume_state(Engine(), run, 8, examples=90)

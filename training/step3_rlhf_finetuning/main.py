@@ -237,9 +237,9 @@ def describe(o: RLHFOptions, m: Models, paths: ModelPaths, dtype: str) -> str:
             f"critic {critic}, reward {reward}, reference {reference}, dtype {dtype}, {dist.world_size()} rank(s)")  # fmt: skip
 
 
-def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int) -> T.TrainState:
+def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int, prompts: int) -> T.TrainState:
     """The run's state: fresh, or (``--resume``) the latest checkpoint's, with the KL controller's."""
-    state = T.resume_state(m.engines(), run, global_batch)
+    state = T.resume_state(m.engines(), run, global_batch, prompts)
     if m.ema is not None and run.resume:
         m.ema.restore(lambda: T.resumed_tensors(run, EMA_NAME), f"checkpoint step{state.step}")
     if PPO_PROGRESS in state.extra:
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(describe(o, m, paths, dtype))
 
     # 3. resume or start; held-out evaluation
-    state = resume(m, trainer, run, global_batch)
+    state = resume(m, trainer, run, global_batch, rounds.loader.sampler.n)
     rounds.restore_unsup_position(state)
     start_step = state.step
     metrics = T.open_metrics(run, resolved, state)
