@@ -124,10 +124,12 @@ def decode_options(args: argparse.Namespace, defaults: DecodeOptions) -> DecodeO
                          repetition_penalty=args.repetition_penalty, seed=args.seed).validate()  # fmt: skip
 
 
-def context_length(model: torch.nn.Module, tokenizer) -> int:
-    """Tokens the model can attend to: its position limit, or the tokenizer's limit when that is smaller."""
+def context_length(model, tokenizer) -> int:
+    """Tokens the model (a module, or its config) can attend to: its position limit, or the tokenizer's
+    limit when that is smaller."""
+    config = getattr(model, "config", model)
     limits = [
-        getattr(model.config, "max_position_embeddings", None),
+        getattr(config, "max_position_embeddings", None),
         getattr(tokenizer, "model_max_length", None),
     ]
     usable = [int(x) for x in limits if isinstance(x, int) and 0 < x < 10**7]

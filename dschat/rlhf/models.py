@@ -19,6 +19,7 @@ from dschat import trainer as T
 from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.engine import core as engine_core
 from dschat.engine import ds_config as dsc
+from dschat.generation.decoding import context_length
 from dschat.generation.hybrid import HybridGenerator
 from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
@@ -27,6 +28,7 @@ from dschat.models.loading import (
     check_same_tokenizer,
     has_value_head,
     load_causal_lm,
+    load_config,
     load_tokenizer,
     resolve,
 )
@@ -151,7 +153,27 @@ def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
                             "1-label sequence-classification config.json; pass a step-2 output directory)")  # fmt: skip
         check_same_tokenizer(paths.judge, "--judge_reward_model", tokenizer, owner="actor", owner_path=paths.actor,
                              trust_remote_code=o.critic.trust_remote_code)  # fmt: skip
+    check_context(o, paths, specs, tokenizer)
     return paths, tokenizer, prompt_format(tokenizer, o.data.chat_template)
+
+
+def check_context(o: RLHFOptions, paths: ModelPaths, specs: dict[str, tuple[str, str]], tokenizer) -> None:
+    """A rollout (the longest prompt and every new token) must fit every model that reads it: past a
+    learned position table (GPT-2, OPT) the first long rollout is an IndexError rounds into the run, and a
+    RoPE model runs past the context it was trained on unwarned."""
+    need = o.ppo.max_prompt_seq_len + o.ppo.max_answer_seq_len
+    for role, path in (("actor", paths.actor), ("critic", paths.critic), ("reward model", paths.reward),
+                       ("judge", paths.judge)):  # fmt: skip
+        if not path:
+            continue
+        flag = specs[role.split()[0]][1]
+        limit = context_length(
+            load_config(path, trust_remote_code=o.actor.trust_remote_code, flag=flag), tokenizer
+        )
+        if need > limit:
+            raise UserError(f"--max_prompt_seq_len {o.ppo.max_prompt_seq_len} + --max_answer_seq_len "
+                            f"{o.ppo.max_answer_seq_len} = {need}: more than the {role} ({path}) attends to "
+                            f"({limit} positions)")  # fmt: skip
 
 
 def optim_for(o: RLHFOptions, optimizer: C.OptimizerArgs) -> C.OptimArgs:

@@ -331,6 +331,13 @@ def test_bad_inputs(models, tmp_path):
     # so must the judge, checked before the engines start
     error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1"),
                f"--judge_reward_model {actor}: not a trained reward model")  # fmt: skip
+    # prompt + answer must fit what the models attend to: a learned position table (GPT-2, OPT) raised an
+    # IndexError at the first rollout that ran past it, rounds into the run, and RoPE models ran past their
+    # trained context unwarned (the built-in models: 1024 positions)
+    error_line(step3(tmp_path / "ctx", actor, rm, "--max_prompt_seq_len", "1000", "--max_answer_seq_len", "100",
+                     "--max_steps", "1"),
+               f"--max_prompt_seq_len 1000 + --max_answer_seq_len 100 = 1100: more than the actor ({actor}) "
+               "attends to (1024 positions)")  # fmt: skip
     # the PPO minibatch must divide the generated batch
     error_line(
         step3(tmp_path / "b", actor, rm, "--per_device_training_batch_size", "5", in_process=True),
