@@ -265,9 +265,8 @@ DPO_LOSSES = ("sigmoid", "ipo")
 class DPOLoss:
     loss: torch.Tensor  # () mean over pairs
     losses: torch.Tensor  # (B,) per pair
-    chosen_rewards: (
-        torch.Tensor
-    )  # (B,) implicit reward beta * (log pi - log ref) of the chosen answer (IPO: per token)
+    # (B,) implicit reward beta * (log pi - log ref) of the chosen answer (IPO: per token)
+    chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor  # (B,) the same of the rejected answer
 
 
