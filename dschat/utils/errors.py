@@ -35,7 +35,7 @@ def run_cli(main: Callable[[], int | None]) -> None:
         # Alone, nothing can wait on this rank; with peers a blocking teardown could hang on a
         # rank that did not fail, so they exit as before and the launcher ends the job.
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            _destroy_process_group()
+            _destroy_process_group(failed=True)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
@@ -54,7 +54,7 @@ def run_cli(main: Callable[[], int | None]) -> None:
     sys.exit(code or 0)
 
 
-def _destroy_process_group() -> None:
+def _destroy_process_group(failed: bool = False) -> None:
     """Tear down torch.distributed if it was started: NCCL otherwise prints a warning at exit
     ("destroy_process_group() was not called") after every run on a GPU."""
     if "torch" not in sys.modules:  # train.py and the quick tools never load torch: keep exit instant
@@ -62,4 +62,9 @@ def _destroy_process_group() -> None:
     import torch.distributed as torch_dist
 
     if torch_dist.is_available() and torch_dist.is_initialized():
+        if torch_dist.get_world_size() > 1 and not failed:
+            # Every rank ends here together. Without it one rank tore its gloo connections down while a
+            # peer was still finishing (the writing rank exporting the model), and that peer aborted at
+            # exit ("terminate called without an active exception", exit 250) after a finished run.
+            torch_dist.barrier()
         torch_dist.destroy_process_group()
