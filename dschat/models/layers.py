@@ -80,14 +80,14 @@ def freeze_below(model: nn.Module, k: int, *, flag: str = "--trainable_layers") 
         raise UserError(f"{flag} {k}: the model has only {len(blocks)} decoder layers")
     first = len(blocks) - k
     frozen_blocks = {f"{name}.{i}." for i in range(first)}
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    embeddings |= {id(p) for mname, m in model.named_modules()
+    outside = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    outside |= {id(p) for mname, m in model.named_modules()
                    if input_side(mname) and not mname.startswith(f"{name}.") for p in m.parameters()}  # fmt: skip
     out_emb = _output_embeddings(model)
     if out_emb is not None:
-        embeddings |= {id(p) for p in out_emb.parameters()}
+        outside |= {id(p) for p in out_emb.parameters()}
     for pname, p in model.named_parameters():
-        if id(p) in embeddings or any(pname.startswith(b) for b in frozen_blocks):
+        if id(p) in outside or any(pname.startswith(b) for b in frozen_blocks):
             p.requires_grad_(False)
     return parameter_counts(model) | {"layers": len(blocks), "trainable_layers": k}
 
