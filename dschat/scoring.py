@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from dschat.data.collate import pad_right
+from dschat.data.collate import length_batches, pad_right
 from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.generation.decoding import context_length
 
@@ -31,8 +31,9 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
     """(N,) scores of ``prompt + response`` by ``score_fn(input_ids, attention_mask) -> (B,)`` (right
     padded), tokenized exactly as step 2 trains (the prompt rendered by ``fmt``, default the tokenizer's
     own format; the response without an end token), scored at the last real token. Rows longer than ``max_len`` (default: the tokenizer's
-    ``model_max_length``) keep the end of their prompt. Batches are ``ceil(N / batch_size)`` calls, so
-    ranks with equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward passes)."""
+    ``model_max_length``) keep the end of their prompt. Batches hold rows of similar length
+    (:func:`~dschat.data.collate.length_batches`); they are ``ceil(N / batch_size)`` calls, so ranks with
+    equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward passes)."""
     fmt = fmt or prompt_format(tokenizer)
     p_ids, r_ids = fmt.encode_prompts(prompts), fmt.encode_responses(responses)
     limit = max_len or min(getattr(tokenizer, "model_max_length", 10**9), 10**9)
@@ -43,8 +44,8 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
             keep_bos = 1 if p and p[0] == tokenizer.bos_token_id else 0
             p = p[:keep_bos] + p[keep_bos + over :]
         rows.append((p + r)[-limit:])
-    out = []
-    for s in range(0, len(rows), batch_size):
-        batch = pad_right(rows[s : s + batch_size], tokenizer.pad_token_id)
-        out.append(score_fn(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+    scores = torch.zeros(len(rows))
+    for ix in length_batches([len(r) for r in rows], batch_size):
+        batch = pad_right([rows[i] for i in ix], tokenizer.pad_token_id)
+        scores[ix] = score_fn(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
+    return scores

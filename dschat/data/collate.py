@@ -108,6 +108,15 @@ def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices ``0..N-1`` cut into ``ceil(N / batch_size)`` batches of similar length, longest first, for
+    inference over a fixed list (scoring, answering): padded to its longest row, a batch of mixed lengths
+    spends most of its compute on padding (HH prompts run from 10 to 1000 tokens). Callers put the results
+    back in input order. Longest first, so that a row that does not fit in memory fails at once."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
 @dataclass
 class PromptCollator:
     """Left-pad prompts (generation continues from the right edge): token lists, or

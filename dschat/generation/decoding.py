@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from dschat.data.collate import length_batches
 from dschat.data.prompt_format import TURN_STOPS, cut_reply
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.stops import stop_ids_for
@@ -204,28 +205,30 @@ def generate_replies(
     """Replies (text after each prompt, cut at an invented turn, leading space kept) for token-id prompts,
     and which of them were cut off.
 
-    Prompts are left-padded into batches of ``batch_size`` for greedy, sampling and beam search, and run
-    one at a time for contrastive search. A reply ends at one of ``stop_ids`` (a format's end of turn) or
-    the model's EOS. Special tokens (EOS, padding) are not part of the text. A reply that used all
-    ``opts.max_new_tokens`` without reaching an end (EOS, an end id or a stop string) is cut off: it
-    stops mid-answer, and a judge or reward model scoring it sees an unfinished answer.
+    Prompts of similar length are left-padded into batches of ``batch_size`` for greedy, sampling and beam
+    search (the replies come back in the prompts' order), and run one at a time for contrastive search. A
+    reply ends at one of ``stop_ids`` (a format's end of turn) or the model's EOS. Special tokens (EOS,
+    padding) are not part of the text. A reply that used all ``opts.max_new_tokens`` without reaching an
+    end (EOS, an end id or a stop string) is cut off: it stops mid-answer, and a judge or reward model
+    scoring it sees an unfinished answer.
     """
     device = next(model.parameters()).device
     model.eval()
-    replies: list[list[int]] = []
+    replies: list[list[int]] = [[] for _ in prompt_ids]
     ends = set(stop_ids_for(tokenizer, stop_ids, model))  # the format's end ids and every EOS
     if opts.strategy == "contrastive":
         replies = [contrastive_search(model, p, opts, ends) for p in prompt_ids]
     else:
         pad = tokenizer.pad_token_id
-        for s in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[s : s + batch_size]
+        for ix in length_batches([len(p) for p in prompt_ids], batch_size):
+            chunk = [prompt_ids[i] for i in ix]
             width = max(len(p) for p in chunk)
             input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
             seq = model.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=pad,
                                  eos_token_id=sorted(ends), **opts.generate_kwargs())  # fmt: skip
-            replies.extend(seq[:, width:].tolist())
+            for i, reply in zip(ix, seq[:, width:].tolist(), strict=True):
+                replies[i] = reply
     texts = tokenizer.batch_decode(replies, skip_special_tokens=True)
     cut_off = [
         len(r) >= opts.max_new_tokens and not ends.intersection(r) and not any(s in t for s in stops)

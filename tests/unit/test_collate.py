@@ -88,3 +88,13 @@ def test_collator_single_equal_lengths_no_padding():
     batch = SFTCollator(pad_id=0)(feats)
     assert torch.equal(batch["attention_mask"], torch.ones(2, 2, dtype=torch.long))
     assert torch.equal(batch["labels"], torch.tensor([[M, 5], [6, 7]]))
+
+
+def test_length_batches_group_similar_lengths_longest_first_and_cover_every_index_once():
+    from dschat.data.collate import length_batches
+
+    lengths = [3, 40, 5, 38, 4, 39, 1]
+    batches = length_batches(lengths, 2)
+    assert batches == [[1, 5], [3, 2], [4, 0], [6]]  # 40 39 | 38 5 | 4 3 | 1
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert length_batches([], 4) == []

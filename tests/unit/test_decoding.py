@@ -134,6 +134,33 @@ def test_batched_replies_equal_one_by_one(lm):
     assert batched == single
 
 
+def test_replies_come_back_in_prompt_order_from_batches_of_similar_length(lm):
+    """Batches group prompts by length (padding to a long neighbour is wasted compute); each reply still
+    belongs to its own prompt and equals the prompt's unbatched greedy reply."""
+    model, tok = lm
+    texts = [PROMPTS[1], PROMPTS[0] * 3, PROMPTS[2], PROMPTS[0] * 3 + " again", PROMPTS[1] + " ok"]
+    ids = [tok(p)["input_ids"] for p in texts]
+    widths: list[list[int]] = []
+    generate = model.generate
+
+    def recording(*args, **kwargs):
+        widths.append(kwargs["attention_mask"].sum(1).tolist())
+        return generate(*args, **kwargs)
+
+    model.generate = recording
+    try:
+        batched, _ = generate_replies(
+            model, tok, ids, DecodeOptions(max_new_tokens=5), batch_size=2, stops=()
+        )
+    finally:
+        del model.generate
+    assert widths[0] == [len(ids[3]), len(ids[1])]  # the two long prompts together, longest first
+    single = [
+        tok.decode(unbatched_greedy(model, tok, p, 5), skip_special_tokens=True).rstrip() for p in texts
+    ]
+    assert batched == single
+
+
 def test_a_reply_that_runs_out_of_new_tokens_is_cut_off(lm):
     """Cut off: all max_new_tokens used and no end id, EOS or stop string reached (an unfinished answer)."""
     from dschat.generation.stops import stop_ids_for

@@ -36,3 +36,23 @@ def test_a_row_longer_than_the_models_positions_keeps_the_end_of_its_prompt():
     row = [ids[0], *ids[len(ids) - (32 - 1 - len(r)) :], *r]
     want = model.score(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))
     assert len(row) == 32 and torch.allclose(long, want)
+
+
+def test_rows_are_scored_in_batches_of_similar_length_and_returned_in_input_order():
+    """Scoring groups rows of similar length (a batch padded to its longest row wastes the rest); each
+    score still belongs to its own row: equal to scoring that row alone."""
+    from dschat.scoring import score_with
+
+    tok = build_tokenizer()
+    widths: list[int] = []
+
+    def score_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        widths.append(input_ids.shape[1])
+        return (input_ids * attention_mask).sum(1).float()  # a score that identifies the row
+
+    prompts = ["a", "b" * 40, "c", "d" * 38]
+    responses = [" x", " y", " zz", " w"]
+    scores = score_with(score_fn, tok, prompts, responses, batch_size=2)
+    alone = torch.cat([score_with(score_fn, tok, [p], [r], batch_size=1) for p, r in zip(prompts, responses)])
+    assert torch.equal(scores, alone)
+    assert widths[0] - widths[1] > 30  # the two long rows, then the two short ones (not long + short twice)
