@@ -184,10 +184,9 @@ def pair_loss(
     ``sft_coef`` times the chosen answers' NLL per token. Returns (loss, the DPO part's details).
 
     ``sft_tokens``: the tokens the NLL is divided by; default this batch's chosen tokens. A micro-batch
-    of an optimizer step passes the step's count (:func:`chosen_targets` over every micro-batch and rank)
-    over ranks x accumulation, which DeepSpeed averages: the step's SFT term is then the mean over all its
-    chosen tokens, whatever the split, as step 1's loss is (a mean per micro-batch weighs a token by how
-    few others share its micro-batch)."""
+    of an optimizer step passes the training loop's ``token_share`` (:attr:`dschat.trainer.LoopSpec.targets`
+    with :func:`chosen_targets`): the step's SFT term is then the mean over all its chosen tokens, whatever
+    the split into micro-batches and ranks, as step 1's loss is."""
     ref = ref.to(lp.chosen.device)
     out = dpo_loss(lp.chosen, lp.rejected, ref[:, 0], ref[:, 1], beta=hp.beta, loss_type=hp.dpo_loss,
                    label_smoothing=hp.label_smoothing, chosen_tokens=lp.chosen_tokens,
@@ -205,7 +204,8 @@ def evaluate_pairs(
     """Held-out pairs (all ranks), scored as a reward model is (:mod:`dschat.ranking`) with the implicit
     rewards as scores: accuracy (the chosen answer's reward strictly higher; ties count as wrong, so the
     untrained policy scores 0), split by which answer is longer, the "longer wins" baseline, the mean
-    margin and rewards; and the DPO loss."""
+    margin and rewards; and the training objective as ``loss`` (with ``--sft_coef`` its SFT term is the
+    chosen NLL over all held-out chosen tokens) and its DPO (or IPO) part as ``preference_loss``."""
     was_training = model.training
     model.eval()
     totals: dict[str, float] = {}
@@ -215,6 +215,8 @@ def evaluate_pairs(
         _, out = pair_loss(lp, ref[batch["index"]], hp)
         sums = ranking_sums(out.chosen_rewards, out.rejected_rewards, lp.chosen_tokens, lp.rejected_tokens, w)
         sums["loss"] = float((out.losses * w).sum())
+        sums["chosen_nll"] = float(-(lp.chosen * w).sum())
+        sums["chosen_tokens"] = float((lp.chosen_tokens * w).sum())
         for k, v in sums.items():
             totals[k] = totals.get(k, 0.0) + v
     if was_training:
@@ -223,7 +225,9 @@ def evaluate_pairs(
     reduced = dict(zip(keys, dist.all_reduce_sum([totals[k] for k in keys])))
     m = ranking_metrics(reduced)
     m["chosen_reward"], m["rejected_reward"] = m.pop("chosen_mean"), m.pop("rejected_mean")
-    m["loss"] = reduced["loss"] / max(reduced["n"], 1.0)
+    m["preference_loss"] = reduced["loss"] / max(reduced["n"], 1.0)
+    sft = reduced["chosen_nll"] / max(reduced["chosen_tokens"], 1.0)
+    m["loss"] = m["preference_loss"] + hp.sft_coef * sft
     return m
 
 

@@ -313,10 +313,13 @@ class LoopSpec:
     columns: Callable[[dict[str, float], float], dict[str, float]]
     shown: tuple[tuple[str, str, str], ...]  # (label, column, format) on the progress bar and the log line
     # For a loss that is a mean over tokens (SFT): micro-batch -> its count of them. The loop then counts
-    # them over the whole optimizer step (every micro-batch, every rank) first and passes the count to
-    # ``micro_step`` as ``step_targets``, so the step's gradient is that of the mean over the step's tokens,
-    # whatever the split into micro-batches and ranks. The micro-step then returns ``loss`` as the sum
-    # over its tokens and ``loss_weight`` as their number, so the logged loss is the same token mean.
+    # them over the whole optimizer step (every micro-batch, every rank) first and passes ``micro_step``
+    # that count over ranks x accumulation as ``token_share``: DeepSpeed divides each micro-batch's loss
+    # by the accumulation and averages the ranks' gradients, so a micro-batch that divides its token sum
+    # by ``token_share`` makes the step's gradient that of the mean over the step's tokens, whatever the
+    # split into micro-batches and ranks (a mean per micro-batch weighs a token by how few others share
+    # its micro-batch). The micro-step then returns ``loss`` as the sum over its tokens and
+    # ``loss_weight`` as their number, so the logged loss is the same token mean.
     targets: Callable[[dict[str, Any]], int] | None = None
 
 
@@ -358,7 +361,8 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
         lr = engine.get_lr()[0]  # the rate this step uses (after it, the scheduler has moved on)
         kw = {}
         if spec.targets is not None:  # the step's token count on every rank (one all-reduce per step)
-            kw["step_targets"] = dist.all_reduce_sum([float(sum(spec.targets(b) for b in group))])[0]
+            count = dist.all_reduce_sum([float(sum(spec.targets(b) for b in group))])[0]
+            kw["token_share"] = max(count, 1.0) / (world * optim.gradient_accumulation_steps)
         for batch in group:
             sums = spec.micro_step(batch, **kw)
             window.add(micro=1, seconds=clock() - t0, **sums)

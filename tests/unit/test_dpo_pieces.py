@@ -143,6 +143,28 @@ def test_held_out_evaluation_splits_accuracy_by_answer_length():
     ] == pytest.approx(0, abs=1e-5)
 
 
+def test_held_out_loss_is_the_training_objective_with_its_sft_term():
+    """With --sft_coef the train loss is DPO + sft_coef x the chosen NLL per token; the held-out "loss" left
+    the SFT term out, so the two curves measured different things. Held out: the mean DPO loss over the
+    pairs plus sft_coef x the chosen NLL over all held-out chosen tokens; the DPO part is logged apart
+    (``preference_loss``)."""
+    from dschat.config import DPOArgs
+    from dschat.dpo import evaluate_pairs, reference_table, response_logps
+    from dschat.lm import eval_batches
+
+    model, examples = _micro_llama_and_three_pairs()
+    collate = PreferenceLMCollator(pad_id=0, end_id=2, share_prompt=True)
+    ref = reference_table(model, examples, batch_size=3, collate=collate, device="cpu")
+    batches = eval_batches(examples, batch_size=2, collate=collate)  # one pair repeated to fill a batch
+    plain = evaluate_pairs(model, batches, ref, DPOArgs(beta=0.5), "cpu")
+    m = evaluate_pairs(model, batches, ref, DPOArgs(beta=0.5, sft_coef=2.0), "cpu")
+    lp = response_logps(model, collate(examples), "cpu")  # the three pairs once each
+    nll = float(-lp.chosen.sum() / lp.chosen_tokens.sum())
+    assert plain["loss"] == pytest.approx(math.log(2), rel=1e-5)  # the policy is its own reference
+    assert m["preference_loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert m["loss"] == pytest.approx(math.log(2) + 2.0 * nll, rel=1e-5)
+
+
 # ---------------------------------------------------------------- packed pairs (--share_prompt)
 
 

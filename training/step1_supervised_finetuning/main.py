@@ -30,7 +30,6 @@ from dschat.data.pipeline import prepare_sft_data
 from dschat.inputs import check_inputs
 from dschat.lm import evaluate_perplexity, sft_loss, target_count
 from dschat.models.loading import load_causal_lm
-from dschat.utils import dist
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
@@ -89,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))
-    spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine, optim.gradient_accumulation_steps),
-                      columns=sft_columns, shown=shown, targets=step_targets)  # fmt: skip
+    spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine), columns=sft_columns, shown=shown,
+                      targets=step_targets)  # fmt: skip
     T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
@@ -129,19 +128,18 @@ def step_targets(batch: dict[str, torch.Tensor]) -> int:
 
 
 def sft_micro_step(
-    engine, accumulation: int, batch: dict[str, torch.Tensor], step_targets: float
+    engine, batch: dict[str, torch.Tensor], token_share: float
 ) -> dict[str, torch.Tensor | int]:
     """Forward, loss, backward and step on one micro-batch (input_ids, attention_mask, labels: (B, T)).
 
-    The optimizer step's loss is the mean NLL over all its target tokens, ``step_targets`` of them on
-    every micro-batch and rank together (:attr:`dschat.trainer.LoopSpec.targets`), not the mean of the
-    micro-batches' means, which weighs a token by how few others share its micro-batch (and under
-    ``--group_by_length`` the last micro-batch of every step holds the shortest answers). DeepSpeed divides
-    each micro-batch's loss by the accumulation and averages the ranks' gradients, hence the factor
-    ``ranks x accumulation``. The LM head runs only on the positions that predict a target."""
+    The optimizer step's loss is the mean NLL over all its target tokens on every micro-batch and rank
+    together, not the mean of the micro-batches' means (under ``--group_by_length`` the last micro-batch
+    of every step holds the shortest answers): the micro-batch's NLL sum over ``token_share``, the step's
+    count over ranks x accumulation (:attr:`dschat.trainer.LoopSpec.targets`). The LM head runs only on
+    the positions that predict a target."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss, n = sft_loss(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    engine.backward(loss * (n * dist.world_size() * accumulation / max(step_targets, 1.0)))
+    engine.backward(loss * (n / token_share))
     engine.step()
     return {
         "loss": loss.detach() * n,  # summed over its targets; the log divides by loss_weight

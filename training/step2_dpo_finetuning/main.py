@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 5. training loop
     shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "margin", ".4f"), ("lr", "lr", ".2e"))  # fmt: skip
-    spec = T.LoopSpec("step 2 (DPO)", partial(dpo_micro_step, engine, ref_train, hp, optim.gradient_accumulation_steps),
-                      dpo_columns, shown, targets=chosen_targets if hp.sft_coef else None)  # fmt: skip
+    spec = T.LoopSpec("step 2 (DPO)", partial(dpo_micro_step, engine, ref_train, hp), dpo_columns, shown,
+                      targets=chosen_targets if hp.sft_coef else None)  # fmt: skip
     T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
@@ -222,15 +222,15 @@ def summarize(hp, state: T.TrainState, eval_start: dict, eval_end: dict, ref_pat
 
 
 def dpo_micro_step(
-    engine, ref_train: torch.Tensor, hp, accumulation: int, batch: dict, step_targets: float | None = None
+    engine, ref_train: torch.Tensor, hp, batch: dict, token_share: float | None = None
 ) -> dict:
     """Forward, DPO loss, backward and step on one micro-batch of pairs: the log-probs of both answers
     in one forward (the LM head on the response positions only), against the reference's stored
-    log-probs ``ref_train[batch["index"]]`` (B, 2). With ``--sft_coef``, ``step_targets`` is the optimizer
-    step's chosen-token count (:attr:`dschat.trainer.LoopSpec.targets`; see :func:`dschat.dpo.pair_loss`)."""
+    log-probs ``ref_train[batch["index"]]`` (B, 2). With ``--sft_coef``, ``token_share`` is the optimizer
+    step's chosen-token count over ranks x accumulation (:attr:`dschat.trainer.LoopSpec.targets`; see
+    :func:`dschat.dpo.pair_loss`)."""
     lp = response_logps(engine, batch, engine.device)
-    share = None if step_targets is None else step_targets / (dist.world_size() * accumulation)
-    loss, out = pair_loss(lp, ref_train[batch["index"]], hp, sft_tokens=share)
+    loss, out = pair_loss(lp, ref_train[batch["index"]], hp, sft_tokens=token_share)
     engine.backward(loss)
     engine.step()
     margin = out.chosen_rewards - out.rejected_rewards
