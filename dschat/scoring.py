@@ -31,7 +31,8 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
     """(N,) scores of ``prompt + response`` by ``score_fn(input_ids, attention_mask) -> (B,)`` (right
     padded), tokenized exactly as step 2 trains (the prompt rendered by ``fmt``, default the tokenizer's
     own format; the response without an end token), scored at the last real token. Rows longer than ``max_len`` (default: the tokenizer's
-    ``model_max_length``) keep the end of their prompt. Batches hold rows of similar length
+    ``model_max_length``) keep BOS and the end of their prompt (and of a response that alone is too long:
+    step 2 drops such a pair, a score is still given). Batches hold rows of similar length
     (:func:`~dschat.data.collate.length_batches`); they are ``ceil(N / batch_size)`` calls, so ranks with
     equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward passes)."""
     fmt = fmt or prompt_format(tokenizer)
@@ -40,10 +41,11 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
     rows = []
     for p, r in zip(p_ids, r_ids):
         over = len(p) + len(r) - limit
-        if over > 0:
+        if over > 0:  # keep BOS, then the end of the prompt, then (if it alone is too long) of the response
             keep_bos = 1 if p and p[0] == tokenizer.bos_token_id else 0
-            p = p[:keep_bos] + p[keep_bos + over :]
-        rows.append((p + r)[-limit:])
+            rest = (p[keep_bos:] + r)[over:]
+            p, r = p[:keep_bos], rest
+        rows.append(p + r)
     scores = torch.zeros(len(rows))
     for ix in length_batches([len(r) for r in rows], batch_size):
         batch = pad_right([rows[i] for i in ix], tokenizer.pad_token_id)

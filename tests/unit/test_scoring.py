@@ -56,3 +56,18 @@ def test_rows_are_scored_in_batches_of_similar_length_and_returned_in_input_orde
     alone = torch.cat([score_with(score_fn, tok, [p], [r], batch_size=1) for p, r in zip(prompts, responses)])
     assert torch.equal(scores, alone)
     assert widths[0] - widths[1] > 30  # the two long rows, then the two short ones (not long + short twice)
+
+
+def test_a_response_longer_than_the_limit_keeps_bos_and_its_end():
+    """A response that alone passes the limit (training drops such a pair; scoring must give a score)
+    lost BOS with the whole prompt: the row began mid-response with no BOS, unlike any training row. It
+    keeps BOS and the end of the response, where the score is read."""
+    tok = build_tokenizer()
+    model = _gpt2_reward_model(positions=16)
+    prompt, response = "hi?", " " + "abcdefghij" * 3
+    got = score_texts(model, tok, [prompt], [response])
+    r = tok(response, add_special_tokens=False)["input_ids"]
+    row = [tok.bos_token_id, *r[-15:]]
+    want = model.score(torch.tensor([row]), torch.ones(1, 16, dtype=torch.long))
+    assert tok.bos_token_id is not None and len(r) > 16
+    assert torch.allclose(got, want)
