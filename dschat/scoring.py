@@ -30,11 +30,12 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
                max_len: int | None = None, fmt: PromptFormat | None = None) -> torch.Tensor:  # fmt: skip
     """(N,) scores of ``prompt + response`` by ``score_fn(input_ids, attention_mask) -> (B,)`` (right
     padded), tokenized exactly as step 2 trains (the prompt rendered by ``fmt``, default the tokenizer's
-    own format; the response without an end token), scored at the last real token. Rows longer than ``max_len`` (default: the tokenizer's
-    ``model_max_length``) keep BOS and the end of their prompt (and of a response that alone is too long:
-    step 2 drops such a pair, a score is still given). Batches hold rows of similar length
-    (:func:`~dschat.data.collate.length_batches`); they are ``ceil(N / batch_size)`` calls, so ranks with
-    equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward passes)."""
+    own format; the response without an end token), scored at the last real token. Rows longer than
+    ``max_len`` (default: the tokenizer's ``model_max_length``) keep BOS and the end of their prompt (and
+    of a response that alone is too long: step 2 drops such a pair, a score is still given). Batches hold
+    rows of similar length (:func:`~dschat.data.collate.length_batches`); they are ``ceil(N / batch_size)``
+    calls, so ranks with equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward
+    passes)."""
     fmt = fmt or prompt_format(tokenizer)
     p_ids, r_ids = fmt.encode_prompts(prompts), fmt.encode_responses(responses)
     limit = max_len or min(getattr(tokenizer, "model_max_length", 10**9), 10**9)
