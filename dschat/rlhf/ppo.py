@@ -9,7 +9,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,19 @@ from dschat.utils import dist
 from dschat.utils.metrics import mean_std
 
 LOG = logging.getLogger("dschat")
+
+
+def update_batch(rounds: list[Experience], pad_id: int, whiten_advantages: bool) -> Experience:
+    """The rounds one update trains on (``--generation_batches`` of them) as one batch
+    (:meth:`Experience.cat`). With ``--whiten_advantages`` over several rounds the advantages are whitened
+    here, over the training rows of every round and rank together (``make_experience`` leaves each round's
+    raw), so that the update sees one scale: whitened round by round, a round of small advantages would
+    weigh as much as one of large ones (OpenRLHF whitens over its whole replay buffer)."""
+    batch = Experience.cat(rounds, pad_id)
+    if whiten_advantages and len(rounds) > 1:
+        batch = replace(batch, advantages=M.masked_whiten(batch.advantages, batch.action_mask,
+                                                          all_reduce=dist.all_reduce_sum))  # fmt: skip
+    return batch
 
 
 @dataclass(frozen=True)
@@ -481,10 +494,9 @@ class PPOTrainer:
                 rewards, kl_penalty = M.kl_shaped_rewards(relative, logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                                  h.kl_estimator)  # fmt: skip
                 advantages = returns = M.discounted_returns(rewards, action_mask, h.gamma)
-            if h.whiten_advantages:  # over the rows that train
-                advantages = M.masked_whiten(
-                    advantages, train_mask, all_reduce=dist.all_reduce_sum
-                )  # all ranks
+            if h.whiten_advantages and h.generation_batches == 1:  # over the rows that train, all ranks
+                advantages = M.masked_whiten(advantages, train_mask, all_reduce=dist.all_reduce_sum)
+            # with several rounds per update, over all of them together: update_batch
         exp = Experience(
             sequences=sequences, attention_mask=attention_mask, action_mask=train_mask, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,

@@ -158,12 +158,13 @@ def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_
     """--generation_batches 2: every update trains on two rounds whose prompt blocks usually differ in width
     (the collator pads a round to its own longest prompt). 6 prompts per round, minibatches of 4: three
     updates per two rounds; the actor sits out the first update round (--freezing_actor_steps 2). Both
-    cosine schedules are as long as their real optimizer steps: they end at 0 after the last update."""
+    cosine schedules are as long as their real optimizer steps: they end at 0 after the last update. The
+    advantages are whitened over both rounds (dschat.rlhf.ppo.update_batch)."""
     actor, rm = models
     out = tmp_path / "g2"
     proc = step3(out, actor, rm, *EASY, "--max_steps", "4", "--generation_batches", "2", "--freezing_actor_steps", "2",
                  "--per_device_generation_batch_size", "6", "--per_device_training_batch_size", "4",
-                 "--eval_prompts", "8")  # fmt: skip
+                 "--eval_prompts", "8", "--whiten_advantages")  # fmt: skip
     assert_ok(proc)
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
     cfg = json.loads((out / "dschat_config.json").read_text())

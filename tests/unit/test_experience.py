@@ -189,3 +189,29 @@ def test_cat_of_different_prompt_widths_keeps_every_log_prob_and_loss():
     want = [x + y for x, y in zip(losses(a), losses(b))]
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5), (g, w)
+
+
+def test_several_rounds_are_whitened_together_not_round_by_round():
+    """--whiten_advantages with --generation_batches 2 whitened each round on its own, so a round of small
+    advantages weighed as much as one of large ones; the update's batch is whitened over both rounds'
+    training rows (hand values: advantages 1, 3 in round one and 10, 30 in round two)."""
+    from dataclasses import replace
+
+    from dschat.rlhf.ppo import update_batch
+
+    def with_adv(e: Experience, adv: list[float]) -> Experience:
+        a = torch.zeros_like(e.advantages)
+        a[:, 0] = torch.tensor(adv)
+        m = torch.zeros_like(e.action_mask)
+        m[:, 0] = 1
+        return replace(e, advantages=a, action_mask=m)
+
+    one, two = with_adv(make(2, 4), [1.0, 3.0]), with_adv(make(2, 4, base=50.0), [10.0, 30.0])
+    batch = update_batch([one, two], pad_id=0, whiten_advantages=True)
+    mean = (1 + 3 + 10 + 30) / 4
+    std = (sum((x - mean) ** 2 for x in (1, 3, 10, 30)) / 4) ** 0.5
+    want = torch.tensor([(x - mean) / std for x in (1.0, 3.0, 10.0, 30.0)])
+    assert torch.allclose(batch.advantages[:, 0], want, atol=1e-5)
+    assert float(batch.advantages[:, 1:].abs().sum()) == 0.0  # outside the training rows' actions
+    raw = update_batch([one, two], pad_id=0, whiten_advantages=False)
+    assert torch.equal(raw.advantages[:, 0], torch.tensor([1.0, 3.0, 10.0, 30.0]))

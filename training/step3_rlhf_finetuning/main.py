@@ -57,7 +57,7 @@ from dschat.rlhf.models import (
     make_trainer,
     resolve_models,
 )
-from dschat.rlhf.ppo import PPOTrainer
+from dschat.rlhf.ppo import PPOTrainer, update_batch
 from dschat.tasks.accuracy import answers_cut_by_budget
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
@@ -173,7 +173,7 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
     buffer.append(exp)
     state.step += 1
     if len(buffer) == ppo.generation_batches:
-        collected = Experience.cat(buffer, pad_id)
+        collected = update_batch(buffer, pad_id, ppo.whiten_advantages)
         buffer.clear()
         mb = ppo.per_device_training_batch_size
         for _ in range(ppo.ppo_epochs):
