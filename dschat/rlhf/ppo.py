@@ -546,9 +546,8 @@ class PPOTrainer:
             self.critic.train()
             values = (exp.critic_graph if exp.critic_graph is not None
                       else self.critic(exp.sequences, exp.attention_mask)[:, :-1])  # fmt: skip
-            v_loss, v_stats = M.value_loss(
-                values, exp.values, exp.returns, exp.action_mask, h.cliprange_value
-            )
+            v_loss, v_stats = M.value_loss(values, exp.values, exp.returns, exp.action_mask, h.cliprange_value,
+                                           all_reduce=dist.all_reduce_sum)  # fmt: skip
             self.critic.backward(v_loss)
             self.critic.step()
         out.update(
@@ -584,20 +583,23 @@ class PPOTrainer:
         h = self.hyper
         self.actor.train()
         logprobs = self._update_logprobs(exp)
+        # every loss term a mean over all ranks' tokens or rows (M.aggregate): 2 ranks train as 1 rank would
         pg_loss, pg_stats = M.policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, h.cliprange,
-                                          cliprange_high=h.cliprange_high, agg=h.loss_agg, norm_len=h.max_answer_len)  # fmt: skip
+                                          cliprange_high=h.cliprange_high, agg=h.loss_agg, norm_len=h.max_answer_len,
+                                          all_reduce=dist.all_reduce_sum)  # fmt: skip
         actor_loss = pg_loss
         out: dict[str, float] = {}
         if h.kl_in == "loss":  # the KL to the reference as a loss term with its gradient (GRPO)
             kl = M.kl_estimate(logprobs, exp.ref_logprobs, exp.action_mask, h.kl_estimator)
-            kl_loss = M.aggregate(kl, exp.action_mask, h.loss_agg, h.max_answer_len)
+            kl_loss = M.aggregate(kl, exp.action_mask, h.loss_agg, h.max_answer_len, dist.all_reduce_sum)
             actor_loss = actor_loss + self.kl_ctl.value * kl_loss
             out["kl_loss"] = float(kl_loss.detach())
         if unsup_batch is not None and h.unsup_coef > 0:
-            ptx, _ = sft_loss(
+            ptx, n = sft_loss(
                 self.actor, unsup_batch["input_ids"], unsup_batch["attention_mask"], unsup_batch["labels"]
             )
-            actor_loss = actor_loss + h.unsup_coef * ptx
+            total, ranks = dist.all_reduce_sum([float(n), 1.0])  # the mean over every rank's target tokens
+            actor_loss = actor_loss + h.unsup_coef * ptx * (n * ranks / max(total, 1.0))
             out["ptx_loss"] = float(ptx.detach())
         self.actor.backward(actor_loss)
         self.actor.step()

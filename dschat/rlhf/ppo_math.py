@@ -218,7 +218,13 @@ def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: int = 0) -> torch.Tensor:
+def aggregate(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    norm_len: int = 0,
+    all_reduce: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
     """Reduce a per-token loss (B, T-1) over the masked entries to a scalar.
 
     ``token_mean``: every token of the batch weighs the same (DAPO; long answers weigh more).
@@ -227,18 +233,32 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: int = 0)
     ``seq_mean_token_sum_norm``: each sequence's token sum divided by the constant ``norm_len`` (the
     answer budget), then the mean over sequences (Dr. GRPO: no length bias either way).
     Rows without any action (masked out) count in none of them.
+
+    ``all_reduce`` sums a list of numbers over ranks (``dist.all_reduce_sum``): the denominator (tokens or
+    rows) is then every rank's together, and the result is this rank's share scaled by the rank count,
+    so that the mean DeepSpeed takes of the ranks' gradients is the gradient of the whole batch's loss
+    (2 ranks == 1 rank holding all rows, as veRL normalises; a per-rank mean weighs a token by how few
+    others share its rank, and a rank whose rows all left the update would halve the step).
     """
     if mode == "token_mean":
-        return masked_mean(x, mask)
-    rows = (mask.sum(dim=1) > 0).float()
-    n_rows = rows.sum().clamp_min(1.0)
-    if mode == "seq_mean_token_mean":
-        return (masked_mean(x, mask, dim=1) * rows).sum() / n_rows
-    if mode == "seq_mean_token_sum_norm":
-        if norm_len < 1:
-            raise ValueError(f"seq_mean_token_sum_norm needs the answer budget norm_len >= 1, got {norm_len}")
-        return masked(x, mask).sum() / (n_rows * norm_len)
-    raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+        num, den = masked(x, mask).sum(), mask.sum()
+    elif mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        rows = (mask.sum(dim=1) > 0).float()
+        den = rows.sum()
+        if mode == "seq_mean_token_mean":
+            num = (masked_mean(x, mask, dim=1) * rows).sum()
+        else:
+            if norm_len < 1:
+                raise ValueError(
+                    f"seq_mean_token_sum_norm needs the answer budget norm_len >= 1, got {norm_len}"
+                )
+            num = masked(x, mask).sum() / norm_len
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+    if all_reduce is None:
+        return num / den.clamp_min(1.0)
+    total, ranks = all_reduce([float(den), 1.0])
+    return num * ranks / max(total, 1.0)
 
 
 def policy_loss(
@@ -251,9 +271,11 @@ def policy_loss(
     cliprange_high: float | None = None,
     agg: str = "token_mean",
     norm_len: int = 0,
+    all_reduce: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate ``max(-A r, -A clip(r, 1-eps, 1+eps_high))`` over actions, reduced by
-    :func:`aggregate` (``agg``); r = exp(logp - logp_old), ``eps_high`` = ``cliprange_high`` or ``cliprange``.
+    :func:`aggregate` (``agg``, over ranks with ``all_reduce``); r = exp(logp - logp_old), ``eps_high`` =
+    ``cliprange_high`` or ``cliprange``.
 
     A larger ``eps_high`` (DAPO's clip-higher) lets a token with a positive advantage and a low
     probability grow further before the clip stops it, which keeps entropy from collapsing.
@@ -266,7 +288,7 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
-    loss = aggregate(torch.max(loss1, loss2), action_mask, agg, norm_len)
+    loss = aggregate(torch.max(loss1, loss2), action_mask, agg, norm_len, all_reduce)
     with torch.no_grad():
         stats = {
             "clip_fraction": masked_mean((loss2 > loss1).float(), action_mask),
@@ -282,12 +304,14 @@ def value_loss(
     returns: torch.Tensor,
     action_mask: torch.Tensor,
     cliprange_value: float,
+    all_reduce: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))``, V_clip = V_old + clip(V - V_old)."""
+    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))``, V_clip = V_old + clip(V - V_old):
+    a mean over the actions of every rank with ``all_reduce`` (:func:`aggregate`'s ``token_mean``)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     l1 = (values - returns) ** 2
     l2 = (clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(l1, l2), action_mask)
+    loss = 0.5 * aggregate(torch.max(l1, l2), action_mask, "token_mean", all_reduce=all_reduce)
     with torch.no_grad():
         stats = {"value_clip_fraction": masked_mean((l2 > l1).float(), action_mask)}
     return loss, stats

@@ -743,3 +743,31 @@ def test_masked_whiten_over_two_ranks_equals_one_rank_holding_all_rows():
     for rank, (xr, mr) in enumerate(halves):
         assert close(masked_whiten(xr, mr, all_reduce=sums(rank)), whole[rank : rank + 1].tolist())
     assert not close(masked_whiten(*halves[0]), whole[0:1].tolist())  # alone: its own mean and std
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_aggregate_over_two_ranks_equals_one_rank_holding_all_rows(mode):
+    """Each rank divided by its own tokens (or rows) and DeepSpeed averaged the ranks, so a token weighed
+    by how few others shared its rank: rank 0 with long answers, rank 1 with short ones (one of its rows
+    filtered out entirely) trained unlike one rank holding all rows. With the denominator summed over
+    ranks, the mean of the ranks' losses is the whole batch's."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 5 + [0.0], [1.0, 1.0, 0, 0, 0, 0], [0.0] * 6])
+    whole = aggregate(x, mask, mode, norm_len=6)
+    sent: list[list[float]] = []
+
+    def record(v: list[float]) -> list[float]:
+        sent.append(v)
+        return v
+
+    for half in (slice(0, 2), slice(2, 4)):
+        aggregate(x[half], mask[half], mode, norm_len=6, all_reduce=record)
+    total = [a + b for a, b in zip(*sent, strict=True)]  # what the all-reduce returns on both ranks
+    halves = [
+        aggregate(x[h], mask[h], mode, norm_len=6, all_reduce=lambda v: total)
+        for h in (slice(0, 2), slice(2, 4))
+    ]
+    assert torch.allclose((halves[0] + halves[1]) / 2, whole, atol=1e-6)
+    per_rank = [aggregate(x[h], mask[h], mode, norm_len=6) for h in (slice(0, 2), slice(2, 4))]
+    assert not torch.allclose((per_rank[0] + per_rank[1]) / 2, whole, atol=1e-3)  # what it was before
