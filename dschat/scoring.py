@@ -16,12 +16,16 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, b
                 device: str | torch.device = "cpu", max_len: int | None = None,
                 fmt: PromptFormat | None = None) -> torch.Tensor:  # fmt: skip
     """(N,) reward scores of ``prompt + response`` by a reward model (``ScalarHeadModel``), in eval mode;
-    see :func:`score_with`. Rows are cut to ``max_len`` and never beyond what the model attends to (its
-    position table: a learned one has no position past it, whatever the tokenizer's limit says)."""
+    see :func:`score_with`. Rows are cut to ``max_len``, by default to the length step 2 cut the model's
+    training rows to (``trained_max_len`` of :func:`~dschat.models.reward.load_reward_model`: a model that
+    learned from the last 256 tokens of a dialogue is scored on the same view of it, as its own held-out
+    accuracy was), and never beyond what the model attends to (its position table: a learned one has no
+    position past it, whatever the tokenizer's limit says)."""
     model.eval()
     limit = context_length(model.hf_model, tokenizer)
+    max_len = max_len or getattr(model, "trained_max_len", None) or limit
     return score_with(model.score, tokenizer, prompts, responses, batch_size=batch_size, device=device,
-                      max_len=min(max_len or limit, limit), fmt=fmt)  # fmt: skip
+                      max_len=min(max_len, limit), fmt=fmt)  # fmt: skip
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import torch
 
 from dschat.chat import Conversation
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
-from dschat.data.prompt_format import prompt_format
+from dschat.data.prompt_format import model_format
 from dschat.generation.decoding import DecodeOptions, add_decoding_args, context_length, decode_options
 from dschat.generation.streaming import ReplyStream
 from dschat.models.loading import count_parameters, inference_dtype, load_for_generation
@@ -66,7 +66,10 @@ class Chat:
     def __init__(self, model, tokenizer, args: argparse.Namespace, out=None) -> None:
         self.model, self.tokenizer, self.out = model, tokenizer, out or sys.stdout
         self.interrupted = False  # a reply was stopped with Ctrl-C (piped input then stops too)
-        self.fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
+        # the format the model was trained in (auto: its run's recorded --chat_template)
+        self.fmt = model_format(
+            tokenizer, getattr(args, "path", None), from_namespace(FormatArgs, args).chat_template
+        )
         self.opts = decode_options(args, DECODING)
         context = context_length(model, tokenizer)
         if args.max_new_tokens >= context:

@@ -30,7 +30,7 @@ import torch
 from dschat import compare
 from dschat.chat import keep_last_tokens
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
-from dschat.data.prompt_format import as_dialogue, prompt_format
+from dschat.data.prompt_format import as_dialogue, model_format
 from dschat.generation.decoding import (
     DecodeOptions,
     Replies,
@@ -107,7 +107,7 @@ def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args
     where = args.inference
     model, tokenizer = load_for_generation(path, device=where.device, dtype=inference_dtype(where.dtype, where.device),
                                            trust_remote_code=where.trust_remote_code, flag=flag)  # fmt: skip
-    fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
+    fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)  # as it trained
     budget = context_length(model, tokenizer) - opts.max_new_tokens
     if budget < 1:
         raise UserError(f"--max_new_tokens {opts.max_new_tokens}: leaves no room for a prompt in {path}")
@@ -128,7 +128,7 @@ def rewards(questions: list[str], replies: dict[str, list[str]], args) -> dict[s
     tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code, flag="--reward_model")
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
                               require_trained_head=True, flag="--reward_model").to(where.device)  # fmt: skip
-    fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
+    fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)
     prompts = [as_dialogue(q) for q in questions]
     out = {side: score_texts(model, tokenizer, prompts, replies[side], batch_size=args.batch_size,
                              device=where.device, fmt=fmt).tolist() for side in SIDES}  # fmt: skip

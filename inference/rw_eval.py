@@ -24,10 +24,10 @@ import torch
 
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
 from dschat.data.pipeline import comparable_pairs
-from dschat.data.prompt_format import as_dialogue, prompt_format
+from dschat.data.prompt_format import as_dialogue, model_format
 from dschat.data.sources import read_json_file
 from dschat.models.loading import inference_dtype, load_tokenizer, resolve
-from dschat.models.reward import load_reward_model
+from dschat.models.reward import load_reward_model, require_reward_model
 from dschat.ranking import ranking_metrics, ranking_sums
 from dschat.scoring import score_texts
 from dschat.utils.errors import UserError, run_cli
@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = resolve(args.model, "--model")
     where = args.inference
+    require_reward_model(path, "--model")  # a policy or an adapter: this line, not its tokenizer's error
     tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code, flag="--model")
-    fmt = prompt_format(tokenizer, from_namespace(FormatArgs, args).chat_template)
+    fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)  # as it trained
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
                               require_trained_head=True, flag="--model")  # fmt: skip
     model = model.to(where.device, inference_dtype(where.dtype, where.device))

@@ -223,6 +223,22 @@ def _template_end_id(tokenizer) -> int | None:
     return next((i for i in ids if i in special), visible[0] if visible else tokenizer.eos_token_id)
 
 
+def model_format(
+    tokenizer, model_path: str | None, choice: str = "auto", flag: str = "--chat_template"
+) -> PromptFormat:
+    """The format to prompt (or score) the model at ``model_path`` in, for the inference tools: ``on`` and
+    ``off`` as given; ``auto`` = the format its dschat run trained it in (``--chat_template`` recorded in
+    its ``dschat_config.json``: a model trained with ``off`` is not asked in its tokenizer's template),
+    else as :func:`prompt_format`."""
+    if choice == "auto" and model_path:
+        from dschat.utils.run import trained_config
+
+        trained = trained_config(model_path).get("chat_template")
+        if trained in CHOICES:
+            choice = trained
+    return prompt_format(tokenizer, choice, flag)
+
+
 def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template") -> PromptFormat:
     """The format for ``tokenizer``: ``auto`` = its chat template if it has one, ``on`` = the template (an
     error without one), ``off`` = Human/Assistant."""

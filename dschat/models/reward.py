@@ -106,6 +106,7 @@ class ScalarHeadModel(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model  # a *ForSequenceClassification model (possibly a peft wrapper of one)
+        self.trained_max_len: int | None = None  # step 2's --max_seq_len, where a trained one was loaded
 
     @property
     def hf_model(self) -> nn.Module:
@@ -234,7 +235,9 @@ def load_reward_model(
     flag: str = "--model_name_or_path",
 ) -> ScalarHeadModel:
     """A reward model/critic from ``path``: a trained reward model, or (unless ``require_trained_head``)
-    a causal LM whose body gets a fresh scalar head."""
+    a causal LM whose body gets a fresh scalar head. A trained one made by step 2 carries the length its
+    rows were cut to in training (``trained_max_len``, from its ``dschat_config.json``; None otherwise),
+    which scoring outside training keeps to (:func:`dschat.scoring.score_texts`)."""
     from transformers import AutoModelForSequenceClassification
 
     if require_trained_head:
@@ -269,4 +272,9 @@ def load_reward_model(
         raise UserError(
             f"{flag} {path}: {type(model).__name__} has no 'score' head; this architecture is not supported"
         )
-    return ScalarHeadModel(use_fast_attention(model))
+    out = ScalarHeadModel(use_fast_attention(model))
+    if require_trained_head:
+        from dschat.utils.run import trained_config
+
+        out.trained_max_len = trained_config(path).get("max_seq_len")
+    return out

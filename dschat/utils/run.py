@@ -19,6 +19,21 @@ SUMMARY = "summary.json"
 RESOLVED_CONFIG = "dschat_config.json"
 
 
+def trained_config(model_path: str | Path) -> dict[str, Any]:
+    """The resolved options the dschat step that made ``model_path`` saved with it (its
+    ``dschat_config.json``, in the model's directory or, for step 3's ``actor/`` and ``critic/``, the step
+    directory above); ``{}`` for any other model (a hub name, a plain checkpoint) or an unreadable file.
+    Inference reads from it what must match training: the prompt format, a reward model's length limit."""
+    p = Path(model_path)
+    for candidate in (p / RESOLVED_CONFIG, p.parent / RESOLVED_CONFIG):
+        try:
+            cfg = json.loads(candidate.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        return cfg if isinstance(cfg, dict) else {}
+    return {}
+
+
 def finished(path: str | Path) -> bool:
     """Whether the run in ``path`` finished: a step writes its summary last."""
     return (Path(path) / SUMMARY).exists()

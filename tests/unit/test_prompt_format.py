@@ -172,3 +172,21 @@ def test_text_that_only_looks_like_a_dialogue_is_one_user_message(chatml, prompt
     fmt = prompt_format(chatml, "on")
     assert fmt.prompt_text(prompt) == fmt.render([{"role": "user", "content": prompt}])
     tokenize_sft([Sample(prompt, " ok")], fmt, 512, False)
+
+
+def test_the_inference_tools_prompt_a_model_in_the_format_its_run_trained_it_in(chatml, tmp_path):
+    """A model trained with --chat_template off (the README's advice where a template refuses a dialogue)
+    was asked in its tokenizer's template by chat.py, prompt_eval.py and rw_eval.py, whose auto default
+    did not read the run's choice. auto now reads it from the run's dschat_config.json (the model's
+    directory, or step 3's step directory above actor/); on/off as given win; other models: the template."""
+    import json
+
+    from dschat.data.prompt_format import CHAT_TEMPLATE, HUMAN_ASSISTANT, model_format
+
+    step3 = tmp_path / "step3"
+    (step3 / "actor").mkdir(parents=True)
+    (step3 / "dschat_config.json").write_text(json.dumps({"chat_template": "off"}))
+    assert model_format(chatml, str(step3 / "actor")).name == HUMAN_ASSISTANT
+    assert model_format(chatml, str(step3 / "actor"), "on").name == CHAT_TEMPLATE
+    assert model_format(chatml, str(tmp_path / "elsewhere")).name == CHAT_TEMPLATE
+    assert model_format(chatml, "HuggingFaceTB/SmolLM2-135M-Instruct").name == CHAT_TEMPLATE

@@ -71,3 +71,17 @@ def test_a_response_longer_than_the_limit_keeps_bos_and_its_end():
     want = model.score(torch.tensor([row]), torch.ones(1, 16, dtype=torch.long))
     assert tok.bos_token_id is not None and len(r) > 16
     assert torch.allclose(got, want)
+
+
+def test_a_trained_reward_model_is_scored_on_rows_cut_as_step_2_cut_its_training_rows():
+    """A reward model trained on rows cut to --max_seq_len (the end of a long dialogue) was scored on the
+    whole dialogue by rw_eval.py, prompt_eval.py and the judge: a view it never trained on, and not the
+    one its held-out accuracy was measured on. Its training length (trained_max_len) is the default."""
+    tok = build_tokenizer()
+    model = _gpt2_reward_model(positions=64)
+    prompt, response = "x" * 60 + " the end?", " ok"
+    whole = score_texts(model, tok, [prompt], [response])
+    cut = score_texts(model, tok, [prompt], [response], max_len=24)
+    model.trained_max_len = 24
+    assert torch.equal(score_texts(model, tok, [prompt], [response]), cut)
+    assert not torch.allclose(whole, cut)
