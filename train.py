@@ -53,7 +53,7 @@ from dschat.launch.steps import (  # noqa: E402
 )
 from dschat.launch.supervise import run_step  # noqa: E402
 from dschat.utils.errors import UserError, run_cli  # noqa: E402
-from dschat.utils.run import check_output_dir, finished  # noqa: E402
+from dschat.utils.run import check_output_dir, finished, trained_config  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -494,8 +494,13 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
         result, start = out / "step1", args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
     else:
         return []  # step 2 alone made a reward model: nothing to talk to
+    # what the finished result recorded wins: the reward model step 3 trained against (not a stale step2/
+    # beside it) and the data it trained on
+    recorded = trained_config(result)
     if args.algorithm == "dpo":
         reward = None  # no reward model in a DPO run
+    elif recorded.get("resolved_reward_path"):
+        reward = str(recorded["resolved_reward_path"])
     elif finished(out / "step2"):
         reward = str(out / "step2")
     else:
@@ -510,9 +515,11 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
     from dschat.compare import run_tasks
     from dschat.config import DataArgs
 
+    in_preset = (preset or {}).get("step1", {}).get("--data_path") or []  # a YAML list or one string
     data = (
-        args.data_path
-        or [str(v) for v in str((preset or {}).get("step1", {}).get("--data_path", "")).split()]
+        recorded.get("data_path")
+        or args.data_path
+        or ([str(v) for v in in_preset] if isinstance(in_preset, list) else str(in_preset).split())
         or DataArgs().data_path
     )
     names = run_tasks(data) or []

@@ -88,6 +88,25 @@ def test_the_comparison_uses_the_runs_own_built_in_tasks(train, tmp_path):
     assert flag(cmp, "--tasks") is None
 
 
+def test_the_comparison_follows_what_the_finished_run_recorded(train, tmp_path, monkeypatch):
+    """The compare command judged with OUTPUT/step2 even where step 3 had trained against another reward
+    model (--reward-model, a stale step2/ beside it), and read a preset's list of sources as the text of a
+    Python list (no tasks). The finished step's dschat_config.json wins; a YAML list is a list."""
+    import json
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    (out / "step2").mkdir(parents=True)
+    (out / "step2" / "summary.json").write_text("{}")
+    _, cmp = commands(train, ["--output-dir", str(out)], preset={"step1": {"--data_path": ["builtin:add"]}})
+    assert flag(cmp, "--tasks") == "add"
+    (out / "step3" / "actor").mkdir(parents=True)
+    recorded = {"resolved_reward_path": "elsewhere/rm", "data_path": ["builtin:sort"]}
+    (out / "step3" / "dschat_config.json").write_text(json.dumps(recorded))
+    _, cmp = commands(train, ["--output-dir", str(out)], preset={"step1": {"--data_path": ["builtin:add"]}})
+    assert flag(cmp, "--reward_model") == "elsewhere/rm" and flag(cmp, "--tasks") == "sort"
+
+
 def test_the_compare_command_asks_the_default_tasks_of_a_run_on_builtin(train, tmp_path):
     """A preset without --data_path (builtin-tiny) or --data-path builtin trains on the default tasks: the
     comparison asks those, not every built-in task (add and reverse_words it never trained on)."""
