@@ -185,13 +185,23 @@ def read_json_file(path: Path) -> list[Sample]:
 
 
 def _carve_eval(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sample]]:
-    """Deterministically hold out ``EVAL_FRACTION`` (at least one sample) for evaluation."""
+    """Deterministically hold out ``EVAL_FRACTION`` (at least one sample) for evaluation, by prompt: every
+    row of a prompt (several preference pairs or answers to one question; a built-in problem in any
+    wording, :func:`dschat.tasks.problem_key`) falls on one side, so evaluation never asks a question that
+    training answered. Rows without a prompt (plain text) are each their own group."""
     if len(samples) < 2:
         return samples, []
-    idx = list(range(len(samples)))
-    random.Random(f"eval:{seed}").shuffle(idx)
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tasks.problem_key(s.prompt) if s.prompt.strip() else f"\0row {i}", []).append(i)
+    keys = sorted(groups)
+    random.Random(f"eval:{seed}").shuffle(keys)
     n_eval = max(1, round(len(samples) * EVAL_FRACTION))
-    held = set(idx[:n_eval])
+    held: set[int] = set()
+    for key in keys:
+        if len(held) >= n_eval or len(held) + len(groups[key]) >= len(samples):
+            break  # the held-out share is reached; training keeps at least one group
+        held.update(groups[key])
     return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
 
 

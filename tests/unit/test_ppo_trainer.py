@@ -621,7 +621,7 @@ def test_rounds_with_a_frozen_actor_read_no_ptx_batches(monkeypatch):
             return {}
 
     ptx = iter({"i": torch.tensor(i)} for i in range(100))
-    o = SimpleNamespace(ppo=SimpleNamespace(freezing_actor_steps=2, generation_batches=1, ppo_epochs=1,
+    o = SimpleNamespace(ppo=SimpleNamespace(freezing_actor_steps=2, generation_batches=1, whiten_advantages=False, ppo_epochs=1,
                                             per_device_training_batch_size=4))  # fmt: skip
     m = SimpleNamespace(actor=SimpleNamespace(device="cpu"), ema=None)
     rounds = SimpleNamespace(unsup=ptx)

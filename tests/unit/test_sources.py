@@ -508,3 +508,19 @@ def test_a_hub_row_with_a_null_field_is_one_line(hub_mirror):
         match=re.escape("Dahoas/rm-static train row 0: field 'chosen' must be a string, got NoneType"),
     ):
         load_source("Dahoas/rm-static", seed=0)
+
+
+def test_a_files_held_out_rows_are_whole_prompts(tmp_path):
+    """Rows were held out one by one, so a prompt with several pairs (or answers) sat on both sides and
+    evaluation asked questions training had answered (for a file of 20 prompts x 4 pairs, most held-out
+    prompts). Every row of a prompt now falls on one side; the share stays about EVAL_FRACTION."""
+    rows = [
+        {"prompt": f"Q{q}", "chosen": f"good {k}", "rejected": f"bad {k}"}
+        for q in range(50)
+        for k in range(4)
+    ]
+    src = load_source(str(write_jsonl(tmp_path / "pairs.jsonl", rows)), seed=3)
+    held = {s.prompt for s in src.eval}
+    assert held and not held & {s.prompt for s in src.train}
+    assert len(src.eval) == 4 * len(held) and len(src.train) + len(src.eval) == 200
+    assert 8 <= len(src.eval) <= 12  # 5% of 200 rows, in whole prompts of 4
