@@ -151,8 +151,13 @@ class PromptFormat:
         return self.render([{"role": "user", "content": prompt}])
 
     def response_text(self, response: str) -> str:
-        """A response as the data holds it (``" 432"``) -> as it follows the prompt in this format."""
-        return response if self.name == HUMAN_ASSISTANT else response.strip()
+        """A response as the data holds it (``" 432"``, ``"432"``) -> as it follows the prompt in this format:
+        after "Assistant:" one space and the answer (as in HH-RLHF, ``messages`` rows and what ``chat.py``
+        renders), so that one answer is one token sequence whatever the row's spelling; in a template, the
+        answer stripped."""
+        if self.name != HUMAN_ASSISTANT:
+            return response.strip()
+        return " " + response.lstrip() if response.strip() else response
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
         if not prompts:

@@ -65,8 +65,8 @@ def test_tokenize_sft_by_hand(tokenizer):
 
 
 def test_tokenize_sft_keeps_exactly_max_seq_len(tokenizer):
-    # [<s> a] + [b c d e f g] + [</s>] = 9 tokens, and the Human/Assistant wrapping
-    s = Sample("a", "bcdefg")
+    # [<s> a] + [" " b c d e f] + [</s>] = 9 tokens, and the Human/Assistant wrapping
+    s = Sample("a", " bcdef")
     assert tokenize_sft([s], prompt_format(tokenizer), 9 + WRAP, False)[1]["kept"] == 1
     assert tokenize_sft([s], prompt_format(tokenizer), 8 + WRAP, False)[1] == {
         "samples": 1, "kept": 0, "dropped_too_long": 1, "dropped_empty_response": 0,

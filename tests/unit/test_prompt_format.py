@@ -3,6 +3,8 @@ in training (steps 1-3) and inference (chat, prompt comparison, reward scoring).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dschat import tasks
@@ -190,3 +192,20 @@ def test_the_inference_tools_prompt_a_model_in_the_format_its_run_trained_it_in(
     assert model_format(chatml, str(step3 / "actor"), "on").name == CHAT_TEMPLATE
     assert model_format(chatml, str(tmp_path / "elsewhere")).name == CHAT_TEMPLATE
     assert model_format(chatml, "HuggingFaceTB/SmolLM2-135M-Instruct").name == CHAT_TEMPLATE
+
+
+def test_one_answer_is_one_token_sequence_however_a_row_spells_its_space(tmp_path):
+    """In the Human/Assistant form a messages row's answer became " 4" and a prompt/response row's stayed
+    "4": the same answer trained as two token sequences (and rw_eval.py --response 4 scored the one the
+    model never saw). One space and the answer, as HH-RLHF and chat.py have it."""
+    from dschat.data.sources import load_source
+
+    fmt = prompt_format(build_tokenizer(), "off")
+    rows = [{"prompt": "What is 2+2?", "response": "4"}, {"prompt": "What is 2+2?", "response": " 4"},
+            {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = load_source(str(path), seed=0).train + load_source(str(path), seed=0).eval
+    ids = {tuple(fmt.encode_prompts([s.prompt])[0] + fmt.encode_responses([s.chosen])[0]) for s in samples}
+    assert len(ids) == 1
+    assert fmt.response_text("\n4") == " 4" and fmt.response_text("") == ""
