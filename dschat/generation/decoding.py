@@ -12,6 +12,7 @@ implemented here: transformers 5 moved it out of ``generate`` into the hub repos
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,7 +61,8 @@ class DecodeOptions:
         checks = [
             (self.num_beams >= 1, f"--num_beams {self.num_beams}: must be at least 1"),
             (0 <= self.penalty_alpha <= 1, f"--penalty_alpha {self.penalty_alpha}: must be in [0, 1]"),
-            (self.repetition_penalty > 0, f"--repetition_penalty {self.repetition_penalty}: must be > 0"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"--repetition_penalty {self.repetition_penalty}: must be a finite number > 0"),
             (self.seed is None or 0 <= self.seed < 2**63, f"--seed {self.seed}: must be in 0 .. 2**63 - 1"),
             (
                 self.strategy != "contrastive" or self.top_k >= 2,

@@ -7,6 +7,7 @@ Pure Python (no torch), so the option parsers check it before any slow start-up 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from dschat.utils.errors import UserError
@@ -42,8 +43,8 @@ class SamplingConfig:
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens", "must be at least 1"),
             # greedy never reads it, and 0 is the usual way to say greedy
-            (self.temperature > 0 or (not self.do_sample and self.temperature == 0), "temperature",
-             "must be > 0 (sampling divides the logits by it)"),
+            (math.isfinite(self.temperature) and (self.temperature > 0 or (not self.do_sample and self.temperature == 0)),
+             "temperature", "must be a finite number > 0 (sampling divides the logits by it)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
             (0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]"),

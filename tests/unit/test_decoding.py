@@ -16,6 +16,7 @@ from dschat.utils.errors import UserError
         ({"strategy": "nucleus"}, "--decoding nucleus"),
         ({"max_new_tokens": 0}, "--max_new_tokens 0"),
         ({"strategy": "sample", "temperature": 0.0}, "--temperature 0.0"),
+        ({"repetition_penalty": float("inf")}, "--repetition_penalty inf: must be a finite number > 0"),
         ({"top_p": 1.5}, "--top_p 1.5"),
         ({"top_k": -1}, "--top_k -1"),
         ({"num_beams": 0}, "--num_beams 0"),
@@ -42,7 +43,7 @@ def test_temperature_zero_is_greedy_and_refused_only_for_sampling():
         match=r"--temperature 0.0: must be > 0 for --decoding sample \(temperature 0 is --decoding greedy\)",
     ):
         DecodeOptions("sample", temperature=0.0).validate()
-    with pytest.raises(UserError, match=r"--temperature -1\.0: must be > 0"):
+    with pytest.raises(UserError, match=r"--temperature -1\.0: must be a finite number > 0"):
         DecodeOptions("greedy", temperature=-1.0).validate()
 
 

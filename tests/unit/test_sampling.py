@@ -19,7 +19,10 @@ from dschat.utils.errors import UserError
     ("kwargs", "message"),
     [
         ({"max_new_tokens": 0}, "--max_new_tokens 0: must be at least 1"),
-        ({"temperature": 0.0}, "--temperature 0.0: must be > 0"),
+        ({"temperature": 0.0}, "--temperature 0.0: must be a finite number > 0"),
+        # inf passed "> 0" and sampling then drew from NaN probabilities (a traceback)
+        ({"temperature": float("inf")}, "--temperature inf: must be a finite number > 0"),
+        ({"temperature": float("nan")}, "--temperature nan: must be a finite number > 0"),
         ({"top_p": 0.0}, "--top_p 0.0: must be in (0, 1]"),
         ({"top_k": -2}, "--top_k -2: must be >= 0"),
         ({"min_new_tokens": 9}, "--min_new_tokens 9: must be in [0, max_new_tokens]"),
