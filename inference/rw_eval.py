@@ -38,8 +38,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model", "--model_name_or_path", dest="model", required=True, help="trained reward model directory"
     )
-    p.add_argument("--prompt", help="a prompt to score --response values against")
-    p.add_argument("--response", action="append", default=[], help="a response (repeatable)")
+    p.add_argument(
+        "--prompt",
+        help="a prompt to score --response values against (\\n typed as two characters is a newline)",
+    )
+    p.add_argument(
+        "--response", action="append", default=[], help="a response (repeatable; \\n as in --prompt)"
+    )
     p.add_argument("--file", help="JSONL/JSON with prompt+response rows, or prompt+chosen+rejected pairs")
     p.add_argument("--max_samples", type=int, default=0, help="score only the first N rows (0 = all)")
     p.add_argument("--batch_size", type=int, default=32)
@@ -52,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give either --prompt with --response, or --file")
     if args.prompt and not args.response:
         p.error("--prompt needs at least one --response")
+    # "\n\nHuman: ..." typed in a shell arrives as backslash-n: a newline, as prompt_eval.py's text files read it
+    if args.prompt:
+        args.prompt = args.prompt.replace("\\n", "\n")
+        args.response = [r.replace("\\n", "\n") for r in args.response]
     if args.max_samples < 0:
         p.error(f"--max_samples {args.max_samples}: must be 0 (all rows) or more")
     if args.batch_size < 1:

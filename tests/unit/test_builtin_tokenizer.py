@@ -90,3 +90,14 @@ def test_rw_eval_splits_pairs_by_length_in_tokens(capsys):
     )
     got = json.loads(capsys.readouterr().out)
     assert got["longer_response_baseline"] == 1.0 and got["accuracy_chosen_longer"] == 1.0
+
+
+def test_rw_eval_reads_a_typed_backslash_n_as_a_newline():
+    """Its own docstring's example, "\\n\\nHuman: What is 2 + 2?\\n\\nAssistant:" in a shell, arrived as
+    backslash-n characters: not a dialogue, so it was wrapped as one Human turn holding the literal text."""
+    from inference.rw_eval import parse_args
+
+    args = parse_args(
+        ["--model", "m", "--prompt", "\\n\\nHuman: What is 2 + 2?\\n\\nAssistant:", "--response", " 4\\nok"]
+    )
+    assert args.prompt == "\n\nHuman: What is 2 + 2?\n\nAssistant:" and args.response == [" 4\nok"]
