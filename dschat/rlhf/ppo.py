@@ -437,7 +437,9 @@ class PPOTrainer:
                     packed = actor_graph = per_token_entropy = trunks = None  # one graph at a time
                     actor_graph, per_token_entropy, trunks = actor_pass(None)
             logprobs = actor_graph.detach()
-            entropy = M.masked_mean(per_token_entropy, action_mask)
+            # each answer's mean entropy per token, summed over the rows (the log averages over rows of every
+            # rank: one token mean per rank times its rows weighed a token by its rank's other answers)
+            entropy_sum = M.masked_mean(per_token_entropy, action_mask, dim=1).sum()
             with self.reference_mode() as ref:
                 ref.eval()
                 ref_logprobs = self._replayed("reference", trunks, lambda: self.action_logprobs(
@@ -513,7 +515,7 @@ class PPOTrainer:
             # holds the baseline-subtracted score instead, so it is summed from its parts
             "reward_sum": float(clipped.sum() - reward_kl_coef * kl_penalty.sum()),
             "kl_sum": float(kl.sum()),  # per-sequence KL to the reference, summed over rows
-            "entropy_sum": float(entropy) * len(lengths),
+            "entropy_sum": float(entropy_sum),
             "length_sum": float(lengths.sum()),
             "truncated_rows": float(truncated.sum()),
             "clipped_score_rows": float(was_clipped.sum()),

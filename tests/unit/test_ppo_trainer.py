@@ -182,13 +182,15 @@ def test_log_probs_in_the_loss_are_those_of_the_tempered_sampler(tokenizer, monk
     assert torch.allclose(exp.ref_logprobs * m, want_ref * m, atol=1e-5)
     # the KL to the reference is that of the tempered policies (per sequence, summed over rows)
     assert stats["kl_sum"] == pytest.approx(float(((want - want_ref) * m).sum()), abs=1e-4)
-    # the entropy is that of the tempered distribution (mean over actions, times rows)
+    # the entropy is that of the tempered distribution: each answer's mean over its actions, summed over
+    # the rows (it was one mean over all actions times the rows, which weighed a token by the length of
+    # the other answers on its rank, so 2 ranks logged another number than 1)
     with torch.no_grad():
         logits = actor(input_ids=exp.sequences, attention_mask=exp.attention_mask,
                        position_ids=position_ids_from_mask(exp.attention_mask)).logits  # fmt: skip
     p = torch.softmax(logits[:, :-1].double() / t, dim=-1)
     entropy = -(p * p.log()).sum(-1).float()
-    assert stats["entropy_sum"] == pytest.approx(float(M.masked_mean(entropy, m)) * len(exp), rel=1e-5)
+    assert stats["entropy_sum"] == pytest.approx(float(M.masked_mean(entropy, m, dim=1).sum()), rel=1e-5)
     # the update's new log-probs are tempered too: the same numbers at the first minibatch
     ppo.train(exp)
     (new, old, mask), *_ = calls

@@ -208,6 +208,7 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
              "response_length": "response_length", "truncated_fraction": "truncated_fraction",
              "clipped_score_fraction": "clipped_score_fraction"}  # fmt: skip
     held_out = ("held_out_reward", "held_out_judge_score", "true_accuracy", "true_accuracy_sampled")
+    (generated,) = dist.all_reduce_sum([trainer.generated_tokens])  # collective: every rank summarizes
     per_task = {
         f"{k}_end": v
         for k, v in eval_end.items()
@@ -216,8 +217,8 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
     return {
         "step": 3, "steps": state.step, **ends(train, first, last), "kl_end": last.get("kl_to_reference"),
         **ends({k: k for k in held_out}, eval_start, eval_end), **per_task,
-        "generated_tokens": trainer.generated_tokens,
-        "generation_tokens_per_sec": trainer.generated_tokens / max(timing["generation"], 1e-9),
+        "generated_tokens": generated,  # every rank's
+        "generation_tokens_per_sec": generated / max(timing["generation"], 1e-9),
         **{f"{k}_seconds": v for k, v in timing.items()}, "wall_seconds": sw.wall(),
         "seconds_by_phase": {**sw.totals, **timing}, "dtype": dtype, "world_size": dist.world_size(),
         "actor_zero_stage": o.actor_ds.zero_stage, "critic_zero_stage": o.critic_ds.zero_stage,
