@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,14 +277,14 @@ def prepare_data(kind: str, args: DataArgs, tokenizer, *, phase: int) -> Prepare
     path = data_cache_dir(args) / f"{kind}_{_cache_key(args, phase, fmt, kind)}.pt"
     builder = dist.local_rank() == 0
     data: PreparedData | None = None
-    error: UserError | None = None
+    error: Exception | None = None
     if builder:
         try:
             data = _read_cache(path) if path.exists() else None
             if data is None:
                 data = BUILDERS[kind](args, phase, fmt)
                 _write_cache(path, data)
-        except UserError as exc:
+        except Exception as exc:  # any failure, not only bad input: re-raised once the others know of it
             error = exc
     # Every rank takes part in this reduction: it is the barrier that makes the others wait for the cache.
     failed = dist.all_reduce_sum([1.0 if error else 0.0])[0]
@@ -303,7 +304,14 @@ def prepare_data(kind: str, args: DataArgs, tokenizer, *, phase: int) -> Prepare
 def _write_cache(path: Path, data: PreparedData) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # a name no other writer has: each node's builder may write into one shared cache directory, and
+        # containers on two nodes often run with the same pid
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        LOG.warning("could not write the tokenized data cache %s (%s); continuing without it", path, exc)
+        return
+    try:
         torch.save(
             {"train": _pack_rows(data.train), "eval": _pack_rows(data.eval), "stats": data.stats,
              "eval_prompts": data.eval_prompts},
@@ -312,6 +320,7 @@ def _write_cache(path: Path, data: PreparedData) -> None:
         os.replace(tmp, path)
     except (OSError, RuntimeError, OverflowError) as exc:  # a full disk, or a column torch cannot store
         LOG.warning("could not write the tokenized data cache %s (%s); continuing without it", path, exc)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _read_cache(path: Path) -> PreparedData | None:

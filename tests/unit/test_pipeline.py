@@ -226,6 +226,21 @@ def test_torn_cache_is_rebuilt(data_dir, tmp_path, tokenizer):
     assert prepare_sft_data(args, tokenizer).cache_hit is True
 
 
+def test_a_failed_cache_write_leaves_no_file_behind(data_dir, tmp_path, tokenizer, monkeypatch):
+    """The temporary file was named by pid (two nodes' builders in containers share pids and a cache
+    directory) and stayed behind when the write failed half-way (a full disk): a unique name, removed."""
+    args = make_args(data_dir, tmp_path)
+
+    def torn_save(obj, f):
+        Path(f).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline.torch, "save", torn_save)
+    data = prepare_sft_data(args, tokenizer)
+    assert data.train and data.cache_hit is False
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
 def test_non_builder_rank_reads_the_cache(data_dir, tmp_path, tokenizer, monkeypatch):
     args = make_args(data_dir, tmp_path)
     first = prepare_sft_data(args, tokenizer)
