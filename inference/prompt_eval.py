@@ -40,8 +40,8 @@ from dschat.generation.decoding import (
     generate_replies,
 )
 from dschat.models.loading import (
+    check_for_generation,
     inference_dtype,
-    load_config,
     load_for_generation,
     load_tokenizer,
     require_weights,
@@ -155,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         if not has_value_head(path):
             raise UserError(f"--reward_model {args.reward_model}: not a trained reward model (no config.json of a "
                             "1-label sequence-classification model; pass the step-2 output directory)")  # fmt: skip
+        require_weights(path, "--reward_model")
     models = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
-    for side in SIDES:  # both models found (a GGUF file converted) before minutes of generation
+    for (
+        side
+    ) in SIDES:  # both models found and fit to generate (a GGUF converted) before minutes of generation
         flag = f"--model_name_or_path_{side}"
-        path = resolve(models[side], flag)
-        load_config(path, trust_remote_code=args.inference.trust_remote_code, flag=flag)
-        require_weights(path, flag)
+        check_for_generation(models[side], trust_remote_code=args.inference.trust_remote_code, flag=flag)
     replies: dict[str, list[str]] = {}
     cut_off: dict[str, list[bool]] = {}
     for side in SIDES:

@@ -224,6 +224,38 @@ def require_weights(path: str, flag: str) -> None:
                         "pytorch_model.bin): an interrupted save? Export or copy the model again")  # fmt: skip
 
 
+def check_for_generation(
+    name_or_path: str, *, base_model: str | None = None, trust_remote_code: bool = False, flag: str = "--path"
+) -> tuple[str, str | None]:
+    """``(path, base_path)`` of a model to generate with, checked before anything loads: a causal LM
+    (``base_path`` None), or a peft LoRA adapter directory and its base (``base_model`` or the adapter's
+    ``base_model_name_or_path``). The usual mistakes (a reward model, a step directory holding models, a
+    directory without weights, an adapter without a base) are one line naming ``flag``."""
+    path = resolve(name_or_path, flag)
+    if not is_lora_adapter(path):
+        if os.path.exists(path):
+            _check_model_dir(path, flag)
+        load_config(path, trust_remote_code=trust_remote_code, flag=flag)  # its error names the path
+        return path, None
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
+            adapter_cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{flag} {path}: unreadable {ADAPTER_CONFIG} ({exc})") from None
+    base = base_model or adapter_cfg.get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{flag} {path}: a LoRA adapter that does not name its base model; pass --base_model")
+    base_path = resolve(base, "--base_model")
+    where = f"{flag} {path}: the LoRA adapter's base model"
+    try:
+        if os.path.exists(base_path):
+            _check_model_dir(base_path, where)
+        load_config(base_path, trust_remote_code=trust_remote_code, flag=where)
+    except UserError as exc:
+        raise UserError(f"{exc}; pass --base_model PATH") from None
+    return path, base_path
+
+
 def load_for_generation(
     name_or_path: str,
     *,
@@ -235,29 +267,12 @@ def load_for_generation(
 ):
     """``(model, tokenizer)`` ready to generate: a causal LM by name/path/``builtin:NAME``, or a peft LoRA
     adapter directory, whose base (``base_model`` or the adapter's ``base_model_name_or_path``) is loaded
-    and the adapter merged in. The model is in eval mode on ``device`` with the KV cache on; the
-    tokenizer pads on the left (batched generation)."""
-    path = resolve(name_or_path, flag)
-    adapter = is_lora_adapter(path)
-    if adapter:
-        try:
-            with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
-                adapter_cfg = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{flag} {path}: unreadable {ADAPTER_CONFIG} ({exc})") from None
-        base = base_model or adapter_cfg.get("base_model_name_or_path")
-        if not base:
-            raise UserError(
-                f"{flag} {path}: a LoRA adapter that does not name its base model; pass --base_model"
-            )
-        base_path = resolve(base, "--base_model")
+    and the adapter merged in (checked first by :func:`check_for_generation`). The model is in eval mode
+    on ``device`` with the KV cache on; the tokenizer pads on the left (batched generation)."""
+    path, base_path = check_for_generation(name_or_path, base_model=base_model,
+                                           trust_remote_code=trust_remote_code, flag=flag)  # fmt: skip
+    if base_path is not None:
         where = f"{flag} {path}: the LoRA adapter's base model"
-        try:
-            if os.path.exists(base_path):
-                _check_model_dir(base_path, where)
-            load_config(base_path, trust_remote_code=trust_remote_code, flag=where)
-        except UserError as exc:
-            raise UserError(f"{exc}; pass --base_model PATH") from None
         has_tok = any(
             os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
         )
@@ -271,12 +286,9 @@ def load_for_generation(
             model = PeftModel.from_pretrained(model, path).merge_and_unload()
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
             raise UserError(
-                f"{flag} {path}: the LoRA adapter does not fit base model {base} ({first_line(exc)})"
+                f"{flag} {path}: the LoRA adapter does not fit base model {base_path} ({first_line(exc)})"
             ) from None
     else:
-        if os.path.exists(path):
-            _check_model_dir(path, flag)
-        load_config(path, trust_remote_code=trust_remote_code, flag=flag)  # its error names the path
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="left", flag=flag)
         model = load_causal_lm(path, tokenizer=tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
                                flag=flag)  # fmt: skip

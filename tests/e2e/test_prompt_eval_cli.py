@@ -123,6 +123,29 @@ def test_a_missing_fine_tuned_model_is_refused_before_the_baseline_generates(tin
     assert "==> baseline" not in capsys.readouterr().out
 
 
+def test_a_reward_model_as_the_fine_tuned_model_is_refused_before_the_baseline_generates(
+    tiny, eval_main, capsys
+):
+    """Only the config and weights were checked up front, so a reward model (or a LoRA adapter, always
+    refused) given as the fine-tuned model failed after every baseline answer was generated."""
+    with pytest.raises(UserError, match=r"--model_name_or_path_finetune .*reward: is a reward model"):
+        eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                   str(tiny.reward), "--num_prompts", "1"])  # fmt: skip
+    assert "==> baseline" not in capsys.readouterr().out
+
+
+def test_a_lora_adapter_is_a_model_to_compare(tiny, eval_main, tmp_path, capsys):
+    """An adapter directory (no config.json of its own) was refused up front, though it loads merged."""
+    from tests.tiny_chat_models import lora_adapter
+
+    adapter = lora_adapter(tmp_path / "adapter", tiny.right)
+    prompts = tmp_path / "one_prompt.txt"
+    prompts.write_text("What is 500 + 79?\n")
+    assert eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                      str(adapter), "--prompts_file", str(prompts)]) == 0  # fmt: skip
+    assert "==> finetune" in capsys.readouterr().out
+
+
 def test_a_trailing_comma_in_tasks_is_ignored(tiny, eval_main, capsys):
     assert eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
                       str(tiny.right), "--num_prompts", "2", "--tasks", "sort,"]) == 0  # fmt: skip
