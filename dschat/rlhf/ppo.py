@@ -270,7 +270,7 @@ class PPOTrainer:
         m = exp.attention_mask[:, 1:].float()
         m[:, : exp.prompt_len - 1] = 0.0
         ok, diff = self._within_rounding(
-            float(((logprobs.detach() - exp.logprobs).abs() * m).max()) if m.numel() else 0.0
+            float(M.masked((logprobs.detach() - exp.logprobs).abs(), m).max()) if m.numel() else 0.0
         )
         if ok:
             LOG.info("--share_frozen_trunk: the update starts above the actor's frozen bottom %d blocks (max "
@@ -347,7 +347,7 @@ class PPOTrainer:
         self.packing_checked = True
         plain, _ = self.action_logprobs(self.actor, sequences, attention_mask, prompt_len)
         ok, diff = self._within_rounding(
-            float(((plain - logprobs).abs() * action_mask).sum() / action_mask.sum().clamp_min(1.0))
+            float(M.masked_mean((plain - logprobs).abs(), action_mask))  # -inf beyond an answer's end: masked
         )
         if ok:
             LOG.info(
