@@ -252,6 +252,13 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     p = parser()
     args = p.parse_args()
+    # an option of the other suite would be accepted and unused (a "replicate" with --seed that is none)
+    only_hh = [a for a in p._actions if (a.help or "").startswith("hh:")]
+    only_verifiable = [a for a in p._actions if a.dest in ("src", "stabilisers", "only")]
+    unused = only_hh if args.suite == "verifiable" else only_verifiable
+    given = [a.option_strings[0] for a in unused if getattr(args, a.dest) != a.default]
+    if given:
+        p.error(f"{', '.join(given)}: not an option of the {args.suite} suite")
     if args.suite == "hh":  # step 3's own checks on the PPO flags, before the reward models train
         try:
             PPOArgs(kl_coef=args.kl_coef, kl_in=args.kl_in, kl_estimator=args.kl_estimator,

@@ -149,8 +149,10 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "length_ratio": None,
     }
     if args.judge:
+        # sampled at the temperature the on-policy pairs were sampled at (1.0 without --labeller)
         result.update(judge_held_out(out, dpo, {"b": Path(args.judge)}, judge="b", prompts=args.judge_prompts,
-                                     max_new_tokens=args.max_new_tokens, tag="dpo"))  # fmt: skip
+                                     max_new_tokens=args.max_new_tokens, tag="dpo",
+                                     temperature=args.temperature or 1.0))  # fmt: skip
     result["target"] = {"implicit_reward_accuracy": 0.62, "judge_win_rate": 0.60, "length_ratio_at_most": 1.2}
     result["wall_seconds"] = time.perf_counter() - t0
     return result

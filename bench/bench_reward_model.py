@@ -111,6 +111,7 @@ def main() -> None:
     base = (
         json.loads(step1.read_text())["model_name_or_path"] if step1.is_file() else ran["model_name_or_path"]
     )
+    pretrained = not str(base).startswith("builtin:")  # the run's model (with --from, not --model's default)
     if args.suite == "builtin":
         met = s["eval_accuracy_end"] >= 0.95
         target = {"accuracy": 0.95}

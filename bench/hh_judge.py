@@ -99,7 +99,7 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
     """Both models' answers to ``prompts_file`` with ``decoding`` (prompt_eval.py; ``sample`` at
     ``temperature``), and their scores."""
     from dschat.compare import win_rate
-    from dschat.data.prompt_format import as_dialogue, prompt_format
+    from dschat.data.prompt_format import as_dialogue, model_format
     from dschat.models.loading import load_tokenizer, resolve
     from dschat.models.reward import load_reward_model
     from dschat.scoring import score_texts
@@ -115,7 +115,6 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
         sys.exit(1)
     answered = [json.loads(x) for x in report.with_suffix(".jsonl").read_text().splitlines()]
     tok = load_tokenizer(resolve(MODEL))
-    fmt = prompt_format(tok, "auto")
     questions = [as_dialogue(r["prompt"]) for r in answered]
     same = [r["baseline"] == r["finetune"] for r in answered]
 
@@ -129,6 +128,7 @@ def judged_answers(out: Path, policy: Path, reward_models: dict[str, Path], prom
     scores: dict[str, dict[str, list[float]]] = {}  # reward model -> side -> one score per prompt
     for name, rm in reward_models.items():
         model = load_reward_model(str(rm), tokenizer=tok, require_trained_head=True)
+        fmt = model_format(tok, str(rm))  # the format it trained in; rows cut as it trained (trained_max_len)
         s = {side: score_texts(model, tok, questions, [r[side] for r in answered], batch_size=8, device="cpu",
                                fmt=fmt).tolist() for side in ("baseline", "finetune")}  # fmt: skip
         result[f"score_{name}_step1"] = mean(s["baseline"])

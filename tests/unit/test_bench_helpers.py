@@ -170,6 +170,17 @@ def test_the_alignment_benchmarks_hh_run_refuses_bad_ppo_flags_before_any_work(t
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"), [(["verifiable", "--seed", "2"], "--seed"), (["hh", "--stabilisers"], "--stabilisers")]
+)
+def test_the_alignment_benchmark_refuses_an_option_of_the_other_suite(tmp_path, argv, named):
+    """verifiable --seed 2 was accepted and unused: a "replicate" that reran the default seed."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_alignment.py"), *argv, "--output_dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and f"{named}: not an option of the" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("suite", ["verifiable", "hh"])
 def test_the_dpo_benchmarks_loss_flags_reach_its_dpo_run(tmp_path, monkeypatch, suite):
     """bench_dpo.py reports --sft_coef, --beta, --learning_rate and --seed in its JSON: both suites' DPO
