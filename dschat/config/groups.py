@@ -146,6 +146,16 @@ class LoraArgs:
             )
         if self.lora_learning_rate is not None and self.lora_dim == 0:
             raise UserError(f"--{prefix}lora_learning_rate needs --{prefix}lora_dim > 0")
+        # a negative rate ascends the loss, a negative alpha flips the adapter's sign, and a dropout
+        # outside [0, 1) fails inside torch only after the data and the model have loaded
+        checks = [
+            (self.lora_learning_rate is None or self.lora_learning_rate > 0, "lora_learning_rate", "must be > 0"),
+            (self.lora_alpha >= 0, "lora_alpha", "must be >= 0 (0: the same as --lora_dim)"),
+            (0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)"),
+        ]  # fmt: skip
+        for ok, name, rule in checks:
+            if not ok:
+                raise UserError(f"--{prefix}{name} {rule}, got {getattr(self, name)}")
 
 
 @dataclass

@@ -229,12 +229,16 @@ def gather_zero3(params: list[torch.nn.Parameter]) -> Iterator[None]:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, lora_lr: float | None, lr: float) -> list[dict]:
-    """AdamW groups: no decay on biases and norm weights; LoRA matrices at their own learning rate."""
+    """AdamW groups: no decay on biases and norm weights; LoRA matrices at their own learning rate.
+
+    A norm is told by its shape (one dimension; under ZeRO-3 the shape before partitioning), not only by
+    its name: GPT-2's ``ln_1``/``ln_f`` and Falcon's ``ln_attn`` have no "norm" in theirs."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        no_decay = name.endswith(".bias") or "norm" in name.lower()
+        one_dim = len(getattr(p, "ds_shape", p.shape)) <= 1
+        no_decay = one_dim or name.endswith(".bias") or "norm" in name.lower()
         is_lora = "lora_" in name
         groups.setdefault((no_decay, is_lora), []).append(p)
     out = []

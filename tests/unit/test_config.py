@@ -194,6 +194,12 @@ def test_parse_data_split_names_the_given_flag():
         (LoraArgs(only_optimize_lora=True), "--only_optimize_lora needs --lora_dim > 0"),
         (LoraArgs(lora_dim=-1), "--lora_dim must be >= 0, got -1"),
         (LoraArgs(lora_learning_rate=1e-4), "--lora_learning_rate needs --lora_dim > 0"),
+        (LoraArgs(lora_dim=8, lora_learning_rate=-1e-4), "--lora_learning_rate must be > 0, got -0.0001"),
+        (
+            LoraArgs(lora_dim=8, lora_alpha=-16),
+            "--lora_alpha must be >= 0 (0: the same as --lora_dim), got -16",
+        ),
+        (LoraArgs(lora_dim=8, lora_dropout=1.0), "--lora_dropout must be in [0, 1), got 1.0"),
         (DeepSpeedArgs(zero_stage=4), "--zero_stage must be 0, 1, 2 or 3, got 4"),
         (DeepSpeedArgs(zero_stage=-1), "--zero_stage must be 0, 1, 2 or 3, got -1"),
         (DeepSpeedArgs(zero_stage=0, offload=True), "--offload needs --zero_stage 1, 2 or 3"),

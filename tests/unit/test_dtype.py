@@ -77,3 +77,20 @@ def test_asking_for_bf16_on_an_emulating_cpu_runs_it(monkeypatch, caplog):
     fake_cpu(monkeypatch, onednn_bf16=False)
     with pytest.raises(UserError, match="--dtype bf16"):
         core.resolve_dtype("bf16")
+
+
+def test_no_weight_decay_on_norms_whatever_their_name():
+    """Norm weights were told by "norm" in their name: GPT-2's ln_1/ln_2/ln_f were decayed (step 2's
+    default weight decay is 0.1, pulling a GPT-2 reward model's LayerNorms towards 0)."""
+    from transformers import AutoConfig, GPT2LMHeadModel
+
+    from dschat.engine.core import param_groups
+
+    model = GPT2LMHeadModel(
+        AutoConfig.for_model("gpt2", vocab_size=50, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    )
+    groups = param_groups(model, weight_decay=0.1, lora_lr=None, lr=1e-3)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert "transformer.h.0.ln_1.weight" not in names and "transformer.ln_f.weight" not in names
+    assert "transformer.h.0.attn.c_attn.weight" in names and "transformer.wte.weight" in names
