@@ -87,7 +87,7 @@ def begin_step(
         "world_size": setup.world, "global_batch_size": batches.global_batch, "total_steps": batches.total_steps,
         "data": data.stats, "data_cache_hit": data.cache_hit,
     }  # fmt: skip
-    save_resolved_config(run.output_dir, resolved)
+    save_resolved_config(run.output_dir, resolved, resume=run.resume)
     return resolved
 
 

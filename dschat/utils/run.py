@@ -80,7 +80,37 @@ def clear_previous_run(path: str) -> None:
         (p / "training.log").unlink(missing_ok=True)
 
 
-def save_resolved_config(output_dir: str, config: dict[str, Any]) -> None:
+def _sharded(config: dict[str, Any]) -> bool:
+    """Whether any engine of a run's resolved config partitions its state (ZeRO stage 1-3)."""
+    stages = [config.get("zero_stage")] + [config.get(k, {}).get("zero_stage") for k in ("actor", "critic")]
+    return any(isinstance(z, int) and z > 0 for z in stages)
+
+
+def check_resumed_environment(output_dir: str, config: dict[str, Any]) -> None:
+    """On ``--resume``, what the interrupted run resolved from its environment must hold again: the dtype
+    ``--dtype auto`` picked (another host without bf16 instructions picks fp32: the optimizer state does
+    not load, or the run goes on in another precision) and, where ZeRO partitions the state, the number of
+    ranks (DeepSpeed refuses it with a traceback deep in the load). One line; checked before the new
+    configuration replaces the saved one."""
+    try:
+        saved = json.loads((Path(output_dir) / RESOLVED_CONFIG).read_text())
+    except (OSError, ValueError):
+        return
+    if saved.get("resolved_dtype") not in (None, config.get("resolved_dtype")):
+        raise UserError(f"--resume: the interrupted run trained in {saved['resolved_dtype']}, this one resolves "
+                        f"--dtype {config.get('dtype', 'auto')} to {config.get('resolved_dtype')}: resume with "
+                        f"--dtype {saved['resolved_dtype']}")  # fmt: skip
+    if _sharded(saved) and saved.get("world_size") not in (None, config.get("world_size")):
+        raise UserError(f"--resume: the interrupted run's ZeRO state is split over {saved['world_size']} ranks, this "
+                        f"run has {config.get('world_size')}: ZeRO stages 1-3 resume on as many ranks (stage 0 "
+                        "on any number)")  # fmt: skip
+
+
+def save_resolved_config(output_dir: str, config: dict[str, Any], resume: bool = False) -> None:
+    """Log the run's resolved options and write them beside its outputs; on ``resume`` first
+    :func:`check_resumed_environment` against the interrupted run's."""
+    if resume:
+        check_resumed_environment(output_dir, config)
     text = json.dumps(config, indent=2, sort_keys=True, default=str)
     LOG.info("resolved configuration:\n%s", text)
     if dist.is_node_writer():

@@ -138,3 +138,35 @@ def test_stopwatch_accumulates(monkeypatch):
         pass
     assert sw.totals == {"train": 3.5}
     assert sw.wall() == 30.0
+
+
+def test_a_resume_must_resolve_the_same_dtype_and_zero_ranks(tmp_path):
+    """--dtype auto saved as the word "auto" was all a resume compared: on a host without bf16 instructions
+    it resolved fp32 (the optimizer state failed to load with a traceback, or the run went on in another
+    precision); a ZeRO-partitioned run resumed on another rank count failed deep in DeepSpeed's load."""
+    import json
+
+    from dschat.utils.errors import UserError
+    from dschat.utils.run import save_resolved_config
+
+    saved = {"dtype": "auto", "resolved_dtype": "bf16", "world_size": 2, "zero_stage": 2}
+    (tmp_path / "dschat_config.json").write_text(json.dumps(saved))
+    with pytest.raises(
+        UserError, match=r"trained in bf16, this one resolves --dtype auto to fp32: resume with --dtype bf16"
+    ):
+        save_resolved_config(str(tmp_path), {**saved, "resolved_dtype": "fp32"}, resume=True)
+    with pytest.raises(UserError, match=r"split over 2 ranks, this run has 1"):
+        save_resolved_config(str(tmp_path), {**saved, "world_size": 1}, resume=True)
+    step3 = {
+        "resolved_dtype": "bf16",
+        "world_size": 2,
+        "actor": {"zero_stage": 0},
+        "critic": {"zero_stage": 3},
+    }
+    (tmp_path / "dschat_config.json").write_text(json.dumps(step3))
+    with pytest.raises(UserError, match=r"split over 2 ranks"):
+        save_resolved_config(str(tmp_path), {**step3, "world_size": 4}, resume=True)
+    unsharded = {**saved, "zero_stage": 0}
+    (tmp_path / "dschat_config.json").write_text(json.dumps(unsharded))
+    save_resolved_config(str(tmp_path), {**unsharded, "world_size": 1}, resume=True)  # ZeRO-0: any rank count
+    assert json.loads((tmp_path / "dschat_config.json").read_text())["world_size"] == 1

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_steps": rounds.total, "actor_optimizer_steps": rounds.actor_updates,
         "critic_optimizer_steps": rounds.critic_updates, "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
     }  # fmt: skip
-    save_resolved_config(run.output_dir, resolved)
+    save_resolved_config(run.output_dir, resolved, resume=run.resume)
     log.info("prompts: %d (dropped %d longer than --max_prompt_seq_len), %d generation rounds of %d prompts",
              len(prompts.train), prompts.stats["train"]["dropped_too_long"], rounds.total, global_batch)  # fmt: skip
     dist.seed_per_rank(run.seed)  # each rank's rollouts its own draws (a resume restores each rank's RNG)
