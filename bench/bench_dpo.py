@@ -87,7 +87,7 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
         "on_policy_pairs": (s.get("policy_negatives") or {}).get("train", {}).get("pairs"),
         "steps": s["steps"],
         "train_tokens_per_sec": s["train_tokens_per_sec"],
-        "dpo_wall_seconds": s["wall_seconds"],
+        "dpo_wall_seconds": s.get("process_wall_seconds", s["wall_seconds"]),  # with data, model and mining
         "wall_seconds": time.perf_counter() - t0,
         "step1_trained_here": not args.step1,
     }
@@ -144,7 +144,7 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "train_pairs_read": s["steps"] * resolved["global_batch_size"],
         "steps": s["steps"],
         "train_tokens_per_sec": s["train_tokens_per_sec"],
-        "dpo_wall_seconds": s["wall_seconds"],
+        "dpo_wall_seconds": s.get("process_wall_seconds", s["wall_seconds"]),  # with the on-policy sampling
         "judge_win_rate": None,
         "length_ratio": None,
     }

@@ -15,6 +15,10 @@ from dschat.utils.errors import UserError
 from dschat.utils.io import atomic_write_json
 
 LOG = logging.getLogger("dschat")
+# When this process began its dschat work (the first import of this module, before data, models and
+# on-policy pair mining): a summary's process_wall_seconds counts from here, its wall_seconds from the
+# step's stopwatch (after set-up)
+PROCESS_START = time.perf_counter()
 SUMMARY = "summary.json"
 RESOLVED_CONFIG = "dschat_config.json"
 
@@ -119,9 +123,11 @@ def save_resolved_config(output_dir: str, config: dict[str, Any], resume: bool =
 
 def write_summary(output_dir: str, summary: dict[str, Any]) -> None:
     """Written last and atomically: its presence is what marks a run as finished. Rank 0's peak memory
-    (:func:`peak_memory`) is added to every summary. With node-local storage every node writes one."""
+    (:func:`peak_memory`) and the whole process's time (``process_wall_seconds``: data preparation, model
+    loading and pair mining too, which the step's ``wall_seconds`` leaves out) are added to every summary. With node-local storage every node writes one."""
     if dist.is_node_writer():
-        atomic_write_json(Path(output_dir) / SUMMARY, {**summary, **peak_memory()})
+        whole = {"process_wall_seconds": time.perf_counter() - PROCESS_START}  # set-up and mining included
+        atomic_write_json(Path(output_dir) / SUMMARY, {**summary, **whole, **peak_memory()})
 
 
 def peak_memory() -> dict[str, int]:

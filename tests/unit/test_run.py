@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,8 @@ def test_summary_and_config_files(tmp_path):
     # the process's peak RSS is added (the kernel updates its high-water mark lazily, so compare loosely
     # with the resident size just before)
     assert 0.5 * rss_before <= summary.pop("peak_rss_bytes") <= 4 * rss_before
+    # and the whole process's time so far (set-up included), from the first import of dschat.utils.run
+    assert 0 < summary.pop("process_wall_seconds") <= time.perf_counter() - run.PROCESS_START
     # and, once this process has used a GPU, the peaks of torch's allocator there
     gpu = {k: summary.pop(k) for k in ("peak_gpu_allocated_bytes", "peak_gpu_reserved_bytes") if k in summary}
     used_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
