@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         # its step 1 would train on the preset's data with its LoRA, and DPO on the step defaults
         raise UserError(f"--algorithm dpo: the preset {preset['_name']} ({preset['_why']}) has no {DPO_STEP.dir_name} "
                         "section, so DPO would run on the step's defaults (built-in data, no LoRA); add one to a "
-                        "preset file (--preset FILE.yaml), or use --preset none and give DPO's flags after --")  # fmt: skip
+                        "preset file (--preset FILE.yaml), or run --step 1 first and then --step 2 --algorithm dpo --preset none with "
+                        "DPO's flags after -- (flags after -- go to every step the command runs)")  # fmt: skip
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)
     check_models(args)
