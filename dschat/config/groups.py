@@ -3,6 +3,7 @@ DeepSpeed, run, reward model, on-policy pairs, DPO."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 from dschat.config.fields import (
@@ -144,8 +145,11 @@ class LoraArgs:
             raise UserError(
                 f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)"
             )
-        if self.lora_learning_rate is not None and self.lora_dim == 0:
-            raise UserError(f"--{prefix}lora_learning_rate needs --{prefix}lora_dim > 0")
+        for f in dataclasses.fields(self):  # an adapter's options without an adapter: accepted and unused
+            if f.name in ("lora_dim", "only_optimize_lora") or getattr(self, f.name) == f.default:
+                continue
+            if self.lora_dim == 0:
+                raise UserError(f"--{prefix}{f.name} needs --{prefix}lora_dim > 0")
         # a negative rate ascends the loss, a negative alpha flips the adapter's sign, and a dropout
         # outside [0, 1) fails inside torch only after the data and the model have loaded
         checks = [
@@ -339,11 +343,6 @@ class PolicyPairsArgs:
     )
 
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
-        for name in ("policy_negatives_reward_model", "policy_negatives_only"):
-            if getattr(self, name) and not self.policy_negatives_from:
-                raise UserError(
-                    f"--{prefix}{name} needs --{prefix}policy_negatives_from (the policy that answers)"
-                )
         if self.policy_negatives_reward_model and self.policy_negatives_per_prompt < 2:
             raise UserError(
                 f"--{prefix}policy_negatives_per_prompt must be >= 2 with --{prefix}policy_negatives_reward_model "
@@ -369,6 +368,14 @@ class PolicyPairsArgs:
             raise UserError(
                 f"--{prefix}policy_negatives_temperature must be > 0, got {self.policy_negatives_temperature}"
             )
+        # every other option of the group shapes the sampling of --policy_negatives_from: given without it, it
+        # would be accepted and unused (checked after the ranges, which name the wrong value itself)
+        for f in dataclasses.fields(self):
+            given = getattr(self, f.name) != f.default
+            if f.name != "policy_negatives_from" and given and not self.policy_negatives_from:
+                raise UserError(
+                    f"--{prefix}{f.name} needs --{prefix}policy_negatives_from (the policy that answers)"
+                )
 
 
 @dataclass

@@ -194,6 +194,13 @@ def test_parse_data_split_names_the_given_flag():
         (LoraArgs(only_optimize_lora=True), "--only_optimize_lora needs --lora_dim > 0"),
         (LoraArgs(lora_dim=-1), "--lora_dim must be >= 0, got -1"),
         (LoraArgs(lora_learning_rate=1e-4), "--lora_learning_rate needs --lora_dim > 0"),
+        # an adapter's or a sampler's options without it were accepted and unused
+        (LoraArgs(lora_alpha=16), "--lora_alpha needs --lora_dim > 0"),
+        (LoraArgs(lora_module_name="decoder.layers."), "--lora_module_name needs --lora_dim > 0"),
+        (
+            PolicyPairsArgs(policy_negatives_per_prompt=8),
+            "--policy_negatives_per_prompt needs --policy_negatives_from",
+        ),
         (LoraArgs(lora_dim=8, lora_learning_rate=-1e-4), "--lora_learning_rate must be > 0, got -0.0001"),
         (
             LoraArgs(lora_dim=8, lora_alpha=-16),
