@@ -129,8 +129,16 @@ def _row_to_sample(row: Any, where: str) -> Sample:
             raise UserError(
                 f"{where}: field 'messages': no user turn (the prompt is the dialogue before the answer)"
             )
-        # A response in dialogue text starts with a space (" 432"), as in the HH-RLHF data.
-        return Sample(prompt, " " + turns[-1]["content"].strip(), None, where)
+        # A response in dialogue text starts with a space (" 432"), as in the HH-RLHF data. A pair's rejected
+        # answer: a string, or an assistant message (TRL's conversational preference rows)
+        rejected = row.get("rejected")
+        if isinstance(rejected, dict) and rejected.get("role") == "assistant":
+            rejected = _turn_text(rejected.get("content"), where, len(turns))
+        elif isinstance(rejected, list) and rejected and isinstance(rejected[-1], dict):
+            rejected = _turn_text(rejected[-1].get("content"), where, len(turns))
+        _require_text(where, (("rejected", rejected),))
+        return Sample(prompt, " " + turns[-1]["content"].strip(),
+                      None if rejected is None else " " + rejected.strip(), where)  # fmt: skip
     if "prompt" not in row:
         raise UserError(
             f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)"

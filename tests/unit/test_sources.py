@@ -524,3 +524,13 @@ def test_a_files_held_out_rows_are_whole_prompts(tmp_path):
     assert held and not held & {s.prompt for s in src.train}
     assert len(src.eval) == 4 * len(held) and len(src.train) + len(src.eval) == 200
     assert 8 <= len(src.eval) <= 12  # 5% of 200 rows, in whole prompts of 4
+
+
+@pytest.mark.parametrize("rejected", ["Paris?", {"role": "assistant", "content": "Paris?"},
+                                      [{"role": "assistant", "content": "Paris?"}]])  # fmt: skip
+def test_a_messages_row_keeps_its_rejected_answer(tmp_path, rejected):
+    """A messages row's 'rejected' field was dropped: step 2 then said the row had no rejected field."""
+    row = {"messages": [{"role": "user", "content": "Capital of France?"},
+                        {"role": "assistant", "content": "Paris."}], "rejected": rejected}  # fmt: skip
+    (s,) = read_json_file(write_jsonl(tmp_path / "m.jsonl", [row]))
+    assert s.chosen == " Paris." and s.rejected == " Paris?"
