@@ -184,6 +184,9 @@ class OptimizerArgs:
             raise UserError(f"{flag('learning_rate')} must be > 0, got {self.learning_rate}")
         if self.num_warmup_steps < 0:
             raise UserError(f"{flag('num_warmup_steps')} must be >= 0, got {self.num_warmup_steps}")
+        if self.lr_scheduler_type == "constant" and self.num_warmup_steps:  # the constant schedule ignores it
+            raise UserError(f"{flag('num_warmup_steps')} {self.num_warmup_steps} with {flag('lr_scheduler_type')} "
+                            "constant: that schedule has no warm-up; use constant_with_warmup")  # fmt: skip
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"{flag(name)} must be in [0, 1), got {getattr(self, name)}")

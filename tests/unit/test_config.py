@@ -15,6 +15,7 @@ from dschat.config import (
     LoraArgs,
     ModelArgs,
     OptimArgs,
+    OptimizerArgs,
     PolicyPairsArgs,
     PPOArgs,
     RewardArgs,
@@ -196,6 +197,10 @@ def test_parse_data_split_names_the_given_flag():
         (LoraArgs(lora_learning_rate=1e-4), "--lora_learning_rate needs --lora_dim > 0"),
         # an adapter's or a sampler's options without it were accepted and unused
         (LoraArgs(lora_alpha=16), "--lora_alpha needs --lora_dim > 0"),
+        (
+            OptimizerArgs(lr_scheduler_type="constant", num_warmup_steps=10),
+            "--num_warmup_steps 10 with --lr_scheduler_type constant: that schedule has no warm-up",
+        ),
         (LoraArgs(lora_module_name="decoder.layers."), "--lora_module_name needs --lora_dim > 0"),
         (
             PolicyPairsArgs(policy_negatives_per_prompt=8),
