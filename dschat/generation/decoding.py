@@ -117,7 +117,20 @@ def add_decoding_args(
 
 
 def decode_options(args: argparse.Namespace, defaults: DecodeOptions) -> DecodeOptions:
-    """The validated :class:`DecodeOptions` of a parser built by :func:`add_decoding_args`."""
+    """The validated :class:`DecodeOptions` of a parser built by :func:`add_decoding_args`. A flag the chosen
+    strategy does not read, given another value than the tool's default, is an error (``--temperature 0.7``
+    without ``--decoding sample`` decoded greedily and said nothing); ``--temperature 0`` with greedy is
+    the usual way to say greedy and is accepted."""
+    reads = {"temperature": ("sample",), "top_p": ("sample",), "top_k": ("sample", "contrastive"),
+             "num_beams": ("beam",), "penalty_alpha": ("contrastive",)}  # fmt: skip
+    for name, strategies in reads.items():
+        value = getattr(args, name, None)
+        unread = args.decoding not in strategies and value is not None
+        if unread and value != (None if name == "top_k" else getattr(defaults, name)):
+            if name == "temperature" and value == 0 and args.decoding == "greedy":
+                continue
+            raise UserError(f"--{name} {value}: --decoding {args.decoding} does not read it (it applies to "
+                            f"--decoding {' or '.join(strategies)})")  # fmt: skip
     top_k = (
         args.top_k if args.top_k is not None else (4 if args.decoding == "contrastive" else defaults.top_k)
     )

@@ -91,6 +91,19 @@ def test_each_tool_keeps_its_defaults_in_the_shared_group():
         parse(chat, ["--temperature", "0"], ("sample", "greedy"))
 
 
+def test_a_flag_the_strategy_does_not_read_is_refused():
+    """prompt_eval --temperature 0.7 without --decoding sample decoded greedily and reported nothing."""
+    chat = DecodeOptions(strategy="sample", max_new_tokens=128, temperature=0.7, top_p=0.9, top_k=50)
+    for argv, flag in ((["--temperature", "0.7"], "--temperature 0.7"), (["--top_p", "0.5"], "--top_p 0.5"),
+                       (["--top_k", "5"], "--top_k 5"), (["--num_beams", "2"], "--num_beams 2"),
+                       (["--penalty_alpha", "0.3"], "--penalty_alpha 0.3")):  # fmt: skip
+        with pytest.raises(UserError, match=rf"^{flag}: --decoding greedy does not read it"):
+            parse(DecodeOptions(), argv)
+    assert parse(DecodeOptions(), ["--decoding", "greedy", "--temperature", "0"]).strategy == "greedy"
+    assert parse(chat, ["--decoding", "greedy"], ("sample", "greedy")).strategy == "greedy"  # its defaults
+    assert parse(DecodeOptions(), ["--decoding", "beam", "--num_beams", "2"]).num_beams == 2
+
+
 def test_hybrid_engine_under_zero3_needs_the_gather():
     # without it the inference copy would be filled from empty ZeRO-3 partitions
     engine = SimpleNamespace(device=torch.device("cpu"), module=torch.nn.Linear(2, 2))
