@@ -60,7 +60,11 @@ class InferenceArgs:
     device: str = opt(
         "auto", "auto = cuda where a GPU is available, else cpu", choices=("auto", "cpu", "cuda")
     )
-    dtype: str = opt("auto", "auto = bf16 (fp16 without bf16) on a GPU, fp32 on CPU", choices=DTYPES)
+    dtype: str = opt(
+        "auto",
+        "auto = bf16 (fp16 without bf16) on a GPU; on CPU bf16 where it runs in hardware (AVX512-BF16, AMX), else fp32",
+        choices=DTYPES,
+    )
     trust_remote_code: bool = opt(
         False, "allow model code from the model repository to run (off: safe default)"
     )

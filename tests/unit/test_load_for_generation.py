@@ -91,7 +91,13 @@ def test_a_broken_config_json_is_one_line(tmp_path, text):
             call()
 
 
-def test_inference_dtype():
+def test_inference_dtype(monkeypatch):
+    from dschat.engine import core
+
+    # on CPU, auto is what training's auto picks there: bf16 only where the CPU computes it in hardware
+    monkeypatch.setattr(core, "bf16_native", lambda: True)
+    assert inference_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(core, "bf16_native", lambda: False)
     assert inference_dtype("auto", "cpu") == torch.float32
     assert inference_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(UserError, match="--dtype fp16: half precision needs a GPU"):
