@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from dschat.chat import keep_last_tokens
 from dschat.data.collate import length_batches, pad_right
 from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.generation.decoding import context_length
@@ -43,14 +44,8 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
     fmt = fmt or prompt_format(tokenizer)
     p_ids, r_ids = fmt.encode_prompts(prompts), fmt.encode_responses(responses)
     limit = max_len or min(getattr(tokenizer, "model_max_length", 10**9), 10**9)
-    rows = []
-    for p, r in zip(p_ids, r_ids):
-        over = len(p) + len(r) - limit
-        if over > 0:  # keep BOS, then the end of the prompt, then (if it alone is too long) of the response
-            keep_bos = 1 if p and p[0] == tokenizer.bos_token_id else 0
-            rest = (p[keep_bos:] + r)[over:]
-            p, r = p[:keep_bos], rest
-        rows.append(p + r)
+    # BOS, then the end of the prompt, then (where it alone is too long) of the response
+    rows = [keep_last_tokens(p + r, limit, tokenizer.bos_token_id) for p, r in zip(p_ids, r_ids, strict=True)]
     scores = torch.zeros(len(rows))
     for ix in length_batches([len(r) for r in rows], batch_size):
         batch = pad_right([rows[i] for i in ix], tokenizer.pad_token_id)
