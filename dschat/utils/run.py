@@ -124,7 +124,8 @@ def save_resolved_config(output_dir: str, config: dict[str, Any], resume: bool =
 def write_summary(output_dir: str, summary: dict[str, Any]) -> None:
     """Written last and atomically: its presence is what marks a run as finished. Rank 0's peak memory
     (:func:`peak_memory`) and the whole process's time (``process_wall_seconds``: data preparation, model
-    loading and pair mining too, which the step's ``wall_seconds`` leaves out) are added to every summary. With node-local storage every node writes one."""
+    loading and pair mining too, which the step's ``wall_seconds`` leaves out) are added to every summary.
+    With node-local storage every node writes one."""
     if dist.is_node_writer():
         whole = {"process_wall_seconds": time.perf_counter() - PROCESS_START}  # set-up and mining included
         atomic_write_json(Path(output_dir) / SUMMARY, {**summary, **whole, **peak_memory()})
