@@ -135,6 +135,26 @@ def test_batched_replies_equal_one_by_one(lm):
     assert batched == single
 
 
+def test_repetition_penalty_does_not_depend_on_the_batch(lm):
+    """--repetition_penalty must not count left padding as seen text (transformers 5 skips it; a review
+    suspected it did not): where the padding id is the token the short prompt's reply opens with, the reply
+    is the same alone and beside a longer prompt."""
+    model, tok = lm
+    short, long = PROMPTS[1], PROMPTS[0] * 3
+    opts = DecodeOptions(max_new_tokens=6, repetition_penalty=3.0)
+    with torch.no_grad():  # the token the short prompt's reply opens with
+        first = int(model(torch.tensor([tok(short)["input_ids"]])).logits[0, -1].argmax())
+    padded = tok.pad_token_id
+    try:
+        tok.pad_token_id = first  # the padding is the token the reply opens with
+        ids = [tok(short)["input_ids"], tok(long)["input_ids"]]
+        one_by_one = [generate_replies(model, tok, [i], opts, stops=()).texts[0] for i in ids]
+        batched = generate_replies(model, tok, ids, opts, batch_size=2, stops=()).texts
+    finally:
+        tok.pad_token_id = padded
+    assert batched == one_by_one
+
+
 def test_replies_come_back_in_prompt_order_from_batches_of_similar_length(lm):
     """Batches group prompts by length (padding to a long neighbour is wasted compute); each reply still
     belongs to its own prompt and equals the prompt's unbatched greedy reply."""
