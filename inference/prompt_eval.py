@@ -51,7 +51,9 @@ from dschat.models.reward import load_reward_model
 from dschat.scoring import score_texts
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.io import atomic_write_text
-from dschat.utils.run import check_output_prefix
+from dschat.utils.run import check_output_prefix, output_stem
+
+REPORT_SUFFIXES = (".md", ".jsonl")  # --output PATH writes PATH.md and PATH.jsonl
 
 SIDES = ("baseline", "finetune")
 
@@ -70,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_decoding_args(p, DecodeOptions(seed=0))  # greedy by default: comparable, repeatable answers
     p.add_argument("--reward_model", help="reward model (step-2 output) to score every answer")
     p.add_argument("--output", help="write PATH.md (report) and PATH.jsonl (one row per prompt)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --output")
     add_group(p, FormatArgs, title="prompt format (as in training)")
     p.add_argument("--batch_size", type=int, default=8)
     add_group(p, InferenceArgs, title="device and precision")
@@ -90,8 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--tasks picks built-in prompts and --prompts_file gives your own: give one")
     if args.batch_size < 1:
         p.error(f"--batch_size {args.batch_size}: must be at least 1")
+    if args.overwrite and not args.output:
+        p.error("--overwrite replaces an earlier report at --output: give --output")
     if args.output:
-        check_output_prefix(args.output)
+        check_output_prefix(args.output, REPORT_SUFFIXES, overwrite=args.overwrite)
     return args
 
 
@@ -245,7 +250,7 @@ def print_summary(s: dict) -> None:
 
 
 def write_reports(args, models: dict, opts: DecodeOptions, summary: dict, rows: list[dict]) -> None:
-    stem = args.output.removesuffix(".md").removesuffix(".jsonl")
+    stem = output_stem(args.output, REPORT_SUFFIXES)
     settings = {"baseline": models["baseline"], "fine-tuned": models["finetune"],
                 "prompts": args.prompts_file or f"built-in held-out ({args.num_prompts})",
                 "decoding": opts.strategy, "max_new_tokens": opts.max_new_tokens,

@@ -59,17 +59,35 @@ def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "-
         )
 
 
-def check_output_prefix(prefix: str, flag: str = "--output") -> None:
-    """A prefix of output files (``PREFIX.md``, ``PREFIX.jsonl``), checked before any work: it must name a
-    file in a directory that exists or can be made, not a directory itself."""
+def output_stem(prefix: str, suffixes: tuple[str, ...]) -> str:
+    """``results/cmp.md`` -> ``results/cmp`` for suffixes ``(".md", ".jsonl")``: the prefix the files share."""
+    for suffix in suffixes:
+        prefix = prefix.removesuffix(suffix)
+    return prefix
+
+
+def check_output_prefix(
+    prefix: str, suffixes: tuple[str, ...], flag: str = "--output", overwrite: bool = False
+) -> None:
+    """A prefix of output files (``PREFIX.md``, ``PREFIX.jsonl`` for ``suffixes`` ``(".md", ".jsonl")``),
+    checked before any work: it must name a file in a directory that exists or can be made (and written
+    in), not a directory itself, and an earlier output is replaced only with ``overwrite``."""
     p = Path(prefix)
-    if prefix.endswith(("/", os.sep)) or p.is_dir() or not p.name.removesuffix(".md").removesuffix(".jsonl"):
+    stem = output_stem(prefix, suffixes)
+    if prefix.endswith(("/", os.sep)) or p.is_dir() or not Path(stem).name:
         raise UserError(f"{flag} {prefix}: names a directory; give a file prefix such as {p / 'results'}")
     for parent in p.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise UserError(f"{flag} {prefix}: {parent} exists and is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"{flag} {prefix}: cannot write in {parent}")
             break
+    earlier = [f"{stem}{s}" for s in suffixes if Path(f"{stem}{s}").exists()]
+    if earlier and not overwrite:
+        raise UserError(
+            f"{flag} {prefix}: {earlier[0]} exists (an earlier report); pass --overwrite to replace it"
+        )
 
 
 def clear_previous_run(path: str) -> None:

@@ -8,6 +8,7 @@ correct, it wins every prompt on reward, and the reported numbers can be written
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -114,6 +115,34 @@ def test_bad_input(tiny, eval_main, extra, message):
     extra = [a.format(root=tiny.root, reward=tiny.reward, right=tiny.right) for a in extra]
     with pytest.raises(UserError, match=message):
         eval_main([*base, *extra])
+
+
+def test_an_earlier_report_is_kept_unless_overwrite(tiny, eval_main, tmp_path, capsys):
+    """--output over an earlier report replaced it silently; it is refused before any model loads, and
+    --overwrite replaces it."""
+    out = tmp_path / "cmp"
+    (tmp_path / "cmp.md").write_text("earlier\n")
+    base = ["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune", str(tiny.right),
+            "--num_prompts", "1", "--output", str(out)]  # fmt: skip
+    with pytest.raises(UserError, match=r"--output .*cmp: .*cmp\.md exists .*--overwrite"):
+        eval_main(base)
+    assert (tmp_path / "cmp.md").read_text() == "earlier\n"
+    assert eval_main([*base, "--overwrite"]) == 0
+    assert (tmp_path / "cmp.md").read_text() != "earlier\n" and (tmp_path / "cmp.jsonl").exists()
+
+
+def test_an_unwritable_output_directory_is_refused_up_front(tiny, eval_main, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        with pytest.raises(UserError, match=r"--output .*locked/sub/cmp: cannot write in .*locked"):
+            eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                       str(tiny.right), "--output", str(locked / "sub" / "cmp")])  # fmt: skip
+    finally:
+        locked.chmod(0o700)
 
 
 def test_a_missing_fine_tuned_model_is_refused_before_the_baseline_generates(tiny, eval_main, capsys):
