@@ -137,7 +137,11 @@ class PPOArgs:
     max_prompt_seq_len: int = opt(256, "longest prompt in tokens; longer prompts are dropped and counted")
     max_answer_seq_len: int = opt(256, "most new tokens generated per prompt")
     kl_coef: float = opt(0.1, "KL penalty coefficient beta in r_t = -beta (log pi - log pi_ref)")
-    kl_target: float | None = opt(None, "adaptive KL controller target (None: fixed --kl_coef)", type=float)
+    kl_target: float | None = opt(
+        None,
+        "adaptive KL controller target (None: fixed --kl_coef); it moves after every update, on the KL of the update's rounds",
+        type=float,
+    )
     kl_horizon: int = opt(10000, "adaptive KL controller horizon")
     kl_estimator: str = opt(
         "k1",

@@ -158,17 +158,17 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
 
 
 def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffer: list[Experience], rounds: Rounds,
-              state: T.TrainState, window: T.MetricWindow, pad_id: int) -> tuple[float, int]:  # fmt: skip
+              state: T.TrainState, window: T.MetricWindow, pad_id: int) -> tuple[float, float]:  # fmt: skip
     """One generation round: experience (generate, then log-probs of actor and reference, values,
     scores, rewards, advantages); once ``--generation_batches`` rounds are collected, ``--ppo_epochs``
-    over them in minibatches. Returns the round's mean KL per sequence over all ranks and the sequence
+    over them in minibatches. Returns the round's KL summed over sequences of all ranks and the sequence
     count, for the KL controller."""
     ppo, device = o.ppo, m.actor.device
     train_actor = state.step + 1 > ppo.freezing_actor_steps  # this round's, counted from 1
     exp, stats = trainer.make_experience(batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                          batch["prompts"], train_actor=train_actor)  # fmt: skip
     window.add(**stats)
-    # this round's mean KL per sequence over all ranks: the adaptive controller follows every round
+    # this round's KL over all ranks: the adaptive controller follows every update (KLUpdates)
     round_kl, round_rows = dist.all_reduce_sum([stats["kl_sum"], stats["rows"]])
     buffer.append(exp)
     state.step += 1
@@ -186,7 +186,7 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
                 window.add(updates=1, actor_updates=float("policy_loss" in stats), **stats)
                 if m.ema is not None:
                     m.ema.update(m.actor.module)
-    return round_kl / max(round_rows, 1.0), int(round_rows)
+    return round_kl, round_rows
 
 
 def ends(keys: dict[str, str], start: dict, end: dict) -> dict[str, Any]:
@@ -335,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     last: dict[str, float] = {}
     bar = tqdm(total=rounds.total, initial=state.step, disable=not dist.is_main(), desc="step 3 (PPO)",
                dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
+    collected_kl = [0.0, 0.0]  # KL summed over the sequences of the rounds in the buffer, and their count
     for batch in T.micro_batches(rounds.loader, state, ppo.num_train_epochs):
         t0 = time.perf_counter()
         round_kl, round_rows = ppo_round(o, trainer, m, batch, buffer, rounds, state, window, tokenizer.pad_token_id)  # fmt: skip
+        collected_kl = [collected_kl[0] + round_kl, collected_kl[1] + round_rows]
         bar.update(1)
         window.add(round_seconds=time.perf_counter() - t0)
         if T.should_log(state.step, run.log_interval, rounds.total):
@@ -350,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                          rounds.total, last["reward_mean"], last["score_mean"], last["kl_to_reference"],
                          last["response_length"], last.get("policy_loss", float("nan")),
                          f" value {last['value_loss']:.4f}" if "value_loss" in last else "")  # fmt: skip
-        trainer.kl_ctl.update(round_kl, n_steps=round_rows)  # after the log line, which shows this round's
+        if not buffer:  # an update: every row of it carried one coefficient; it moves on their mean KL
+            trainer.kl_ctl.update(collected_kl[0] / max(collected_kl[1], 1.0), n_steps=int(collected_kl[1]))
+            collected_kl = [0.0, 0.0]  # after the log line, which shows the coefficient the rows carried
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < rounds.total:
             evaluate(state.step)
         if not buffer:  # checkpoint only between PPO updates: the buffer is empty every G-th round
