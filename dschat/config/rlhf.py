@@ -117,7 +117,8 @@ class PPOArgs:
     filter_uniform_groups: bool = opt(
         False,
         "drop from the update every prompt whose responses all score the same (DAPO's dynamic sampling): a group "
-        "baseline gives them zero advantage, so they only dilute the loss (rloo / group_norm / dr_grpo only)",
+        "baseline gives them zero advantage, so they only dilute the loss (rloo / group_norm / dr_grpo only); "
+        "their KL penalty leaves the update with them (DAPO has none), while kl_to_reference still counts them",
     )
     loss_agg: str = opt(
         "token_mean",
