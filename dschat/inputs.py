@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from dschat.config.fields import flag_name
@@ -88,11 +89,33 @@ def check_function(spec: str, flag: str) -> None:
 CHECKS = {MODEL: check_model, DATA: check_data, FUNCTION: check_function}
 
 
+def check_output_apart(
+    output_dir: str, models: Iterable[tuple[str, str]], flag: str = "--output_dir"
+) -> None:
+    """No model a run reads (``(spec, flag)`` pairs) may be its output directory or lie inside it: the run
+    writes its weights, config and tokenizer there (and ``--overwrite`` clears it), so it would destroy the
+    model it reads. Hub ids and built-in names are not local paths and pass."""
+    out = Path(output_dir).expanduser().resolve()
+    for spec, model_flag in models:
+        p = Path(spec).expanduser()
+        if not spec or not p.exists():
+            continue
+        p = p.resolve()
+        if p == out or out in p.parents:
+            where = "is" if p == out else "lies inside"
+            raise UserError(f"{model_flag} {spec}: {where} {flag} {output_dir}, which this run writes over; "
+                            f"choose another {flag}")  # fmt: skip
+
+
 def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] = (MODEL, DATA)) -> None:
     """Check every marked field of ``groups`` (parsed from ``specs``, a step's ``GROUPS``: a dataclass, or
-    ``(dataclass, prefix, shared)``) whose kind is in ``kinds``, naming the flag as the user wrote it."""
+    ``(dataclass, prefix, shared)``) whose kind is in ``kinds``, naming the flag as the user wrote it; the
+    models, where a group holds the run's ``output_dir``, against it (:func:`check_output_apart`)."""
+    models: list[tuple[str, str]] = []
+    output_dir = None
     for spec, group in zip(specs, groups, strict=True):
         _, prefix, shared = (spec, "", ()) if isinstance(spec, type) else spec
+        output_dir = getattr(group, "output_dir", output_dir)
         for f in dataclasses.fields(group):
             kind = f.metadata.get("input")
             value = getattr(group, f.name)
@@ -100,3 +123,7 @@ def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] 
                 continue
             for item in value if isinstance(value, list) else [value]:
                 CHECKS[kind](item, flag_name(f.name, prefix, frozenset(shared)))
+                if kind == MODEL:
+                    models.append((item, flag_name(f.name, prefix, frozenset(shared))))
+    if output_dir:  # a step's own models (train.py's pass has no output directory among the groups)
+        check_output_apart(output_dir, models)

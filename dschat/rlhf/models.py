@@ -23,7 +23,7 @@ from dschat.generation.decoding import context_length
 from dschat.generation.hybrid import HybridGenerator
 from dschat.generation.plain import PlainGenerator
 from dschat.generation.sampling import SamplingConfig
-from dschat.inputs import check_model
+from dschat.inputs import check_model, check_output_apart
 from dschat.models.loading import (
     check_same_tokenizer,
     has_value_head,
@@ -132,6 +132,7 @@ def check_model_paths(o: RLHFOptions) -> None:
     starts (:func:`dschat.inputs.check_model`)."""
     for spec, flag in held_model_specs(o).values():
         check_model(spec, flag)
+    check_output_apart(o.run.output_dir, held_model_specs(o).values())
 
 
 def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:

@@ -348,6 +348,9 @@ def test_bad_inputs(models, tmp_path):
     # so must the judge, checked before the engines start
     error_line(step3(tmp_path / "j", actor, rm, "--judge_reward_model", actor, "--max_steps", "1"),
                f"--judge_reward_model {actor}: not a trained reward model")  # fmt: skip
+    # the critic read from inside --output_dir would be written over by the run's own saves
+    error_line(step3(rm.parent, actor, rm, "--max_steps", "1", in_process=True),
+               f"--critic_model_name_or_path {rm}: lies inside --output_dir {rm.parent}, which this run writes over")  # fmt: skip
     # prompt + answer must fit what the models attend to: a learned position table (GPT-2, OPT) raised an
     # IndexError at the first rollout that ran past it, rounds into the run, and RoPE models ran past their
     # trained context unwarned (the built-in models: 1024 positions)

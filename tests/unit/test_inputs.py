@@ -8,7 +8,15 @@ import re
 import pytest
 
 from dschat import config as C
-from dschat.inputs import DATA, FUNCTION, check_data, check_inputs, check_model, import_function
+from dschat.inputs import (
+    DATA,
+    FUNCTION,
+    check_data,
+    check_inputs,
+    check_model,
+    check_output_apart,
+    import_function,
+)
 from dschat.utils.errors import UserError
 
 
@@ -91,6 +99,31 @@ def test_check_inputs_walks_the_marked_fields_and_names_prefixed_flags(tmp_path)
     bad_data = (fine[0], fine[1], C.DataArgs(data_path=["builtin"], sft_only_data_path=["gone.json"]))
     with pytest.raises(UserError, match=r"^--sft_only_data_path gone\.json: data file not found$"):
         check_inputs(specs, bad_data, kinds=(DATA,))
+
+
+def test_a_model_in_the_output_directory_is_refused(tmp_path):
+    """A run wrote its weights, config and tokenizer over a model it read from its own --output_dir (a
+    plain Hugging Face directory has no summary.json, so nothing stopped it): the model may be neither the
+    output directory nor inside it; beside it, above it, or a hub id is fine."""
+    model = tmp_path / "my-llama"
+    (model / "actor").mkdir(parents=True)
+    with pytest.raises(
+        UserError, match=re.escape(f"--model_name_or_path {model}: is --output_dir {model}, which")
+    ):
+        check_output_apart(str(model), [(str(model), "--model_name_or_path")])
+    with pytest.raises(
+        UserError, match=r"^--actor_model_name_or_path .*actor: lies inside --output_dir .*my-llama/\., "
+    ):
+        check_output_apart(f"{model}/.", [(str(model / "actor"), "--actor_model_name_or_path")])
+    for out in (tmp_path / "out", model / "actor" / "next", tmp_path / "my-llama2"):
+        check_output_apart(
+            str(out), [(str(model / "actor"), "--m"), ("HuggingFaceTB/SmolLM2-135M-Instruct", "--m")]
+        )
+    # through a step's groups: the model and the run's output directory are one path
+    specs = (C.ModelArgs, C.RunArgs)
+    with pytest.raises(UserError, match=r"^--model_name_or_path .*my-llama: is --output_dir "):
+        check_inputs(specs, (C.ModelArgs(str(model)), C.RunArgs(output_dir=str(model))))
+    check_inputs(specs, (C.ModelArgs(str(model)), C.RunArgs(output_dir=str(tmp_path / "out"))))
 
 
 def test_every_option_naming_a_model_or_data_is_marked():
