@@ -14,6 +14,7 @@ import torch
 from dschat.config import DataArgs, ModelArgs, OptimArgs, RunArgs, to_dict
 from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.engine import core as engine_core
+from dschat.launch.supervise import adopt_pending_log
 from dschat.lm import eval_batches, train_loader
 from dschat.models.loading import load_tokenizer, resolve
 from dschat.utils import dist
@@ -57,6 +58,8 @@ def begin_outputs(run: RunArgs) -> logging.Logger:
     """
     if run.overwrite:
         clear_previous_run(run.output_dir)
+    if dist.is_node_writer():
+        adopt_pending_log()  # train.py's log of this step replaces the earlier run's now
     dist.barrier()
     return setup_logging(run.output_dir)
 

@@ -13,6 +13,11 @@ import sys
 import threading
 from pathlib import Path
 
+# train.py's log of a step that has not begun its outputs yet, beside an earlier run's (training.log ->
+# training.attempt.log), and the variable that tells the step where it is
+ATTEMPT_SUFFIX = ".attempt.log"
+PENDING_LOG_ENV = "DSCHAT_PENDING_LOG"
+
 
 class RankWatch:
     """Which rank failed first, for the error line of a failed step.
@@ -145,13 +150,35 @@ def run_step(
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    if not remote:
-        return _run(cmd, log_path, append, env, local=True)
-    with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # mode 0700: it may hold HF_TOKEN
-        env_file = Path(private) / "deepspeed_env"
-        env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
-        env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
-        return _run(cmd, log_path, append, env, local=False)
+    # An earlier run's log is replaced only once the step's outputs begin (its flags and inputs checked,
+    # dschat.step_setup.begin_outputs): until then this attempt writes beside it.
+    attempt = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX) if not append and log_path.exists() else None
+    if attempt is not None:
+        env[PENDING_LOG_ENV] = str(attempt)
+    try:
+        if not remote:
+            return _run(cmd, attempt or log_path, append, env, local=True)
+        with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # 0700: it may hold HF_TOKEN
+            env_file = Path(private) / "deepspeed_env"
+            env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
+            env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
+            return _run(cmd, attempt or log_path, append, env, local=False)
+    finally:
+        if attempt is not None and attempt.exists():  # the step stopped before its outputs began
+            print(
+                f"(train.py: {log_path} keeps the earlier run's log; this attempt's is {attempt})",
+                file=sys.stderr,
+            )
+
+
+def adopt_pending_log() -> None:
+    """Where train.py writes this step's output beside an earlier run's log (``--overwrite``, a failed
+    run's directory), make it the step's training.log: called once the step's outputs begin. The file
+    stays open in train.py, which goes on writing to it under its new name."""
+    pending = os.environ.get(PENDING_LOG_ENV)
+    if pending and pending.endswith(ATTEMPT_SUFFIX):
+        with contextlib.suppress(FileNotFoundError):  # another node's rank: the file is on node 0
+            os.replace(pending, pending.removesuffix(ATTEMPT_SUFFIX) + ".log")
 
 
 def _run(cmd: list[str], log_path: Path, append: bool, env: dict, local: bool) -> tuple[int, str]:

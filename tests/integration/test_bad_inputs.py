@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.integration.helpers import FAST, error_line, step1, train_py
+from tests.integration.helpers import FAST, RUN_FLAGS, error_line, step1, train_py
 
 
 def run_bad(tmp_path, *flags: str, env: dict | None = None, in_process: bool = False):
@@ -94,6 +94,29 @@ def test_overwrite_keeps_the_finished_run_when_the_model_refuses_a_flag(tmp_path
     )
     assert (out / "summary.json").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "summary.json"]
+
+
+def test_train_py_overwrite_keeps_the_finished_runs_log_when_the_step_refuses_a_flag(tmp_path):
+    """train.py started the step's training.log afresh before the step had checked its flags: a refused
+    --overwrite kept the finished run but replaced its log with the refused attempt's. The earlier log stays
+    until the step's outputs begin; the attempt's output is kept beside it."""
+    step = tmp_path / "out" / "step1"
+    step.mkdir(parents=True)
+    (step / "summary.json").write_text('{"step": 1}\n')
+    (step / "training.log").write_text("the finished run's log\n")
+    proc = train_py("--step", "1", "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path / "out"),
+                    "--overwrite", "--", "--trainable_layers", "99")  # fmt: skip
+    assert proc.returncode != 0 and "--trainable_layers 99" in proc.stdout + proc.stderr
+    assert (step / "training.log").read_text() == "the finished run's log\n"
+    assert "--trainable_layers 99" in (step / "training.attempt.log").read_text()
+    assert (step / "summary.json").exists()
+    # an attempt that begins its outputs takes the log's name (and train.py goes on writing to it)
+    proc = train_py("--step", "1", "--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path / "out"),
+                    "--overwrite", "--", *RUN_FLAGS, "--max_steps", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (step / "training.log").read_text()
+    assert "--max_steps 1" in log and "the finished run's log" not in log and "model saved to" in log
+    assert not (step / "training.attempt.log").exists()
 
 
 def test_train_py_more_processes_than_devices(tmp_path):
