@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = steps_of(args)
     if args.algorithm == "dpo":
         check_dpo(args, steps)
+    check_flags_reach_a_step(args, steps)
     for n in steps:
         if not STEPS[n].built:
             raise UserError(
@@ -464,6 +465,25 @@ def check_models(args: argparse.Namespace) -> None:
             check_model(value, flag)
     for spec in args.data_path or ():
         check_data(spec, "--data-path")
+
+
+# train.py flags read by some steps only (PPO; --algorithm dpo: check_dpo), as (flag, attribute, steps)
+STEP_FLAGS = (
+    ("--reward-model", "reward_model", {2, 3}),  # step 2's start; step 3's critic when step 2 does not run
+    ("--reward-zero-stage", "reward_zero_stage", {2, 3}),
+    ("--actor-zero-stage", "actor_zero_stage", {1, 3}),
+)
+
+
+def check_flags_reach_a_step(args: argparse.Namespace, steps: list[int]) -> None:
+    """A train.py flag that no step of this job reads is an error, not a silent no-op."""
+    if args.algorithm != "ppo":
+        return
+    for flag, name, readers in STEP_FLAGS:
+        if getattr(args, name) is not None and not readers & set(steps):
+            which = " and ".join(str(n) for n in sorted(readers))
+            raise UserError(f"{flag} is read by steps {which}, and this job runs --step "
+                            f"{' '.join(map(str, steps))}: drop it, or run a step that reads it")  # fmt: skip
 
 
 def check_dpo(args: argparse.Namespace, steps: list[int]) -> None:

@@ -28,6 +28,10 @@ def test_help():
         (["--actor-zero-stage", "4"], ["--actor-zero-stage", "4"]),
         (["--no-such-flag"], ["--no-such-flag"]),
         (["--step", "4"], ["--step", "4"]),
+        # flags no step of the job reads were accepted and ignored
+        (["--reward-model", "builtin:micro-llama"], ["--reward-model", "steps 2 and 3", "--step 1"]),
+        (["--reward-zero-stage", "3"], ["--reward-zero-stage", "steps 2 and 3", "--step 1"]),
+        (["--step", "2", "--actor-zero-stage", "3"], ["--actor-zero-stage", "steps 1 and 3", "--step 2"]),
     ],
     ids=[
         "hostfile-single-gpu",
@@ -37,6 +41,9 @@ def test_help():
         "zero-stage-4",
         "unknown-flag",
         "no-step-4",
+        "reward-model-step-1",
+        "reward-zero-stage-step-1",
+        "actor-zero-stage-step-2",
     ],
 )
 def test_bad_flag_combinations_are_one_line(tmp_path, args, needles):
