@@ -290,10 +290,17 @@ def policy_loss(
     loss2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
     loss = aggregate(torch.max(loss1, loss2), action_mask, agg, norm_len, all_reduce)
     with torch.no_grad():
+        # token means over every rank's actions, as the loss (a rank whose rows all left the update logged
+        # zeros that the mean over ranks then counted); this rank's share scaled by the rank count, as
+        # :func:`aggregate`, so the mean of the ranks' values is the whole batch's
+        scale = 1.0 / action_mask.sum().clamp_min(1.0)
+        if all_reduce is not None:
+            total, ranks = all_reduce([float(action_mask.sum()), 1.0])
+            scale = ranks / max(total, 1.0)
         stats = {
-            "clip_fraction": masked_mean((loss2 > loss1).float(), action_mask),
+            "clip_fraction": masked((loss2 > loss1).float(), action_mask).sum() * scale,
             # k3 estimator of KL(old || new): (r - 1) - log r, non-negative and low-variance
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, action_mask),
+            "approx_kl": masked(ratio - 1.0 - log_ratio, action_mask).sum() * scale,
         }
     return loss, stats
 

@@ -771,3 +771,36 @@ def test_aggregate_over_two_ranks_equals_one_rank_holding_all_rows(mode):
     assert torch.allclose((halves[0] + halves[1]) / 2, whole, atol=1e-6)
     per_rank = [aggregate(x[h], mask[h], mode, norm_len=6) for h in (slice(0, 2), slice(2, 4))]
     assert not torch.allclose((per_rank[0] + per_rank[1]) / 2, whole, atol=1e-3)  # what it was before
+
+
+def test_policy_loss_stats_over_two_ranks_equal_one_rank_holding_all_rows():
+    """clip_fraction and approx_kl were each rank's own token mean, averaged over ranks: a rank whose rows
+    all left the update (--filter_uniform_groups) logged zeros that halved them. With the token count
+    summed over ranks, the mean of the ranks' values is the whole batch's."""
+    torch.manual_seed(2)
+    logp, old, adv = torch.randn(4, 5) * 0.3, torch.randn(4, 5) * 0.3, torch.randn(4, 5)
+    mask = torch.tensor(
+        [[1.0] * 5, [1.0] * 3 + [0.0] * 2, [0.0] * 5, [0.0] * 5]
+    )  # rank 1: every row filtered
+    _, whole = policy_loss(logp, old, adv, mask, 0.2)
+    assert float(whole["clip_fraction"]) > 0 and float(whole["approx_kl"]) > 0
+    sent: list[list[float]] = []
+
+    def record(v: list[float]) -> list[float]:
+        sent.append(v)
+        return v
+
+    halves = (slice(0, 2), slice(2, 4))
+    for h in halves:
+        policy_loss(logp[h], old[h], adv[h], mask[h], 0.2, all_reduce=record)
+    # each rank calls the all-reduce twice (the loss's denominator, then the stats'): the same sums
+    total = [[a + b for a, b in zip(sent[i], sent[i + 2], strict=True)] for i in (0, 1)]
+    ranks = []
+    for h in halves:
+        calls = iter(total)
+        reduce = lambda v, calls=calls: next(calls)  # noqa: E731
+        ranks.append(policy_loss(logp[h], old[h], adv[h], mask[h], 0.2, all_reduce=reduce)[1])
+    for key in ("clip_fraction", "approx_kl"):
+        assert math.isclose(float(ranks[0][key] + ranks[1][key]) / 2, float(whole[key]), rel_tol=1e-6)
+        alone = [policy_loss(logp[h], old[h], adv[h], mask[h], 0.2)[1][key] for h in halves]
+        assert not math.isclose(float(alone[0] + alone[1]) / 2, float(whole[key]), rel_tol=1e-3)  # before
