@@ -60,6 +60,7 @@ class TrainState:
     train_seconds: float = 0.0
     global_batch_size: int = 0
     train_examples: int = 0  # the training set's size: the data order and a resumed position follow it
+    train_fingerprint: str = ""  # and its content (dschat.data.pipeline.rows_fingerprint; "" before 11-29)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # step-specific (e.g. the KL coefficient)
 
     def to_client_state(self) -> dict[str, Any]:
@@ -188,11 +189,16 @@ def true_accuracy(
                              device=engine.device, synced_gpus=zero3, fmt=setup.fmt)  # fmt: skip
 
 
-def resume_state(engine, run: RunArgs, global_batch_size: int, examples: int = 0) -> TrainState:
+def resume_state(
+    engine, run: RunArgs, global_batch_size: int, examples: int = 0, fingerprint: str = ""
+) -> TrainState:
     """Fresh state, or the one saved with the latest checkpoint when ``--resume`` is given. ``engine`` may
-    be a dict name -> engine (step 3 saves actor and critic together). ``examples``: the training set's
-    size (step 3: its prompts), which a resume must share with the checkpoint."""
-    state = TrainState(global_batch_size=global_batch_size, train_examples=examples)
+    be a dict name -> engine (step 3 saves actor and critic together). ``examples`` and ``fingerprint``:
+    the training set's size (step 3: its prompts) and content (:func:`training_set`), which a resume must
+    share with the checkpoint."""
+    state = TrainState(
+        global_batch_size=global_batch_size, train_examples=examples, train_fingerprint=fingerprint
+    )
     if not run.resume:
         return state
     root = Path(run.output_dir) / "checkpoints"
@@ -212,9 +218,16 @@ def resume_state(engine, run: RunArgs, global_batch_size: int, examples: int = 0
             f"{examples} (the data, or what its length limits drop, changed; the data order and the position "
             "follow the set): resume on the same data, or start over with --overwrite"
         )
+    if fingerprint and saved.get("train_fingerprint") and saved["train_fingerprint"] != fingerprint:
+        raise UserError(
+            f"--resume: checkpoint {tag} was trained on other training examples than this run's (as many, "
+            "but their content changed: an edited data file, or a data source that now gives other rows); the "
+            "position would land in another set: resume on the same data, or start over with --overwrite"
+        )
     fields = {f.name for f in dataclasses.fields(TrainState)}
     state = TrainState(**{k: v for k, v in saved.items() if k in fields})
     state.train_examples = examples or state.train_examples
+    state.train_fingerprint = fingerprint or state.train_fingerprint
     LOG.info("resumed from %s/%s at step %d", root, tag, state.step)
     return state
 
@@ -464,9 +477,17 @@ def start_of_run(state: TrainState, key: str, measure: Callable[[], Any]) -> Any
     return state.extra[key]
 
 
+def training_set(loader) -> tuple[int, str]:
+    """A training loader's set: its size and content fingerprint, which a resume must share."""
+    from dschat.data.pipeline import rows_fingerprint
+
+    return loader.sampler.n, rows_fingerprint(loader.dataset)
+
+
 def open_run(
-    engine, run: RunArgs, global_batch_size: int, resolved: dict[str, Any], examples: int
+    engine, run: RunArgs, global_batch_size: int, resolved: dict[str, Any], loader
 ) -> tuple[TrainState, int, MetricsLogger]:
-    """The run's state (:func:`resume_state`), the step it starts from and its metrics loggers."""
-    state = resume_state(engine, run, global_batch_size, examples)
+    """The run's state (:func:`resume_state` on ``loader``'s set), the step it starts from and its
+    metrics loggers."""
+    state = resume_state(engine, run, global_batch_size, *training_set(loader))
     return state, state.step, open_metrics(run, resolved, state)

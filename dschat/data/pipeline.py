@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,23 @@ def data_cache_dir(args: DataArgs) -> Path:
     if args.data_output_path:
         return Path(args.data_output_path).expanduser()
     return cache_root() / "data"
+
+
+def rows_fingerprint(rows: Iterable[dict]) -> str:
+    """What identifies a tokenized training set's content, in order: a hash of every row's fields (token
+    tensors by their bytes, anything else by its repr). A resumed run compares it with its checkpoint's:
+    the same count of other rows would resume at a position in another set."""
+    h = hashlib.sha256()
+    for row in rows:
+        for key in sorted(row):
+            value = row[key]
+            h.update(key.encode())
+            if isinstance(value, torch.Tensor):
+                raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # any dtype, bf16 too
+                h.update(str(value.dtype).encode() + raw.numpy().tobytes())
+            else:
+                h.update(repr(value).encode())
+    return h.hexdigest()[:16]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

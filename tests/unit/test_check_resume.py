@@ -121,3 +121,65 @@ def test_a_resume_on_another_training_set_is_one_line(tmp_path):
         UserError, match=r"--resume: checkpoint step4 was trained on 100 training examples, this run has 90"
     ):
         resume_state(Engine(), run, 8, examples=90)
+
+
+def test_a_resume_on_as_many_other_training_examples_is_one_line(tmp_path):
+    """Only the count was compared: an edited data file with as many rows resumed silently at a position
+    in another set. The content fingerprint is compared too (a checkpoint from before it had none: kept)."""
+    import torch
+
+    from dschat.data.pipeline import rows_fingerprint
+    from dschat.engine.checkpoint import save_checkpoint
+    from dschat.trainer import TrainState, resume_state
+
+    class Engine:
+        def save_checkpoint(self, root, tag, client_state, save_latest):
+            (tmp_path / "out" / "checkpoints" / tag).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "client.json").write_text(json.dumps(client_state))
+
+        def load_checkpoint(self, root, tag, **kw):
+            return tag, json.loads((tmp_path / "client.json").read_text())
+
+    rows = [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([-100, 2, 3])} for _ in range(3)]
+    edited = [*rows[:2], {"input_ids": torch.tensor([1, 2, 4]), "labels": torch.tensor([-100, 2, 4])}]
+    same, other = rows_fingerprint(rows), rows_fingerprint(edited)
+    assert same == rows_fingerprint([dict(r) for r in rows]) and same != other
+    assert rows_fingerprint(rows[::-1]) == same and rows_fingerprint(edited[::-1]) != other  # order counts
+    run = C.RunArgs(output_dir=str(tmp_path / "out"), resume=True)
+    for saved in ("", same):  # a checkpoint without a fingerprint, then one with it
+        state = TrainState(step=4, global_batch_size=8, train_examples=3, train_fingerprint=saved)
+        save_checkpoint(Engine(), tmp_path / "out" / "checkpoints", 4, state.to_client_state())
+        assert resume_state(Engine(), run, 8, 3, same).train_fingerprint == same
+    with pytest.raises(
+        UserError, match=r"^--resume: checkpoint step4 was trained on other training examples"
+    ):
+        resume_state(Engine(), run, 8, 3, other)
+
+
+def test_a_resume_on_other_ptx_data_is_one_line():
+    """Step 3 saved only where its PTX loader stood: another PTX set (--unsupervised_dataset_name's file
+    edited) raised a sampler traceback where it was smaller and read another order where it was as large."""
+    from dschat.trainer import TrainState
+    from training.step3_rlhf_finetuning.main import PTX_POSITION, Rounds
+
+    def rounds(examples: int, fingerprint: str) -> Rounds:
+        position = TrainState(train_examples=examples, train_fingerprint=fingerprint)
+        return Rounds(
+            loader=None, total=1, actor_updates=1, critic_updates=1, unsup=iter(()), unsup_position=position
+        )
+
+    saved = TrainState()
+    rounds(100, "aa").save_unsup_position(saved)
+    saved.extra[PTX_POSITION].update(epoch=2, batch_in_epoch=7)
+    same = rounds(100, "aa")
+    same.restore_unsup_position(saved)
+    assert (same.unsup_position.epoch, same.unsup_position.batch_in_epoch) == (2, 7)
+    with pytest.raises(
+        UserError,
+        match=r"^--resume: the --unsupervised_dataset_name data .* had 100 examples, this run has 90\)",
+    ):
+        rounds(90, "bb").restore_unsup_position(saved)
+    with pytest.raises(UserError, match=r"this run has 100, as many but other ones\)"):
+        rounds(100, "bb").restore_unsup_position(saved)
+    old = TrainState(extra={PTX_POSITION: {"epoch": 1, "batch_in_epoch": 3}})  # saved before the check
+    rounds(90, "bb").restore_unsup_position(old)

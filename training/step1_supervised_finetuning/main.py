@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
              ds_args.zero_stage, world)  # fmt: skip
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
-    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader.sampler.n)
+    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader)
     sw = Stopwatch()
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict[str, float], dict[str, float] | None]:

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        dtype)  # fmt: skip
     log.info("reference log-probs of %d train + %d eval pairs %s (%s)", len(used), len(data.eval),
              "read from the run" if reused else "computed", ref_path or "the starting policy")  # fmt: skip
-    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader.sampler.n)
+    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader)
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict, dict | None]:
         """Implicit-reward accuracy on held-out pairs; at start and end the verifier's true accuracy."""

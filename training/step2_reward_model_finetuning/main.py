@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         settle_share_prompt(engine.module, collate, data.train, [evals, policy_evals], engine.device)
 
     # ---------------------------------------------------------------- 4. resume or start; first evaluation
-    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader.sampler.n)
+    state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader)
     sw = Stopwatch()
 
     # every evaluation scores the same batches: their frozen bottom is computed once (trunk.EvalMemo)

@@ -112,10 +112,22 @@ class Rounds:
             state.extra[PTX_POSITION] = {k: v for k, v in saved.items() if k != "extra"}
 
     def restore_unsup_position(self, state: T.TrainState) -> None:
-        """Before the iterator's first batch (a generator reads its position when it starts)."""
-        if self.unsup_position is not None and PTX_POSITION in state.extra:
-            for k, v in state.extra[PTX_POSITION].items():
-                setattr(self.unsup_position, k, v)
+        """Before the iterator's first batch (a generator reads its position when it starts). The position
+        is one in the PTX set the checkpoint read: another set (another size: a traceback from the sampler
+        before; as many other rows: another order, silently) is refused."""
+        if self.unsup_position is None or PTX_POSITION not in state.extra:
+            return
+        saved, now = state.extra[PTX_POSITION], self.unsup_position
+        for key in ("train_examples", "train_fingerprint"):
+            if saved.get(key) and saved[key] != getattr(now, key):
+                raise UserError(
+                    f"--resume: the --unsupervised_dataset_name data is not the checkpoint's (it had "
+                    f"{saved['train_examples']} examples, this run has {now.train_examples}"
+                    + (", as many but other ones" if key == "train_fingerprint" else "")
+                    + "): resume on the same data, or start over with --overwrite"
+                )
+        for k, v in saved.items():
+            setattr(now, k, v)
 
 
 PTX_POSITION = "ptx_position"
@@ -151,7 +163,8 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
         sft = prepare_sft_data(ptx_data_args(o), tokenizer, phase=1)
         sft_loader = train_loader(sft.train, batch_size=ppo.per_device_training_batch_size, seed=seed,
                                   collate=SFTCollator(tokenizer.pad_token_id))  # fmt: skip
-        position = T.TrainState()
+        examples, fingerprint = T.training_set(sft_loader)
+        position = T.TrainState(train_examples=examples, train_fingerprint=fingerprint)
         return Rounds(loader, total, actor_updates, critic_updates,
                       T.micro_batches(sft_loader, position, num_epochs=10**9), position)  # fmt: skip
     return Rounds(loader, total, actor_updates, critic_updates, unsup=None)
@@ -238,9 +251,10 @@ def describe(o: RLHFOptions, m: Models, paths: ModelPaths, dtype: str) -> str:
             f"critic {critic}, reward {reward}, reference {reference}, dtype {dtype}, {dist.world_size()} rank(s)")  # fmt: skip
 
 
-def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int, prompts: int) -> T.TrainState:
-    """The run's state: fresh, or (``--resume``) the latest checkpoint's, with the KL controller's."""
-    state = T.resume_state(m.engines(), run, global_batch, prompts)
+def resume(m: Models, trainer: PPOTrainer, run: C.RunArgs, global_batch: int, loader) -> T.TrainState:
+    """The run's state: fresh, or (``--resume``) the latest checkpoint's (on ``loader``'s prompts), with the
+    KL controller's."""
+    state = T.resume_state(m.engines(), run, global_batch, *T.training_set(loader))
     if m.ema is not None and run.resume:
         m.ema.restore(lambda: T.resumed_tensors(run, EMA_NAME), f"checkpoint step{state.step}")
     if PPO_PROGRESS in state.extra:
@@ -314,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(describe(o, m, paths, dtype))
 
     # 3. resume or start; held-out evaluation
-    state = resume(m, trainer, run, global_batch, rounds.loader.sampler.n)
+    state = resume(m, trainer, run, global_batch, rounds.loader)
     rounds.restore_unsup_position(state)
     start_step = state.step
     metrics = T.open_metrics(run, resolved, state)
