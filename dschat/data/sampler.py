@@ -17,15 +17,17 @@ def group_by_length(
     holds samples of similar length: the list is cut into mega-batches of ``MEGA_BATCH`` global batches,
     each sorted by length, and the global batches are then shuffled, so the data order stays random at
     the scale of batches while padding within a batch nearly disappears."""
+    # The samples that fill no whole batch (the epoch drops them) are the shuffled order's last ones, a
+    # random few that change every epoch; sorted first, they were always the shortest of the last group.
+    cut = len(order) - len(order) % chunk
+    order, rest = order[:cut], order[cut:]
     mega = chunk * MEGA_BATCH
     batches: list[list[int]] = []
     for s in range(0, len(order), mega):
         group = sorted(order[s : s + mega], key=lambda i: -lengths[i])
         batches += [group[b : b + chunk] for b in range(0, len(group), chunk)]
-    full = [b for b in batches if len(b) == chunk]
-    rest = [i for b in batches if len(b) < chunk for i in b]
-    perm = torch.randperm(len(full), generator=generator).tolist()
-    return [i for k in perm for i in full[k]] + rest
+    perm = torch.randperm(len(batches), generator=generator).tolist()
+    return [i for k in perm for i in batches[k]] + rest
 
 
 class ResumableDistributedSampler(Sampler[int]):

@@ -113,6 +113,21 @@ def test_group_by_length_batches_similar_lengths_and_keeps_every_sample():
     assert list(again) == per_rank[0][5 * bs :]
 
 
+def test_group_by_length_drops_a_random_remainder_not_the_shortest_samples():
+    """The samples left over from whole global batches were cut after sorting, so an epoch always dropped
+    the shortest of its last group: on a small set the same shortest samples, never seen in any epoch."""
+    lengths = list(range(1, 101))  # sample i has length i + 1: the shortest are 0, 1, 2, ...
+    sampler = ResumableDistributedSampler(100, batch_size=16, rank=0, world=1, seed=0, lengths=lengths)
+    dropped = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        dropped.append(set(range(100)) - set(sampler))
+    assert all(len(d) == 100 % 16 for d in dropped)
+    assert set().union(*dropped) != set(range(4))  # before: {0, 1, 2, 3} in every epoch
+    assert len(set.intersection(*dropped)) < 4  # another few each epoch
+    assert len(set().union(*dropped)) > 8
+
+
 def test_group_by_length_gives_one_rank_with_accumulation_the_samples_of_two_ranks():
     """The equivalence '2 ranks == 1 rank with accumulation 2' holds with length grouping: every optimizer
     step takes the same 8 samples in both layouts (grouping per micro-batch broke it)."""
