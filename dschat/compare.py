@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat import tasks
-from dschat.data.prompt_format import is_dialogue, make_prompt
+from dschat.data.prompt_format import as_dialogue
 from dschat.data.sources import BUILTIN_SEED, builtin_task_names
 from dschat.utils.errors import UserError
 from dschat.utils.io import data_lines, read_data_text
@@ -89,11 +89,11 @@ def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:
 
 def verdict(question: str, reply: str) -> bool | None:
     """The built-in verifier's verdict on ``reply`` (None when no built-in task knows the question)."""
-    return tasks.verify(question if is_dialogue(question) else make_prompt(question), reply)
+    return tasks.verify(as_dialogue(question), reply)
 
 
 def task_name(question: str) -> str | None:
-    return tasks.task_of(question if is_dialogue(question) else make_prompt(question))
+    return tasks.task_of(as_dialogue(question))
 
 
 def accuracy(verdicts: list[bool | None]) -> float | None:

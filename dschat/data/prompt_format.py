@@ -106,8 +106,9 @@ TURN_START = re.compile(rf"\n\n(?:{_ROLES}):")
 
 
 def as_dialogue(text: str) -> str:
-    """A question typed by a person (inference tools) as dialogue text; a dialogue stays as it is."""
-    return text if is_dialogue(text) else make_prompt(text)
+    """A question (a data set's plain prompt, or typed by a person) as dialogue text; a dialogue stays as
+    it is. The question's surrounding whitespace is not part of it (chat.py strips a typed line)."""
+    return text if is_dialogue(text) else make_prompt(text.strip())
 
 
 def dialogue_of(messages: list[Message]) -> str:
@@ -148,7 +149,7 @@ class PromptFormat:
             return as_dialogue(prompt)
         if is_dialogue(prompt):
             return self.render(parse_dialogue(prompt))
-        return self.render([{"role": "user", "content": prompt}])
+        return self.render([{"role": "user", "content": prompt.strip()}])  # stripped, as a dialogue's turns
 
     def response_text(self, response: str) -> str:
         """A response as the data holds it (``" 432"``, ``"432"``) -> as it follows the prompt in this format:

@@ -172,8 +172,21 @@ def test_text_that_only_looks_like_a_dialogue_is_one_user_message(chatml, prompt
     """Such text used to be taken for a dialogue and then fail to parse (a bare ValueError in data
     preparation, on one rank): a dialogue's turns start the text or follow a blank line."""
     fmt = prompt_format(chatml, "on")
-    assert fmt.prompt_text(prompt) == fmt.render([{"role": "user", "content": prompt}])
+    assert fmt.prompt_text(prompt) == fmt.render([{"role": "user", "content": prompt.strip()}])
     tokenize_sft([Sample(prompt, " ok")], fmt, 512, False)
+
+
+@pytest.mark.parametrize("template", ["on", "off"])
+def test_a_plain_prompts_surrounding_whitespace_is_not_part_of_it(chatml, template):
+    """A data set's plain prompt kept its surrounding whitespace in training ("...X?\n<|im_end|>") while
+    chat.py strips what a person types and a dialogue's turns are stripped: the model met other token ids
+    at inference than in training. The question is its text, in training as in chat.py."""
+    from dschat.chat import Conversation
+
+    fmt = prompt_format(chatml, template)
+    typed = Conversation(chatml, fmt, budget=512).encode([{"role": "user", "content": "2 + 2?"}])
+    for prompt in ("2 + 2?", "  2 + 2?\n", "2 + 2? "):
+        assert fmt.encode_prompts([prompt])[0] == typed, repr(prompt)
 
 
 def test_the_inference_tools_prompt_a_model_in_the_format_its_run_trained_it_in(chatml, tmp_path):
