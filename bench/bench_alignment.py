@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
+from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out, trained_half_problem
 
 from dschat.config.rlhf import PPOArgs  # hh_judge put the project root on sys.path
 from dschat.launch import presets
@@ -268,6 +268,9 @@ def main() -> None:
     if args.suite == "hh" and not (HH / "train.jsonl").is_file():
         print(json.dumps({"skipped": f"{HH} not present"}))
         return
+    for rm, half in zip(args.reward_models or (), "ab", strict=False):  # A on half a, judge B on half b
+        if problem := trained_half_problem(rm, half):
+            p.error(f"--reward_models {rm}: {problem}")
     if args.output_dir and Path(args.output_dir).exists():
         p.error(f"--output_dir {args.output_dir} exists: the benchmark never writes over a run")
     if args.src and not all((Path(args.src) / s / "summary.json").is_file() for s in ("step1", "step2")):

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out
+from hh_judge import HH, JUDGE_PROMPTS, MAX_NEW_TOKENS, MODEL, hh_halves, judge_held_out, trained_half_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--per_device_train_batch_size", "16", "--eval_interval", "0", "--log_interval", "10"]  # fmt: skip
@@ -223,6 +223,9 @@ def main() -> None:
     if args.suite == "hh" and not (HH / "train.jsonl").exists():
         print(json.dumps({"skipped": f"{HH} not present"}))
         return
+    for flag, rm, half in (("--judge", args.judge, "b"), ("--labeller", args.labeller, "a")):
+        if rm and (problem := trained_half_problem(rm, half)):  # the judge on half b, A on the policy's a
+            p.error(f"{flag} {rm}: {problem}")
     if args.labeller and not args.judge:
         p.error(
             "--labeller needs --judge: A labels half a's answers, and only a judge that never saw half a can tell"

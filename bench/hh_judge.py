@@ -43,6 +43,26 @@ def split_by_conversation(rows: list[str]) -> tuple[list[str], list[str]]:
     return halves
 
 
+def trained_half_problem(rm: str | Path, half: str) -> str | None:
+    """Why the reward model ``rm`` given to an HH benchmark is not one trained on ``half`` (``"a"`` or
+    ``"b"``) of the split :func:`hh_halves` makes, or None where it is. Its run's ``dschat_config.json``
+    records its data; that data's rows must be exactly the half's (a judge trained on the policy's half, or
+    A given as B, would judge with what the policy learned from)."""
+    from dschat.utils.run import trained_config
+
+    recorded = trained_config(rm).get("data_path")
+    if not recorded:
+        return "no dschat_config.json naming its data: cannot tell which half of the HH pairs it trained on"
+    files = [Path(d) / "train.jsonl" if Path(d).is_dir() else Path(d) for d in recorded]
+    if not all(f.is_file() for f in files):
+        return f"its training data {', '.join(map(str, recorded))} is not there: cannot tell which half it trained on"
+    rows = (HH / "train.jsonl").read_text().splitlines(keepends=True)
+    expected = "".join(split_by_conversation(rows)["ab".index(half)])
+    if "".join(f.read_text() for f in files) != expected:
+        return f"trained on {', '.join(map(str, recorded))}, not on half {half} of the HH pairs (this benchmark's split)"
+    return None
+
+
 def hh_halves(out: Path) -> dict[str, Path]:
     """Data directories ``a`` and ``b``: disjoint halves of the HH training pairs, split by conversation
     (:func:`split_by_conversation`; before 2026-11-28 even and odd lines, which put 96 conversations in

@@ -260,3 +260,33 @@ def test_the_hh_halves_keep_each_conversation_in_one_half():
     assert a == [rows[0], rows[2], rows[4]] and b == [rows[1], rows[3], rows[5]]
     firsts = [{json.loads(r)["prompt"].split("\n\n")[1] for r in half} for half in (a, b)]
     assert not firsts[0] & firsts[1]
+
+
+def test_a_reward_model_given_to_an_hh_benchmark_must_have_trained_on_its_half(tmp_path):
+    """--reward_models A B, --judge and --labeller were taken on trust: A given as the judge (or a judge
+    trained on the policy's half) would judge with what the policy learned from. Each must record the
+    half of this benchmark's split it trained on."""
+    import json
+
+    import hh_judge
+
+    if not (hh_judge.HH / "train.jsonl").is_file():
+        pytest.skip("HH data not present")
+    halves = hh_judge.hh_halves(tmp_path / "run")
+    models = {}
+    for name, data in (("a", halves["a"]), ("b", halves["b"]), ("whole", hh_judge.HH)):
+        models[name] = tmp_path / f"rm_{name}"
+        models[name].mkdir()
+        (models[name] / "dschat_config.json").write_text(json.dumps({"data_path": [str(data)]}))
+    assert hh_judge.trained_half_problem(models["a"], "a") is None
+    assert hh_judge.trained_half_problem(models["b"], "b") is None
+    assert "not on half b of the HH pairs" in hh_judge.trained_half_problem(models["a"], "b")
+    assert "not on half a" in hh_judge.trained_half_problem(models["whole"], "a")
+    (tmp_path / "plain").mkdir()
+    assert "cannot tell which half" in hh_judge.trained_half_problem(tmp_path / "plain", "b")
+    # through the benchmark's command line, before any work
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_alignment.py"), "hh", "--reward_models",
+                           str(models["a"]), str(models["a"]), "--output_dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--reward_models" in proc.stderr.strip().splitlines()[-1]
+    assert "not on half b" in proc.stderr and not (tmp_path / "out").exists()
