@@ -113,6 +113,13 @@ def main() -> None:
     args, extra = p.parse_known_args()
     if args.steps < 1:  # 0 would mean "all epochs" to step 1, and the benchmark asks for 1000 of them
         p.error(f"--steps {args.steps}: must be at least 1")
+    # its MFU counts 6 FLOPs per parameter and token: a backward through every layer
+    frozen = [
+        a for a in extra if a.split("=")[0] in ("--trainable_layers", "--lora_dim", "--only_optimize_lora")
+    ]
+    if frozen:
+        p.error(f"{frozen[0]}: this benchmark's MFU counts the backward of every layer; measure frozen layers "
+                "and LoRA with bench/bench_levers.py, which counts the FLOPs they run")  # fmt: skip
     dtype = resolve_dtype(args.dtype)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     peak = matmul_peak(torch_dtype)

@@ -290,3 +290,12 @@ def test_a_reward_model_given_to_an_hh_benchmark_must_have_trained_on_its_half(t
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--reward_models" in proc.stderr.strip().splitlines()[-1]
     assert "not on half b" in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", [["--trainable_layers", "4"], ["--lora_dim=8"]])
+def test_the_step1_benchmark_refuses_frozen_layers_its_mfu_would_overstate(flag):
+    """Its MFU is 6 x parameters x tokens/s: with the bottom layers frozen (or LoRA) their backward is not
+    run, and the MFU it printed counted it anyway."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step1.py"), *flag, "--steps", "1"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "bench_levers.py" in proc.stderr.strip().splitlines()[-1]
