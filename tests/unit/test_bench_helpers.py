@@ -299,3 +299,25 @@ def test_the_step1_benchmark_refuses_frozen_layers_its_mfu_would_overstate(flag)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step1.py"), *flag, "--steps", "1"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "bench_levers.py" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_lever_speedups_are_against_the_same_steps_baseline():
+    """Every lever's speedup was over step 1's full_bf16, the reward model's step-2 levers too: a pair of
+    HH answers against an SFT row. Each step's levers now compare with that step's plain run."""
+    import bench_levers
+
+    results = [
+        {"lever": "full_bf16", "step": 1, "real_tokens_per_sec": 100.0},
+        {"lever": "top8_bf16", "step": 1, "real_tokens_per_sec": 300.0},
+        {"lever": "rm_top8_bf16", "step": 2, "real_tokens_per_sec": 500.0},
+        {"lever": "rm_top8_bf16_grouped_shared", "step": 2, "real_tokens_per_sec": 750.0},
+        {"lever": "lora_all_bf16", "error": "x"},
+    ]
+    bench_levers.add_speedups(results)
+    assert [(r.get("speedup"), r.get("speedup_over")) for r in results] == [
+        (1.0, "full_bf16"), (3.0, "full_bf16"), (1.0, "rm_top8_bf16"), (1.5, "rm_top8_bf16"), (None, None)
+    ]  # fmt: skip
+    step2_only = [dict(results[3])]
+    step2_only[0].pop("speedup"), step2_only[0].pop("speedup_over")
+    bench_levers.add_speedups(step2_only)  # no step-2 baseline ran: no speedup, not step 1's
+    assert "speedup" not in step2_only[0]
