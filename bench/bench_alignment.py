@@ -168,8 +168,17 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     s3 = json.loads((ppo / "summary.json").read_text())
     judged = judge_held_out(out, ppo / "actor", {"a": rm_a, "b": rm_b}, judge="b", prompts=args.judge_prompts,
                             max_new_tokens=args.max_new_tokens, tag="step3", temperature=args.temperature)  # fmt: skip
+    untouched = {}
+    # every hh default was chosen by the win rate on the first --judge_prompts rows: these are new to it
+    if args.untouched_prompts:
+        t1 = time.perf_counter()
+        untouched = judge_held_out(out / "untouched", ppo / "actor", {"a": rm_a, "b": rm_b}, judge="b",
+                                   prompts=args.untouched_prompts, first=args.judge_prompts,
+                                   max_new_tokens=args.max_new_tokens, tag="step3", sampled=False)  # fmt: skip
+        untouched.update(first_row=args.judge_prompts, seconds=time.perf_counter() - t1)
     return {
         **judged,
+        **({"untouched_prompts": untouched} if untouched else {}),
         "reward_model_accuracy": rm_acc,
         "kl": s3.get("kl_end"),
         "score_a_train_start": s3.get("score_start"),
@@ -241,6 +250,13 @@ def parser() -> argparse.ArgumentParser:
     )
     # a win rate on 100 prompts has a standard error of 0.05: too coarse for a 0.60 target
     p.add_argument(
+        "--untouched_prompts",
+        type=int,
+        default=0,
+        help="hh: also judge (greedy) this many HH test prompts after the --judge_prompts rows, on which no "
+        "default was chosen (200: rows 300-499); reported under untouched_prompts, with its own seconds",
+    )
+    p.add_argument(
         "--judge_prompts",
         type=int,
         default=3 * JUDGE_PROMPTS,
@@ -268,6 +284,11 @@ def main() -> None:
     if args.suite == "hh" and not (HH / "train.jsonl").is_file():
         print(json.dumps({"skipped": f"{HH} not present"}))
         return
+    if args.suite == "hh":
+        rows = len((HH / "test.jsonl").read_text().splitlines())
+        if args.judge_prompts + args.untouched_prompts > rows:
+            p.error(f"--judge_prompts {args.judge_prompts} + --untouched_prompts {args.untouched_prompts}: more "
+                    f"than the {rows} HH test prompts")  # fmt: skip
     for rm, half in zip(args.reward_models or (), "ab", strict=False):  # A on half a, judge B on half b
         if problem := trained_half_problem(rm, half):
             p.error(f"--reward_models {rm}: {problem}")

@@ -90,9 +90,11 @@ def judge_held_out(
     tag: str,
     sampled: bool = True,
     temperature: float = 1.0,
+    first: int = 0,
 ) -> dict:
     """Greedy answers of the untuned model (``step1``: SmolLM2 is already instruction-tuned) and of
-    ``policy`` to the first ``prompts`` HH test prompts, scored by every reward model in ``reward_models``.
+    ``policy`` to ``prompts`` HH test prompts from row ``first`` on, scored by every reward model in
+    ``reward_models``.
 
     Returns ``score_<name>_step1`` / ``score_<name>_<tag>`` (mean scores), ``win_rate_<name>`` (policy
     over step 1, ties half), ``judge_win_rate`` (the same under ``reward_models[judge]``), the mean answer
@@ -102,7 +104,8 @@ def judge_held_out(
     one answer each sampled at ``temperature`` (the distribution RL optimises, when it is the policy's
     training temperature; seed 0 for both models), under keys ending in ``_sampled``: greedy decoding
     shows only the mode, which a small policy update may leave unchanged."""
-    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][:prompts]
+    rows = [json.loads(x) for x in (HH / "test.jsonl").read_text().splitlines()][first : first + prompts]
+    out.mkdir(parents=True, exist_ok=True)
     prompts_file = out / "held_out_prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
     result = judged_answers(out, policy, reward_models, prompts_file, judge, max_new_tokens, tag, "greedy")
