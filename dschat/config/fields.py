@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import field
 from typing import Any, TypeVar
@@ -55,6 +56,18 @@ def share_prompt_opt(what: str):
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+
+
+def refuse_without_mode(group: Any, mode: str, on: bool, prefix: str = "", exempt: tuple[str, ...] = (),
+                        needs: str = "") -> None:  # fmt: skip
+    """An option of ``group`` that only a mode reads (every field but ``mode`` and ``exempt``), given (not
+    its default) while the mode is off, is an error, not accepted and unused: ``--{prefix}NAME needs
+    --{prefix}{mode}{needs}``."""
+    if on:
+        return
+    for f in dataclasses.fields(group):
+        if f.name != mode and f.name not in exempt and getattr(group, f.name) != f.default:
+            raise UserError(f"--{prefix}{f.name} needs --{prefix}{mode}{needs}")
 
 
 def check_zero_stage(flag: str, value: int) -> None:

@@ -3,7 +3,6 @@ DeepSpeed, run, reward model, on-policy pairs, DPO."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 from dschat.config.fields import (
@@ -14,6 +13,7 @@ from dschat.config.fields import (
     flag_name,
     opt,
     parse_data_split,
+    refuse_without_mode,
     share_prompt_opt,
 )
 from dschat.utils.errors import UserError
@@ -149,11 +149,8 @@ class LoraArgs:
             raise UserError(
                 f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0 (there is no LoRA to optimize)"
             )
-        for f in dataclasses.fields(self):  # an adapter's options without an adapter: accepted and unused
-            if f.name in ("lora_dim", "only_optimize_lora") or getattr(self, f.name) == f.default:
-                continue
-            if self.lora_dim == 0:
-                raise UserError(f"--{prefix}{f.name} needs --{prefix}lora_dim > 0")
+        # an adapter's options without an adapter would be accepted and unused
+        refuse_without_mode(self, "lora_dim", self.lora_dim > 0, prefix, ("only_optimize_lora",), " > 0")
         # a negative rate ascends the loss, a negative alpha flips the adapter's sign, and a dropout
         # outside [0, 1) fails inside torch only after the data and the model have loaded
         checks = [
@@ -377,12 +374,8 @@ class PolicyPairsArgs:
             )
         # every other option of the group shapes the sampling of --policy_negatives_from: given without it, it
         # would be accepted and unused (checked after the ranges, which name the wrong value itself)
-        for f in dataclasses.fields(self):
-            given = getattr(self, f.name) != f.default
-            if f.name != "policy_negatives_from" and given and not self.policy_negatives_from:
-                raise UserError(
-                    f"--{prefix}{f.name} needs --{prefix}policy_negatives_from (the policy that answers)"
-                )
+        refuse_without_mode(self, "policy_negatives_from", bool(self.policy_negatives_from), prefix,
+                            needs=" (the policy that answers)")  # fmt: skip
 
 
 @dataclass
