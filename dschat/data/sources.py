@@ -279,11 +279,14 @@ def builtin_task_names(spec: str) -> list[str] | None:
 
 def source_parts(spec: str) -> list[str]:
     """What a data source spec contributes, to find data named twice: one entry per task of a built-in
-    source (``builtin`` alone names the default tasks), else the resolved path, or the hub name."""
+    source (``builtin`` alone names the default tasks), else the resolved path of every file (a directory's
+    files, so that a directory and a file in it overlap), or the hub name."""
     if spec == "builtin" or spec.startswith("builtin:"):
         return [f"builtin:{n}" for n in builtin_task_names(spec) or tasks.DEFAULT_TASKS]
-    path = os.path.expanduser(spec)
-    return [os.path.realpath(path)] if os.path.exists(path) else [spec]
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return sorted(os.path.realpath(f) for f in path.rglob("*") if f.is_file()) or [os.path.realpath(path)]
+    return [os.path.realpath(path)] if path.exists() else [spec]
 
 
 def check_named_once(specs: dict[str, list[str]]) -> None:

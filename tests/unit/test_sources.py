@@ -331,6 +331,10 @@ def test_builtin_unknown_task():
          "built-in task reverse is already named by --data_path builtin:reverse"),
         ({"data_path": ["{d}/a.jsonl", "{d}/../{name}/a.jsonl"]}, "--data_path {d}/../{name}/a.jsonl: this data is already named by "
          "--data_path {d}/a.jsonl: name each source once"),
+        # a directory and a file in it (the directory loads the file too)
+        ({"data_path": ["{d}", "{d}/a.jsonl"]}, "--data_path {d}/a.jsonl: this data is already named by --data_path {d}:"),
+        ({"data_path": ["{d}/a.jsonl"], "sft_only_data_path": ["{d}"]}, "--sft_only_data_path {d}: this data is already "
+         "named by --data_path {d}/a.jsonl:"),
     ],
 )  # fmt: skip
 def test_data_named_twice_is_refused(tmp_path, kw, message):
