@@ -51,7 +51,7 @@ from dschat.launch.steps import (  # noqa: E402
     step_of,
     steps_of,
 )
-from dschat.launch.supervise import run_step  # noqa: E402
+from dschat.launch.supervise import run_step, step_log  # noqa: E402
 from dschat.utils.errors import UserError, run_cli  # noqa: E402
 from dschat.utils.run import check_output_dir, finished, trained_config  # noqa: E402
 
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(
                 f"error: step {n} ({step.name}) failed with exit code {code}"
-                + (f": {failed}" if failed else "") + f"; log: {log}",
+                + (f": {failed}" if failed else "") + f"; log: {step_log(log)}",
                 file=sys.stderr,
             )  # fmt: skip
             return code if 0 < code < 128 else 1

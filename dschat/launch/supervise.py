@@ -155,20 +155,22 @@ def run_step(
     attempt = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX) if not append and log_path.exists() else None
     if attempt is not None:
         env[PENDING_LOG_ENV] = str(attempt)
-    try:
-        if not remote:
-            return _run(cmd, attempt or log_path, append, env, local=True)
-        with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # 0700: it may hold HF_TOKEN
-            env_file = Path(private) / "deepspeed_env"
-            env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
-            env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
-            return _run(cmd, attempt or log_path, append, env, local=False)
-    finally:
-        if attempt is not None and attempt.exists():  # the step stopped before its outputs began
-            print(
-                f"(train.py: {log_path} keeps the earlier run's log; this attempt's is {attempt})",
-                file=sys.stderr,
-            )
+    if not remote:
+        return _run(cmd, attempt or log_path, append, env, local=True)
+    with tempfile.TemporaryDirectory(prefix="dschat-env-") as private:  # mode 0700: it may hold HF_TOKEN
+        env_file = Path(private) / "deepspeed_env"
+        env_file.write_text("".join(x + "\n" for x in deepspeed_env_lines(env, Path.home(), Path.cwd())))
+        env["DS_ENV_FILE"] = str(env_file)  # absolute: the runner's join with ~ and . keeps it
+        return _run(cmd, attempt or log_path, append, env, local=False)
+
+
+def step_log(log_path: Path) -> str:
+    """Where the step run last wrote its output: ``log_path``, or beside it where the step stopped before
+    its outputs began (:func:`run_step` then leaves the earlier run's log as it was)."""
+    attempt = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX)
+    if attempt.exists():
+        return f"{attempt} ({log_path.name} keeps the earlier run's)"
+    return str(log_path)
 
 
 def adopt_pending_log() -> None:
