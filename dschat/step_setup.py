@@ -58,7 +58,7 @@ def begin_outputs(run: RunArgs) -> logging.Logger:
     """
     if run.overwrite:
         clear_previous_run(run.output_dir)
-    if dist.is_node_writer():
+    if dist.local_rank() == 0:  # each node's train.py (torchrun: training.nodeN.log) named its own file
         adopt_pending_log()  # train.py's log of this step replaces the earlier run's now
     dist.barrier()
     return setup_logging(run.output_dir)

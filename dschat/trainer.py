@@ -221,8 +221,9 @@ def resume_state(
     if fingerprint and saved.get("train_fingerprint") and saved["train_fingerprint"] != fingerprint:
         raise UserError(
             f"--resume: checkpoint {tag} was trained on other training examples than this run's (as many, "
-            "but their content changed: an edited data file, or a data source that now gives other rows); the "
-            "position would land in another set: resume on the same data, or start over with --overwrite"
+            "but other ones: an edited data file, a data source that now gives other rows, or on-policy pairs "
+            "(--policy_negatives_from) that another number of ranks sampled anew); the position would land in "
+            "another set: resume on the same data and ranks, or start over with --overwrite"
         )
     fields = {f.name for f in dataclasses.fields(TrainState)}
     state = TrainState(**{k: v for k, v in saved.items() if k in fields})

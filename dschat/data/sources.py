@@ -217,11 +217,16 @@ def _carve_eval(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sa
 EVAL_FILE_PREFIXES = ("test", "eval", "val", "dev")
 
 
+def local_files(directory: Path) -> list[Path]:
+    """The files a data directory is read from: its own .json and .jsonl files (not its subdirectories')."""
+    return sorted(p for p in directory.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
+
+
 def _load_local(path: Path, seed: int) -> SourceData:
     if path.is_file():
         train, evals = _carve_eval(read_json_file(path), seed)
         return SourceData(str(path), train, evals)
-    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
+    files = local_files(path)
     if not files:
         raise UserError(f"{path}: directory holds no .json or .jsonl files")
     eval_files = [p for p in files if p.stem.lower().startswith(EVAL_FILE_PREFIXES)]
@@ -279,13 +284,13 @@ def builtin_task_names(spec: str) -> list[str] | None:
 
 def source_parts(spec: str) -> list[str]:
     """What a data source spec contributes, to find data named twice: one entry per task of a built-in
-    source (``builtin`` alone names the default tasks), else the resolved path of every file (a directory's
-    files, so that a directory and a file in it overlap), or the hub name."""
+    source (``builtin`` alone names the default tasks), else the resolved path of every file it reads (a
+    directory's own data files, so that a directory and a file it reads overlap), or the hub name."""
     if spec == "builtin" or spec.startswith("builtin:"):
         return [f"builtin:{n}" for n in builtin_task_names(spec) or tasks.DEFAULT_TASKS]
     path = Path(spec).expanduser()
     if path.is_dir():
-        return sorted(os.path.realpath(f) for f in path.rglob("*") if f.is_file()) or [os.path.realpath(path)]
+        return [os.path.realpath(f) for f in local_files(path)] or [os.path.realpath(path)]
     return [os.path.realpath(path)] if path.exists() else [spec]
 
 

@@ -152,8 +152,11 @@ def run_step(
     env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     # An earlier run's log is replaced only once the step's outputs begin (its flags and inputs checked,
     # dschat.step_setup.begin_outputs): until then this attempt writes beside it.
-    attempt = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX) if not append and log_path.exists() else None
-    if attempt is not None:
+    attempt: Path | None = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX)
+    if append or not log_path.exists():  # this run writes log_path itself: an older attempt's file is stale
+        attempt.unlink(missing_ok=True)
+        attempt = None
+    else:
         env[PENDING_LOG_ENV] = str(attempt)
     if not remote:
         return _run(cmd, attempt or log_path, append, env, local=True)
@@ -179,7 +182,9 @@ def adopt_pending_log() -> None:
     stays open in train.py, which goes on writing to it under its new name."""
     pending = os.environ.get(PENDING_LOG_ENV)
     if pending and pending.endswith(ATTEMPT_SUFFIX):
-        with contextlib.suppress(FileNotFoundError):  # another node's rank: the file is on node 0
+        # the DeepSpeed runner passes node 0's path to every node: elsewhere it is not there (or, on a shared
+        # file system, node 0's local rank 0 may have moved it already)
+        with contextlib.suppress(FileNotFoundError):
             os.replace(pending, pending.removesuffix(ATTEMPT_SUFFIX) + ".log")
 
 

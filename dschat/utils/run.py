@@ -74,7 +74,7 @@ def check_output_prefix(
     in), not a directory itself, and an earlier output is replaced only with ``overwrite``."""
     p = Path(prefix)
     stem = output_stem(prefix, suffixes)
-    if prefix.endswith(("/", os.sep)) or p.is_dir() or not Path(stem).name:
+    if prefix.endswith(("/", os.sep)) or p.is_dir() or not Path(stem).name or stem.endswith(("/", os.sep)):
         raise UserError(f"{flag} {prefix}: names a directory; give a file prefix such as {p / 'results'}")
     for parent in p.parents:
         if parent.exists():

@@ -97,6 +97,7 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
             "--output .*res: .*config.json exists and is not a directory",
         ),
         (["--output", "{root}/"], "--output .*: names a directory; give a file prefix"),
+        (["--output", "{root}/.md"], "--output .*: names a directory; give a file prefix"),
     ],
     ids=[
         "reward-not-reward",
@@ -107,6 +108,7 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
         "no-room",
         "output-under-a-file",
         "output-a-directory",
+        "output-only-a-suffix",
     ],
 )
 def test_bad_input(tiny, eval_main, extra, message):

@@ -201,17 +201,18 @@ def test_adaptive_kl_coefficient_moves_every_round_without_log_lines(models, tmp
 
 def test_adaptive_kl_coefficient_is_one_value_per_update_over_generation_batches(models, tmp_path):
     """With --generation_batches 2 the two rounds of one update carried different KL coefficients (the
-    controller moved after each round): it moves once per update now, on the KL of both rounds, so the
-    rows of one update share a coefficient. 8 rows per update: x (1 - 0.2 * 8 / 8) = x 0.8 per update."""
+    controller moved after each round): it moves once per update now, by each of the update's rounds in
+    turn (compounded, as a linear step over all their rows could cross zero), so the rows of one update
+    share a coefficient. 4 rows per round: x (1 - 0.2 * 4 / 8) = x 0.9 per round, x 0.81 per update."""
     actor, rm = models
     out = tmp_path / "kl2"
     proc = step3(out, actor, rm, *EASY, "--max_steps", "4", "--log_interval", "1", "--kl_target", "1e6",
                  "--kl_horizon", "8", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
                  "--generation_batches", "2", "--eval_prompts", "4")  # fmt: skip
     assert_ok(proc)
-    assert [r["kl_coef"] for r in train_rows(out)] == pytest.approx([0.1, 0.1, 0.08, 0.08], rel=1e-9)
+    assert [r["kl_coef"] for r in train_rows(out)] == pytest.approx([0.1, 0.1, 0.081, 0.081], rel=1e-9)
     assert json.loads((out / "summary.json").read_text())["kl_coef_end"] == pytest.approx(
-        0.1 * 0.8**2, rel=1e-9
+        0.1 * 0.9**4, rel=1e-9
     )
 
 

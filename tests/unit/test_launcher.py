@@ -19,6 +19,7 @@ from dschat.launch.launcher import deepspeed_env_lines, launcher, launcher_env, 
 from dschat.launch.supervise import run_step
 from dschat.utils.dist import threads_per_rank
 from dschat.utils.errors import UserError
+from tests.conftest import ROOT
 
 
 def args(**kw) -> argparse.Namespace:
@@ -300,3 +301,26 @@ def test_master_addr_on_a_single_node_is_one_line():
     """The runner sets MASTER_ADDR=127.0.0.1 on one node whatever it is given: the flag would be dropped."""
     with pytest.raises(UserError, match=r"--master-addr needs --deployment-type multi_node"):
         launcher(args(deployment_type="single_node", master_addr="10.0.0.1"))
+
+
+def test_a_steps_log_beside_an_earlier_runs_takes_its_name_only_when_the_step_begins_its_outputs(tmp_path):
+    """An earlier training.log stays until the step's outputs begin (adopt_pending_log); the failure line
+    names the file written; a refused attempt's file left behind is not named by a later run."""
+    from dschat.launch.supervise import step_log
+
+    log = tmp_path / "training.log"
+    log.write_text("earlier\n")
+    adopt = "from dschat.launch.supervise import adopt_pending_log; adopt_pending_log(); print('after')"
+    refuse = "import sys; print('refused'); sys.exit(2)"
+    env = {"PYTHONPATH": str(ROOT)}
+    assert run_step([sys.executable, "-c", refuse], log, append=False, env=env)[0] == 2
+    assert log.read_text() == "earlier\n" and "refused" in (tmp_path / "training.attempt.log").read_text()
+    assert step_log(log) == f"{tmp_path / 'training.attempt.log'} (training.log keeps the earlier run's)"
+    # a resume appends to training.log: the refused attempt's file is stale, gone, and not named
+    assert run_step([sys.executable, "-c", refuse], log, append=True, env=env)[0] == 2
+    assert not (tmp_path / "training.attempt.log").exists() and step_log(log) == str(log)
+    assert log.read_text().startswith("earlier\n") and "refused" in log.read_text()
+    # a step that begins its outputs: its log (written on after the rename) replaces the earlier one
+    assert run_step([sys.executable, "-c", adopt], log, append=False, env=env)[0] == 0
+    assert "after" in log.read_text() and "earlier" not in log.read_text()
+    assert not (tmp_path / "training.attempt.log").exists()

@@ -352,6 +352,8 @@ def test_distinct_sources_are_accepted(tmp_path):
     from dschat.config import DataArgs
 
     write_jsonl(tmp_path / "a.jsonl", qa_rows(4))
+    write_jsonl(tmp_path / "sub" / "b.jsonl", qa_rows(4))  # a directory does not read its subdirectories
+    DataArgs(data_path=[str(tmp_path)], sft_only_data_path=[str(tmp_path / "sub" / "b.jsonl")]).validate()
     DataArgs(data_path=["builtin:sort", "builtin:reverse_words", str(tmp_path / "a.jsonl"), "Dahoas/rm-static"],
              sft_only_data_path=["builtin:add"]).validate()  # fmt: skip
 

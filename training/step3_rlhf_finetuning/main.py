@@ -349,11 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     last: dict[str, float] = {}
     bar = tqdm(total=rounds.total, initial=state.step, disable=not dist.is_main(), desc="step 3 (PPO)",
                dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
-    collected_kl = [0.0, 0.0]  # KL summed over the sequences of the rounds in the buffer, and their count
+    collected_kl: list[
+        tuple[float, float]
+    ] = []  # per round in the buffer: KL summed over its sequences, count
     for batch in T.micro_batches(rounds.loader, state, ppo.num_train_epochs):
         t0 = time.perf_counter()
         round_kl, round_rows = ppo_round(o, trainer, m, batch, buffer, rounds, state, window, tokenizer.pad_token_id)  # fmt: skip
-        collected_kl = [collected_kl[0] + round_kl, collected_kl[1] + round_rows]
+        collected_kl.append((round_kl, round_rows))
         bar.update(1)
         window.add(round_seconds=time.perf_counter() - t0)
         if T.should_log(state.step, run.log_interval, rounds.total):
@@ -367,8 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                          last["response_length"], last.get("policy_loss", float("nan")),
                          f" value {last['value_loss']:.4f}" if "value_loss" in last else "")  # fmt: skip
         if not buffer:  # an update: every row of it carried one coefficient; it moves on their mean KL
-            trainer.kl_ctl.update(collected_kl[0] / max(collected_kl[1], 1.0), n_steps=int(collected_kl[1]))
-            collected_kl = [0.0, 0.0]  # after the log line, which shows the coefficient the rows carried
+            # round by round, compounded as before (one linear step over G rounds' rows could cross zero)
+            for kl_sum, rows in collected_kl:
+                trainer.kl_ctl.update(kl_sum / max(rows, 1.0), n_steps=int(rows))
+            collected_kl = []  # after the log line, which shows the coefficient the rows carried
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < rounds.total:
             evaluate(state.step)
         if not buffer:  # checkpoint only between PPO updates: the buffer is empty every G-th round
