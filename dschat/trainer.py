@@ -56,7 +56,8 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches of the current epoch consumed (per rank)
     micro_batch_samples: int = 0  # samples of one micro-batch over all ranks (0: not yet known)
     tokens: float = 0.0  # real (non-padding) tokens processed, all ranks
-    positions: float = 0.0  # token positions processed, padding included, all ranks
+    positions: float = 0.0  # token positions the model ran, padding included, all ranks
+    computed: float = 0.0  # real tokens the model ran (a packed pair's shared prompt once; else = tokens)
     train_seconds: float = 0.0
     global_batch_size: int = 0
     train_examples: int = 0  # the training set's size: the data order and a resumed position follow it
@@ -405,9 +406,11 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
 
 
 def take_in(state: TrainState, window_sums: dict[str, float], world: int) -> None:
-    """Add a metric window's real tokens, positions and seconds (summed over ``world`` ranks) to ``state``."""
+    """Add a metric window's real tokens, positions, computed tokens and seconds (summed over ``world``
+    ranks) to ``state``; a step whose micro-step returns no ``computed`` ran its real tokens."""
     state.tokens += window_sums["tokens"]
     state.positions += window_sums["positions"]
+    state.computed += window_sums.get("computed", window_sums["tokens"])
     state.train_seconds += window_sums["seconds"] / world
 
 
@@ -415,7 +418,7 @@ def with_unlogged(state: TrainState, window: MetricWindow, world: int) -> TrainS
     """The state to save at a step between log rows: with the tokens and seconds since the last row,
     which the state takes in only at the next row and a resumed run would lose (a collective)."""
     saved = dataclasses.replace(state)
-    take_in(saved, window.peek("tokens", "positions", "seconds"), world)
+    take_in(saved, window.peek("tokens", "positions", "computed", "seconds"), world)
     return saved
 
 
@@ -431,7 +434,9 @@ def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_s
     padding, time and how the run was set up."""
     return {
         "train_tokens_per_sec": state.tokens / max(state.train_seconds, 1e-9),
-        "padding_fraction": 1 - state.tokens / max(state.positions, 1.0),
+        # the share of the positions the model ran that held padding (packed pairs run fewer real tokens
+        # than the pairs hold: against those, the padding looked smaller than it was)
+        "padding_fraction": 1 - (state.computed or state.tokens) / max(state.positions, 1.0),
         "train_seconds": state.train_seconds,
         "wall_seconds": timer.wall(),
         "seconds_by_phase": timer.totals,

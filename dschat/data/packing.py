@@ -257,7 +257,7 @@ def pair_token_counts(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if "packed_segments" not in batch:
         return tokens, tokens, torch.tensor(mask.numel())
     real = batch["packed_segments"] != PAD
-    return tokens, real.sum(), tokens + real.numel() - real.sum()
+    return tokens, real.sum(), torch.tensor(real.numel())
 
 
 # ---------------------------------------------------------------- the mask a model takes

@@ -34,6 +34,40 @@ def test_pack_pairs_layout_by_hand():
     assert out["input_ids"].tolist() == PairCollator(pad_id=99)(feats)["input_ids"].tolist()
 
 
+def test_packed_pairs_count_the_positions_the_model_ran():
+    """The same pairs as above: 13 real tokens as unpacked rows hold them (2+3, 2+1, 1+1, 1+2), 10 that the
+    packed rows ran (each prompt once), 12 positions run (2 of them padding). The positions used to be the
+    pairs' tokens plus the padding (15), so the padding share showed 2/15 where the model ran 2/12."""
+    from dschat.data.packing import pair_token_counts
+
+    feats = [pair_example([1, 2], [3, 4, 5], [6]), pair_example([7], [8], [9, 9])]
+    tokens, computed, positions = pair_token_counts(PairCollator(pad_id=99, share_prompt=True)(feats))
+    assert (int(tokens), int(computed), int(positions)) == (13, 10, 12)
+    unpacked = pair_token_counts(PairCollator(pad_id=99)(feats))  # 4 rows of width 5
+    assert tuple(map(int, unpacked)) == (13, 13, 20)
+
+
+def test_the_padding_fraction_is_the_share_of_run_positions_that_were_padding():
+    from dschat.trainer import TrainState, run_summary
+
+    class Timer:
+        def __init__(self) -> None:
+            self.totals: dict = {}
+
+        def wall(self) -> float:
+            return 1.0
+
+    from dschat import config as C
+
+    packed = TrainState(tokens=13.0, computed=10.0, positions=12.0, train_seconds=1.0)
+    s = run_summary(packed, Timer(), parameters=1, dtype="fp32", zero_stage=0, lora_dim=0,
+                    run=C.RunArgs(output_dir="x"), start_step=0)  # fmt: skip
+    assert s["padding_fraction"] == pytest.approx(2 / 12)
+    s = run_summary(TrainState(tokens=13.0, positions=20.0, train_seconds=1.0), Timer(), parameters=1,
+                    dtype="fp32", zero_stage=0, lora_dim=0, run=C.RunArgs(output_dir="x"), start_step=0)  # fmt: skip
+    assert s["padding_fraction"] == pytest.approx(7 / 20)  # a checkpoint without "computed": its tokens ran
+
+
 def test_unpack_rebuilds_the_unpacked_rows():
     feats = [pair_example([1, 2], [3, 4, 5], [6]), pair_example([7], [8], [9, 9])]
     out = PairCollator(pad_id=0, share_prompt=True)(feats)
