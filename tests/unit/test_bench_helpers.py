@@ -321,3 +321,20 @@ def test_lever_speedups_are_against_the_same_steps_baseline():
     step2_only[0].pop("speedup"), step2_only[0].pop("speedup_over")
     bench_levers.add_speedups(step2_only)  # no step-2 baseline ran: no speedup, not step 1's
     assert "speedup" not in step2_only[0]
+
+
+def test_throughput_runs_the_harness_flagged_stay_out_of_the_ratio():
+    """A run of ours that kept fewer rows than the workload (another workload) was averaged into the ratio
+    against DeepSpeed-Chat beside the harness's own warning."""
+    import bench_throughput
+
+    def rec(fw: str, tps: float, **kw) -> dict:
+        return {"framework": fw, "stage": "sft", "status": "ok", "tokens_per_s": tps, **kw}
+
+    records = [
+        rec("ours", 130.0),
+        rec("ours", 400.0, warning="ours kept 300 of 512 rows"),
+        rec("dschat", 100.0),
+    ]
+    sft = bench_throughput.summarize(records, ["ours", "dschat"])["sft"]
+    assert sft["ours"]["per_repeat"] == [130.0] and sft["ratio"] == 1.3 and sft["target_met"]
