@@ -121,9 +121,10 @@ def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] 
             value = getattr(group, f.name)
             if kind not in kinds or not value:
                 continue
+            flag = flag_name(f.name, prefix, frozenset(shared))
             for item in value if isinstance(value, list) else [value]:
-                CHECKS[kind](item, flag_name(f.name, prefix, frozenset(shared)))
+                CHECKS[kind](item, flag)
                 if kind == MODEL:
-                    models.append((item, flag_name(f.name, prefix, frozenset(shared))))
+                    models.append((item, flag))
     if output_dir:  # a step's own models (train.py's pass has no output directory among the groups)
         check_output_apart(output_dir, models)

@@ -190,6 +190,17 @@ def true_accuracy(
                              device=engine.device, synced_gpus=zero3, fmt=setup.fmt)  # fmt: skip
 
 
+def changed_set(saved: dict[str, Any], examples: int, fingerprint: str) -> str | None:
+    """How a checkpoint's training set (the ``train_examples`` and ``train_fingerprint`` of its saved
+    :class:`TrainState`) differs from this run's: ``"count"``, ``"content"`` (as many, other rows) or None.
+    A side that recorded nothing (a checkpoint from before the fingerprint) is not compared."""
+    if examples and saved.get("train_examples") and saved["train_examples"] != examples:
+        return "count"
+    if fingerprint and saved.get("train_fingerprint") and saved["train_fingerprint"] != fingerprint:
+        return "content"
+    return None
+
+
 def resume_state(
     engine, run: RunArgs, global_batch_size: int, examples: int = 0, fingerprint: str = ""
 ) -> TrainState:
@@ -213,13 +224,14 @@ def resume_state(
             f"{global_batch_size} (the data order and the schedule follow the global batch: keep per-device batch x "
             "accumulation x ranks)"
         )
-    if examples and saved.get("train_examples") and saved["train_examples"] != examples:
+    changed = changed_set(saved, examples, fingerprint)
+    if changed == "count":
         raise UserError(
             f"--resume: checkpoint {tag} was trained on {saved['train_examples']} training examples, this run has "
             f"{examples} (the data, or what its length limits drop, changed; the data order and the position "
             "follow the set): resume on the same data, or start over with --overwrite"
         )
-    if fingerprint and saved.get("train_fingerprint") and saved["train_fingerprint"] != fingerprint:
+    if changed == "content":
         raise UserError(
             f"--resume: checkpoint {tag} was trained on other training examples than this run's (as many, "
             "but other ones: an edited data file, a data source that now gives other rows, or on-policy pairs "

@@ -152,7 +152,7 @@ def run_step(
     env = {**os.environ, "DSCHAT_LOG_CAPTURED": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     # An earlier run's log is replaced only once the step's outputs begin (its flags and inputs checked,
     # dschat.step_setup.begin_outputs): until then this attempt writes beside it.
-    attempt: Path | None = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX)
+    attempt: Path | None = attempt_log(log_path)
     if append or not log_path.exists():  # this run writes log_path itself: an older attempt's file is stale
         attempt.unlink(missing_ok=True)
         attempt = None
@@ -167,10 +167,15 @@ def run_step(
         return _run(cmd, attempt or log_path, append, env, local=False)
 
 
+def attempt_log(log_path: Path) -> Path:
+    """``training.log`` -> ``training.attempt.log``: where a step writes beside an earlier run's log."""
+    return log_path.with_name(log_path.stem + ATTEMPT_SUFFIX)
+
+
 def step_log(log_path: Path) -> str:
     """Where the step run last wrote its output: ``log_path``, or beside it where the step stopped before
     its outputs began (:func:`run_step` then leaves the earlier run's log as it was)."""
-    attempt = log_path.with_name(log_path.stem + ATTEMPT_SUFFIX)
+    attempt = attempt_log(log_path)
     if attempt.exists():
         return f"{attempt} ({log_path.name} keeps the earlier run's)"
     return str(log_path)

@@ -130,9 +130,10 @@ def held_model_specs(o: RLHFOptions) -> dict[str, tuple[str, str]]:
 def check_model_paths(o: RLHFOptions) -> None:
     """Every model the step holds names something that can exist, checked before the process group
     starts (:func:`dschat.inputs.check_model`)."""
-    for spec, flag in held_model_specs(o).values():
+    held = held_model_specs(o).values()
+    for spec, flag in held:
         check_model(spec, flag)
-    check_output_apart(o.run.output_dir, held_model_specs(o).values())
+    check_output_apart(o.run.output_dir, held)
 
 
 def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:

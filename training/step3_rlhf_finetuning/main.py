@@ -118,14 +118,13 @@ class Rounds:
         if self.unsup_position is None or PTX_POSITION not in state.extra:
             return
         saved, now = state.extra[PTX_POSITION], self.unsup_position
-        for key in ("train_examples", "train_fingerprint"):
-            if saved.get(key) and saved[key] != getattr(now, key):
-                raise UserError(
-                    f"--resume: the --unsupervised_dataset_name data is not the checkpoint's (it had "
-                    f"{saved['train_examples']} examples, this run has {now.train_examples}"
-                    + (", as many but other ones" if key == "train_fingerprint" else "")
-                    + "): resume on the same data, or start over with --overwrite"
-                )
+        if changed := T.changed_set(saved, now.train_examples, now.train_fingerprint):
+            raise UserError(
+                f"--resume: the --unsupervised_dataset_name data is not the checkpoint's (it had "
+                f"{saved['train_examples']} examples, this run has {now.train_examples}"
+                + (", as many but other ones" if changed == "content" else "")
+                + "): resume on the same data, or start over with --overwrite"
+            )
         for k, v in saved.items():
             setattr(now, k, v)
 
@@ -171,17 +170,17 @@ def plan_rounds(o: RLHFOptions, prompts, tokenizer) -> Rounds:
 
 
 def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffer: list[Experience], rounds: Rounds,
-              state: T.TrainState, window: T.MetricWindow, pad_id: int) -> tuple[float, float]:  # fmt: skip
+              state: T.TrainState, window: T.MetricWindow, pad_id: int) -> tuple[float, int]:  # fmt: skip
     """One generation round: experience (generate, then log-probs of actor and reference, values,
     scores, rewards, advantages); once ``--generation_batches`` rounds are collected, ``--ppo_epochs``
-    over them in minibatches. Returns the round's KL summed over sequences of all ranks and the sequence
+    over them in minibatches. Returns the round's mean KL per sequence over all ranks and the sequence
     count, for the KL controller."""
     ppo, device = o.ppo, m.actor.device
     train_actor = state.step + 1 > ppo.freezing_actor_steps  # this round's, counted from 1
     exp, stats = trainer.make_experience(batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                          batch["prompts"], train_actor=train_actor)  # fmt: skip
     window.add(**stats)
-    # this round's KL over all ranks: the adaptive controller follows every update (KLUpdates)
+    # this round's mean KL per sequence over all ranks: the adaptive controller takes it at the update
     round_kl, round_rows = dist.all_reduce_sum([stats["kl_sum"], stats["rows"]])
     buffer.append(exp)
     state.step += 1
@@ -199,7 +198,7 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
                 window.add(updates=1, actor_updates=float("policy_loss" in stats), **stats)
                 if m.ema is not None:
                     m.ema.update(m.actor.module)
-    return round_kl, round_rows
+    return round_kl / max(round_rows, 1.0), int(round_rows)
 
 
 def ends(keys: dict[str, str], start: dict, end: dict) -> dict[str, Any]:
@@ -349,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     last: dict[str, float] = {}
     bar = tqdm(total=rounds.total, initial=state.step, disable=not dist.is_main(), desc="step 3 (PPO)",
                dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
-    collected_kl: list[
-        tuple[float, float]
-    ] = []  # per round in the buffer: KL summed over its sequences, count
+    collected_kl: list[tuple[float, int]] = []  # per round in the buffer: its mean KL, its sequences
     for batch in T.micro_batches(rounds.loader, state, ppo.num_train_epochs):
         t0 = time.perf_counter()
         round_kl, round_rows = ppo_round(o, trainer, m, batch, buffer, rounds, state, window, tokenizer.pad_token_id)  # fmt: skip
@@ -368,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                          rounds.total, last["reward_mean"], last["score_mean"], last["kl_to_reference"],
                          last["response_length"], last.get("policy_loss", float("nan")),
                          f" value {last['value_loss']:.4f}" if "value_loss" in last else "")  # fmt: skip
-        if not buffer:  # an update: every row of it carried one coefficient; it moves on their mean KL
-            # round by round, compounded as before (one linear step over G rounds' rows could cross zero)
-            for kl_sum, rows in collected_kl:
-                trainer.kl_ctl.update(kl_sum / max(rows, 1.0), n_steps=int(rows))
+        if not buffer:  # an update: every row of it carried one coefficient; it moves now, by each round
+            # in turn, compounded (one linear step over G rounds' rows could cross zero)
+            for kl, rows in collected_kl:
+                trainer.kl_ctl.update(kl, n_steps=rows)
             collected_kl = []  # after the log line, which shows the coefficient the rows carried
         if run.eval_interval and state.step % run.eval_interval == 0 and state.step < rounds.total:
             evaluate(state.step)
