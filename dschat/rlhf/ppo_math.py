@@ -362,7 +362,11 @@ class FixedKLController:
 
 
 class AdaptiveKLController(FixedKLController):
-    """Ziegler et al. (2019): scale the coefficient by ``1 + clip(KL/target - 1, -0.2, 0.2) * n/horizon``."""
+    """Ziegler et al. (2019): scale the coefficient by ``1 + clip(KL/target - 1, -0.2, 0.2) * n/horizon``.
+
+    ``n`` rows past one horizon compound per horizon, ``(1 + err)^(n // horizon)`` times the linear step for
+    the rest, as ``n/horizon`` rounds of one horizon each would: the linear step alone crosses zero once
+    ``n > 5 * horizon`` (a negative coefficient rewards drifting from the reference)."""
 
     def __init__(self, kl_coef: float, target: float, horizon: int) -> None:
         super().__init__(kl_coef)
@@ -372,4 +376,5 @@ class AdaptiveKLController(FixedKLController):
         if not math.isfinite(current_kl):
             return
         error = max(min(current_kl / self.target - 1.0, 0.2), -0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        whole, rest = divmod(n_steps, self.horizon)
+        self.value *= (1.0 + error) ** whole * (1.0 + error * rest / self.horizon)

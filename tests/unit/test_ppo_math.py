@@ -574,6 +574,22 @@ def test_adaptive_kl_controller_hand_values():
     assert math.isclose(ctl.value, 0.103426848, rel_tol=1e-12)
 
 
+def test_adaptive_kl_controller_stays_positive_past_one_horizon():
+    # The linear step 1 + err * n/horizon crossed zero once n > 5 * horizon (err -0.2): 0.1 * (1 - 0.2 * 6)
+    # = -0.02, a negative KL coefficient that rewards drifting from the reference. Past one horizon the
+    # step compounds per horizon: 0.1 * 0.8^6 = 0.0262144; 0.1 * 1.2^2 * (1 + 0.2 * 5/10) = 0.1584.
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10)
+    ctl.update(0.0, 60)
+    assert math.isclose(ctl.value, 0.0262144, rel_tol=1e-12)
+    up = AdaptiveKLController(0.1, target=6.0, horizon=10)
+    up.update(100.0, 25)
+    assert math.isclose(up.value, 0.1584, rel_tol=1e-12)
+    # up to one horizon it is the linear step as before: 0.1 * (1 - 0.2 * 10/10) = 0.08
+    edge = AdaptiveKLController(0.1, target=6.0, horizon=10)
+    edge.update(0.0, 10)
+    assert math.isclose(edge.value, 0.08, rel_tol=1e-12)
+
+
 def test_fixed_kl_controller_never_changes():
     ctl = FixedKLController(0.05)
     for kl in (0.0, 100.0, -3.0, float("nan")):
