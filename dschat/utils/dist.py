@@ -146,6 +146,47 @@ def threads_per_rank(ranks: int, cores: int | None = None) -> int:
     return max(1, (cpu_cores() if cores is None else cores) // max(1, ranks))
 
 
+def cpu_neighbours(threads: int, registry: str | None = None) -> list[tuple[int, int]]:
+    """Register this process as a CPU job running ``threads`` threads, and return the other jobs' live
+    processes on this machine as ``(pid, threads)``: what :func:`threads_per_rank` cannot see.
+
+    Two runs that each take every core oversubscribe them and run many times slower (about 40x, measured
+    with two on 2 cores). The registry is a per-user directory of ``<pid>`` files holding ``job threads``
+    (default: ``dschat-cpu-<uid>`` in the temporary directory); a process's file goes when it exits, and a
+    dead process's is removed by the next reader. Ranks of one job (one rendezvous address) do not count
+    each other: the launcher split the cores between them."""
+    import atexit
+    import tempfile
+    from pathlib import Path
+
+    root = Path(registry or Path(tempfile.gettempdir()) / f"dschat-cpu-{os.getuid()}")
+    root.mkdir(parents=True, exist_ok=True)
+    me = os.getpid()
+    job = (
+        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if world_size() > 1 else f"pid{me}"
+    )
+    others = []
+    for entry in root.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            their_job, their_threads = entry.read_text().split()
+            os.kill(int(entry.name), 0)  # raises when the process is gone
+        except ProcessLookupError:
+            entry.unlink(missing_ok=True)
+            continue
+        except (OSError, ValueError):  # being written, removed meanwhile, another user's process: skip
+            continue
+        if their_job != job:
+            others.append((int(entry.name), int(their_threads)))
+    mine = root / str(me)
+    tmp = root / f".{me}.tmp"
+    tmp.write_text(f"{job} {threads}")
+    tmp.replace(mine)  # readers never see half a file
+    atexit.register(mine.unlink, missing_ok=True)
+    return sorted(others)
+
+
 def default_device() -> torch.device:
     import torch
 

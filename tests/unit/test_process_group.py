@@ -161,3 +161,36 @@ def test_each_rank_samples_its_own_rollouts():
     prompt were copies, not independent draws."""
     got = on_two_ranks(_rollouts_after_seeding)
     assert got[0] != got[1]
+
+
+def test_another_runs_threads_on_the_same_cores_are_named(tmp_path, monkeypatch):
+    # Two runs that each take every core ran about 40x slower, with no word why. A live process of another
+    # run is named; a dead one's entry is removed; a rank of this same run (one rendezvous) is not counted.
+    import subprocess
+    import sys
+
+    from dschat.engine.core import warn_shared_cpu
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(dist, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        (tmp_path / str(gone.pid)).write_text("pid1:x 2")
+        (tmp_path / str(os.getppid())).write_text("127.0.0.1:29555 1")  # the other rank of this run
+        assert warn_shared_cpu(2, str(tmp_path)) is None  # 2 ranks x 1 thread on 2 cores: no one else
+        assert not (tmp_path / str(gone.pid)).exists()
+        assert (tmp_path / str(os.getpid())).read_text() == "127.0.0.1:29555 1"
+        (tmp_path / str(other.pid)).write_text(f"pid{other.pid} 2")
+        msg = warn_shared_cpu(2, str(tmp_path))
+        assert msg and f"pid {other.pid}: 2 threads, this run 2 x 1" in msg and "2 CPU cores" in msg
+        monkeypatch.setenv("LOCAL_RANK", "1")  # one line per node, from its local rank 0
+        assert warn_shared_cpu(2, str(tmp_path)) is None
+    finally:
+        other.kill()
+        other.wait()
