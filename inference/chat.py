@@ -32,6 +32,7 @@ from dschat.data.prompt_format import model_format
 from dschat.generation.decoding import DecodeOptions, add_decoding_args, context_length, decode_options
 from dschat.generation.streaming import ReplyStream
 from dschat.models.loading import count_parameters, inference_dtype, load_for_generation
+from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 
 RESET = {"clear", "/clear", "/reset"}
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     model, tokenizer = load_for_generation(args.path, base_model=args.base_model, device=where.device, dtype=dtype,
                                            trust_remote_code=where.trust_remote_code)  # fmt: skip
+    dist.note_shared_cpu(where.device)
     chat = Chat(model, tokenizer, args)
     tty = sys.stdin.isatty() and args.prompt is None
     if tty:

@@ -49,6 +49,7 @@ from dschat.models.loading import (
 )
 from dschat.models.reward import load_reward_model
 from dschat.scoring import score_texts
+from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.io import atomic_write_text
 from dschat.utils.run import check_output_prefix, output_stem
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ) in SIDES:  # both models found and fit to generate (a GGUF converted) before minutes of generation
         flag = f"--model_name_or_path_{side}"
         check_for_generation(models[side], trust_remote_code=args.inference.trust_remote_code, flag=flag)
+    dist.note_shared_cpu(
+        args.inference.device
+    )  # another run on these cores makes minutes of generation hours
     replies: dict[str, list[str]] = {}
     cut_off: dict[str, list[bool]] = {}
     for side in SIDES:

@@ -30,6 +30,7 @@ from dschat.models.loading import inference_dtype, load_tokenizer, resolve
 from dschat.models.reward import load_reward_model, require_reward_model
 from dschat.ranking import ranking_metrics, ranking_sums
 from dschat.scoring import score_texts
+from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 
 
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
                               require_trained_head=True, flag="--model")  # fmt: skip
     model = model.to(where.device, inference_dtype(where.dtype, where.device))
+    dist.note_shared_cpu(where.device)
 
     def score(prompts: list[str], responses: list[str]) -> torch.Tensor:
         return score_texts(

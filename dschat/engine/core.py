@@ -45,7 +45,8 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         if local > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(dist.threads_per_rank(local))
-        warn_shared_cpu(local)
+        if msg := dist.shared_cpu_warning(local):
+            LOG.warning(msg)
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get("DSCHAT_DIST_TIMEOUT", 1800)) / 60
     if not dist.is_initialized():
@@ -63,28 +64,6 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
             torch.cuda.set_device(dist.local_rank())
         if backend == "gloo":
             _unlink_shared_memory_names()
-
-
-def warn_shared_cpu(local_ranks: int, registry: str | None = None) -> str | None:
-    """Warn (each node's local rank 0) when other dschat runs' threads and this run's together exceed the
-    cores: each run's thread pool assumes the cores are its own. Returns the warning, None when there is
-    none."""
-    threads = torch.get_num_threads()
-    try:
-        others = dist.cpu_neighbours(threads, registry)
-    except OSError:  # no writable temporary directory: nothing to compare with
-        return None
-    cores, theirs = dist.cpu_cores(), sum(t for _, t in others)
-    if not others or theirs + local_ranks * threads <= cores or dist.local_rank() != 0:
-        return None
-    pids = ", ".join(str(pid) for pid, _ in others)
-    msg = (
-        f"another dschat run shares this machine's {cores} CPU cores (pid {pids}: {theirs} threads, this run "
-        f"{local_ranks} x {threads}): oversubscribed thread pools run many times slower (about 40x measured "
-        "with two runs on 2 cores); let it finish first, or give each run its share with OMP_NUM_THREADS"
-    )
-    LOG.warning(msg)
-    return msg
 
 
 STALE_BUILD_LOCK_SECONDS = 600

@@ -146,7 +146,9 @@ def threads_per_rank(ranks: int, cores: int | None = None) -> int:
     return max(1, (cpu_cores() if cores is None else cores) // max(1, ranks))
 
 
-def cpu_neighbours(threads: int, registry: str | None = None) -> list[tuple[int, int]]:
+def cpu_neighbours(
+    threads: int, registry: str | None = None, *, register: bool = True
+) -> list[tuple[int, int]]:
     """Register this process as a CPU job running ``threads`` threads, and return the other jobs' live
     processes on this machine as ``(pid, threads)``: what :func:`threads_per_rank` cannot see.
 
@@ -154,7 +156,8 @@ def cpu_neighbours(threads: int, registry: str | None = None) -> list[tuple[int,
     with two on 2 cores). The registry is a per-user directory of ``<pid>`` files holding ``job threads``
     (default: ``dschat-cpu-<uid>`` in the temporary directory); a process's file goes when it exits, and a
     dead process's is removed by the next reader. Ranks of one job (one rendezvous address) do not count
-    each other: the launcher split the cores between them."""
+    each other: the launcher split the cores between them. ``register=False`` only looks (a short-lived or
+    interactive tool, which would otherwise stay registered while it waits)."""
     import atexit
     import tempfile
     from pathlib import Path
@@ -179,12 +182,46 @@ def cpu_neighbours(threads: int, registry: str | None = None) -> list[tuple[int,
             continue
         if their_job != job:
             others.append((int(entry.name), int(their_threads)))
+    if not register:
+        return sorted(others)
     mine = root / str(me)
     tmp = root / f".{me}.tmp"
     tmp.write_text(f"{job} {threads}")
     tmp.replace(mine)  # readers never see half a file
     atexit.register(mine.unlink, missing_ok=True)
     return sorted(others)
+
+
+def shared_cpu_warning(
+    local_ranks: int = 1, registry: str | None = None, *, register: bool = True
+) -> str | None:
+    """For a process running on CPU, one of ``local_ranks`` of its run on this machine: the warning to give
+    (on each node's local rank 0, else None) when other dschat runs' threads and this run's together exceed
+    the cores, each run's thread pool taking the cores as its own. ``register``: :func:`cpu_neighbours`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        others = cpu_neighbours(threads, registry, register=register)
+    except OSError:  # no writable temporary directory: nothing to compare with
+        return None
+    cores, theirs = cpu_cores(), sum(t for _, t in others)
+    if not others or theirs + local_ranks * threads <= cores or local_rank() != 0:
+        return None
+    pids = ", ".join(str(pid) for pid, _ in others)
+    return (
+        f"another dschat run shares this machine's {cores} CPU cores (pid {pids}: {theirs} threads, this run "
+        f"{local_ranks} x {threads}): oversubscribed thread pools run many times slower (about 40x measured "
+        "with two runs on 2 cores); let it finish first, or give each run its share with OMP_NUM_THREADS"
+    )
+
+
+def note_shared_cpu(device: str) -> None:
+    """The inference tools' check, on stdout beside their progress: a model about to run on a CPU that
+    another dschat run keeps busy. They look without registering (chat.py idles between turns)."""
+    msg = shared_cpu_warning(register=False) if device == "cpu" else None
+    if msg:
+        print(f"warning: {msg}", flush=True)
 
 
 def default_device() -> torch.device:

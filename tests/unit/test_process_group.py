@@ -169,8 +169,6 @@ def test_another_runs_threads_on_the_same_cores_are_named(tmp_path, monkeypatch)
     import subprocess
     import sys
 
-    from dschat.engine.core import warn_shared_cpu
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29555")
@@ -183,14 +181,19 @@ def test_another_runs_threads_on_the_same_cores_are_named(tmp_path, monkeypatch)
     try:
         (tmp_path / str(gone.pid)).write_text("pid1:x 2")
         (tmp_path / str(os.getppid())).write_text("127.0.0.1:29555 1")  # the other rank of this run
-        assert warn_shared_cpu(2, str(tmp_path)) is None  # 2 ranks x 1 thread on 2 cores: no one else
+        assert dist.shared_cpu_warning(2, str(tmp_path)) is None  # 2 ranks x 1 thread on 2 cores: no one else
         assert not (tmp_path / str(gone.pid)).exists()
         assert (tmp_path / str(os.getpid())).read_text() == "127.0.0.1:29555 1"
         (tmp_path / str(other.pid)).write_text(f"pid{other.pid} 2")
-        msg = warn_shared_cpu(2, str(tmp_path))
+        msg = dist.shared_cpu_warning(2, str(tmp_path))
         assert msg and f"pid {other.pid}: 2 threads, this run 2 x 1" in msg and "2 CPU cores" in msg
         monkeypatch.setenv("LOCAL_RANK", "1")  # one line per node, from its local rank 0
-        assert warn_shared_cpu(2, str(tmp_path)) is None
+        assert dist.shared_cpu_warning(2, str(tmp_path)) is None
+        # an inference tool looks without registering: it idles between a chat's turns
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setattr(os, "getpid", lambda: other.pid + 100000)
+        assert dist.shared_cpu_warning(2, str(tmp_path), register=False)
+        assert not (tmp_path / str(other.pid + 100000)).exists()
     finally:
         other.kill()
         other.wait()
