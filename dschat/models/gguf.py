@@ -291,8 +291,9 @@ def hub_snapshot(name: str) -> str | None:
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
     try:
         cached = snapshot_download(name, allow_patterns=patterns, local_files_only=True)
-        # a tokenizer or config lookup caches a snapshot without weights: that is not the model
-        if any(Path(cached).glob("*.safetensors")) and (Path(cached) / "config.json").is_file():
+        # a tokenizer or config lookup caches a snapshot without weights, a bare model load one without
+        # the tokenizer (or its config, which holds the chat template): neither is the model
+        if complete_snapshot(Path(cached)):
             return cached
     except Exception:
         pass
@@ -303,6 +304,17 @@ def hub_snapshot(name: str) -> str | None:
     except Exception as exc:
         LOG.warning("%s: download from the Hugging Face Hub failed (%s)", name, _first(exc))
         return None
+
+
+def complete_snapshot(path: Path) -> bool:
+    """Config, safetensors weights, a tokenizer (``tokenizer.json`` or a sentencepiece ``tokenizer.model``)
+    and ``tokenizer_config.json``: what training and chat read from a hub model."""
+    files = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    return (
+        {"config.json", "tokenizer_config.json"} <= files
+        and bool(files & {"tokenizer.json", "tokenizer.model"})
+        and any(name.endswith(".safetensors") for name in files)
+    )
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

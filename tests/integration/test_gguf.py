@@ -285,3 +285,12 @@ def test_a_partial_hub_cache_is_not_taken_for_the_hub_copy(cache, tmp_path, monk
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert gguf.hub_snapshot("org/Partial-Instruct") is None
+    # nor is config and weights without the tokenizer (what AutoModelForCausalLM.from_pretrained(name)
+    # alone caches): it was taken, and loading its tokenizer failed where the packaged GGUF would have run
+    src = Path(materialize("builtin:micro-llama"))
+    shutil.copy(src / "model.safetensors", snapshot / "model.safetensors")
+    assert gguf.hub_snapshot("org/Partial-Instruct") is None
+    shutil.copy(src / "tokenizer.json", snapshot / "tokenizer.json")  # its chat template is in the config
+    assert gguf.hub_snapshot("org/Partial-Instruct") is None
+    shutil.copy(src / "tokenizer_config.json", snapshot / "tokenizer_config.json")
+    assert gguf.hub_snapshot("org/Partial-Instruct") == str(snapshot)
