@@ -28,10 +28,10 @@ import torch
 
 from dschat.chat import Conversation
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
-from dschat.data.prompt_format import model_format
+from dschat.data.prompt_format import PromptFormat, model_format
 from dschat.generation.decoding import DecodeOptions, add_decoding_args, context_length, decode_options
 from dschat.generation.streaming import ReplyStream
-from dschat.models.loading import count_parameters, inference_dtype, load_for_generation
+from dschat.models.loading import count_parameters, inference_dtype, load_for_generation, open_for_generation
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 
@@ -61,23 +61,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def conversation_settings(
+    tokenizer, config, args: argparse.Namespace, path: str | None
+) -> tuple[PromptFormat, int]:
+    """The format the model at ``path`` was trained in (auto: its run's recorded ``--chat_template``) and
+    the tokens a conversation may take before the reply: from the tokenizer and config, so a bad flag is
+    one line before the weights load."""
+    fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)
+    context = context_length(config, tokenizer)
+    if args.max_new_tokens >= context:
+        raise UserError(
+            f"--max_new_tokens {args.max_new_tokens}: must be below the model's context ({context})"
+        )
+    return fmt, context - args.max_new_tokens
+
+
 class Chat:
     """One conversation with a loaded model; ``say`` streams a reply to ``out``."""
 
-    def __init__(self, model, tokenizer, args: argparse.Namespace, out=None) -> None:
+    def __init__(self, model, tokenizer, args: argparse.Namespace, out=None, path: str | None = None) -> None:
         self.model, self.tokenizer, self.out = model, tokenizer, out or sys.stdout
         self.interrupted = False  # a reply was stopped with Ctrl-C (piped input then stops too)
-        # the format the model was trained in (auto: its run's recorded --chat_template)
-        self.fmt = model_format(
-            tokenizer, getattr(args, "path", None), from_namespace(FormatArgs, args).chat_template
-        )
+        self.fmt, budget = conversation_settings(tokenizer, model.config, args, path)
         self.opts = decode_options(args, DECODING)
-        context = context_length(model, tokenizer)
-        if args.max_new_tokens >= context:
-            raise UserError(
-                f"--max_new_tokens {args.max_new_tokens}: must be below the model's context ({context})"
-            )
-        self.conversation = Conversation(tokenizer, self.fmt, context - args.max_new_tokens)
+        self.conversation = Conversation(tokenizer, self.fmt, budget)
 
     def note(self, text: str) -> None:
         print(f"({text})", file=self.out if self.out.isatty() else sys.stderr, flush=True)
@@ -160,10 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     where = args.inference
     dtype = inference_dtype(where.dtype, where.device)
     start = time.perf_counter()
-    model, tokenizer = load_for_generation(args.path, base_model=args.base_model, device=where.device, dtype=dtype,
+    src = open_for_generation(
+        args.path, base_model=args.base_model, trust_remote_code=where.trust_remote_code
+    )
+    conversation_settings(src.tokenizer, src.config, args, src.path)  # bad flags before the weights load
+    model, tokenizer = load_for_generation(src, device=where.device, dtype=dtype,
                                            trust_remote_code=where.trust_remote_code)  # fmt: skip
     dist.note_shared_cpu(where.device)
-    chat = Chat(model, tokenizer, args)
+    chat = Chat(model, tokenizer, args, path=src.path)
     tty = sys.stdin.isatty() and args.prompt is None
     if tty:
         print(f"{args.path}: {type(model).__name__}, {count_parameters(model) / 1e6:.1f}M parameters, "

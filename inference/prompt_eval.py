@@ -30,7 +30,7 @@ import torch
 from dschat import compare
 from dschat.chat import keep_last_tokens
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
-from dschat.data.prompt_format import as_dialogue, model_format
+from dschat.data.prompt_format import PromptFormat, as_dialogue, model_format
 from dschat.generation.decoding import (
     DecodeOptions,
     Replies,
@@ -40,10 +40,12 @@ from dschat.generation.decoding import (
     generate_replies,
 )
 from dschat.models.loading import (
-    check_for_generation,
+    GenerationSource,
     inference_dtype,
+    is_lora_adapter,
     load_for_generation,
     load_tokenizer,
+    open_for_generation,
     require_weights,
     resolve,
 )
@@ -65,6 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model_name_or_path_baseline", required=True, help="model before fine-tuning (or any model)"
     )
     p.add_argument("--model_name_or_path_finetune", required=True, help="model after fine-tuning")
+    p.add_argument(
+        "--base_model",
+        help="base model of the side that is a LoRA adapter (default: the one its config names)",
+    )
     p.add_argument("--prompts_file", help="JSONL (field 'prompt') or text file, one prompt per line")
     p.add_argument(
         "--num_prompts", type=int, default=12, help="built-in held-out prompts to use without --prompts_file"
@@ -83,8 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--num_prompts {args.num_prompts}: must be at least 1")
     from dschat import tasks
 
-    if args.tasks:
+    if args.tasks is not None:
         names = [t for t in args.tasks.split(",") if t]
+        if not names:
+            p.error(f"--tasks {args.tasks!r}: names no task")
         try:
             tasks.resolve_tasks(names)
         except KeyError as exc:
@@ -108,15 +116,32 @@ def free(*objs) -> None:
         torch.cuda.empty_cache()
 
 
-def answer(path: str, flag: str, questions: list[str], opts: DecodeOptions, args) -> tuple[Replies, int]:
+def source(name: str, flag: str, args) -> GenerationSource:
+    """One side's model opened (no weights); ``--base_model`` goes to the side that is an adapter."""
+    trust = args.inference.trust_remote_code
+    adapter = is_lora_adapter(resolve(name, flag))
+    return open_for_generation(name, base_model=args.base_model if adapter else None, trust_remote_code=trust,
+                               flag=flag)  # fmt: skip
+
+
+def prompt_settings(src: GenerationSource, opts: DecodeOptions, args) -> tuple[PromptFormat, int]:
+    """The format the model was trained in and the tokens a prompt may take, from its tokenizer and config:
+    both sides are checked before either loads its weights."""
+    fmt = model_format(
+        src.tokenizer, src.path, from_namespace(FormatArgs, args).chat_template
+    )  # as it trained
+    budget = context_length(src.config, src.tokenizer) - opts.max_new_tokens
+    if budget < 1:
+        raise UserError(f"--max_new_tokens {opts.max_new_tokens}: leaves no room for a prompt in {src.path}")
+    return fmt, budget
+
+
+def answer(src: GenerationSource, questions: list[str], opts: DecodeOptions, args) -> tuple[Replies, int]:
     """One model's replies to every question (loaded, used, freed); and how many prompts were cut to fit."""
     where = args.inference
-    model, tokenizer = load_for_generation(path, device=where.device, dtype=inference_dtype(where.dtype, where.device),
-                                           trust_remote_code=where.trust_remote_code, flag=flag)  # fmt: skip
-    fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)  # as it trained
-    budget = context_length(model, tokenizer) - opts.max_new_tokens
-    if budget < 1:
-        raise UserError(f"--max_new_tokens {opts.max_new_tokens}: leaves no room for a prompt in {path}")
+    fmt, budget = prompt_settings(src, opts, args)
+    model, tokenizer = load_for_generation(src, device=where.device, dtype=inference_dtype(where.dtype, where.device),
+                                           trust_remote_code=where.trust_remote_code)  # fmt: skip
     ids = fmt.encode_prompts([as_dialogue(q) for q in questions])
     cut = sum(len(i) > budget for i in ids)
     ids = [keep_last_tokens(i, budget, tokenizer.bos_token_id) for i in ids]
@@ -163,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
                             "1-label sequence-classification model; pass the step-2 output directory)")  # fmt: skip
         require_weights(path, "--reward_model")
     models = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
-    for (
-        side
-    ) in SIDES:  # both models found and fit to generate (a GGUF converted) before minutes of generation
-        flag = f"--model_name_or_path_{side}"
-        check_for_generation(models[side], trust_remote_code=args.inference.trust_remote_code, flag=flag)
+    # both models found, fit to generate (a GGUF converted) and to the flags before minutes of generation
+    sources = {side: source(models[side], f"--model_name_or_path_{side}", args) for side in SIDES}
+    if args.base_model and not any(src.base_path for src in sources.values()):
+        raise UserError(
+            f"--base_model {args.base_model}: neither model is a LoRA adapter; it names an adapter's base"
+        )
+    for side in SIDES:
+        prompt_settings(sources[side], opts, args)
     dist.note_shared_cpu(
         args.inference.device
     )  # another run on these cores makes minutes of generation hours
@@ -175,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     cut_off: dict[str, list[bool]] = {}
     for side in SIDES:
         print(f"==> {side}: {models[side]} ({len(questions)} prompts, {args.decoding})", flush=True)
-        (replies[side], cut_off[side]), cut = answer(
-            models[side], f"--model_name_or_path_{side}", questions, opts, args
-        )
+        (replies[side], cut_off[side]), cut = answer(sources[side], questions, opts, args)
         if cut:
             print(f"    {cut} prompt(s) longer than the context kept only their end", flush=True)
     scores = rewards(questions, replies, args) if args.reward_model else None

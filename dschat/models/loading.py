@@ -11,7 +11,9 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,13 +144,28 @@ def load_causal_lm(
     config = load_config(path, trust_remote_code=trust_remote_code, flag=flag)
     apply_dropout(config, dropout)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None,
+            output_loading_info=True,
         )
     except ValueError as exc:
         raise UserError(f"{flag} {path}: not a causal language model ({first_line(exc)})") from None
+    except RuntimeError:  # transformers' report of weights whose shapes differ from the config's
+        raise UserError(f"{flag} {path}: weights of other shapes than its config.json says") from None
     except OSError as exc:  # missing or unreadable weights
         raise UserError(f"{flag} {path}: cannot load its weights ({first_line(exc)})") from None
+    # A weight the checkpoint lacks starts random, silently: a step-2 reward model (a body and a score
+    # head) given as a policy trained with a random LM head. A tied head is not missing.
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise UserError(
+            f"{flag} {path}: the checkpoint lacks {len(missing)} weight(s) ({', '.join(missing[:3])}) that would "
+            "start random: not a whole causal language model (a reward model or critic?)"
+        )
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().weight.shape[0] > 0:
         model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8)))
     if tokenizer is not None:
@@ -237,6 +254,9 @@ def check_for_generation(
     directory without weights, an adapter without a base) are one line naming ``flag``."""
     path = resolve(name_or_path, flag)
     if not is_lora_adapter(path):
+        if base_model:  # it would be ignored: another model than the one meant would answer
+            raise UserError(f"--base_model {base_model}: {flag} {name_or_path} is a whole model, not a LoRA "
+                            "adapter; --base_model names an adapter's base")  # fmt: skip
         if os.path.exists(path):
             _check_model_dir(path, flag)
         load_config(path, trust_remote_code=trust_remote_code, flag=flag)  # its error names the path
@@ -260,8 +280,38 @@ def check_for_generation(
     return path, base_path
 
 
+@dataclass
+class GenerationSource:
+    """A model to generate with, checked and read up to its weights: what the inference tools check their
+    flags against (prompt format, context) before the slow load."""
+
+    path: str
+    base_path: str | None  # a LoRA adapter's base model (merged in at load), else None
+    tokenizer: Any  # pads on the left (batched generation)
+    config: Any  # the (base) model's config: its context length
+    flag: str
+
+
+def open_for_generation(
+    name_or_path: str, *, base_model: str | None = None, trust_remote_code: bool = False, flag: str = "--path"
+) -> GenerationSource:
+    """:func:`check_for_generation`, then the tokenizer (an adapter's own where it has one, else its base's)
+    and the config; no weights."""
+    path, base_path = check_for_generation(name_or_path, base_model=base_model,
+                                           trust_remote_code=trust_remote_code, flag=flag)  # fmt: skip
+    tok_dir = path
+    if base_path is not None and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        tok_dir = base_path
+    tokenizer = load_tokenizer(tok_dir, trust_remote_code=trust_remote_code, padding_side="left", flag=flag)
+    where = flag if base_path is None else f"{flag} {path}: the LoRA adapter's base model"
+    config = load_config(base_path or path, trust_remote_code=trust_remote_code, flag=where)
+    return GenerationSource(path, base_path, tokenizer, config, flag)
+
+
 def load_for_generation(
-    name_or_path: str,
+    source: str | GenerationSource,
     *,
     base_model: str | None = None,
     device: str = "cpu",
@@ -271,17 +321,14 @@ def load_for_generation(
 ):
     """``(model, tokenizer)`` ready to generate: a causal LM by name/path/``builtin:NAME``, or a peft LoRA
     adapter directory, whose base (``base_model`` or the adapter's ``base_model_name_or_path``) is loaded
-    and the adapter merged in (checked first by :func:`check_for_generation`). The model is in eval mode
-    on ``device`` with the KV cache on; the tokenizer pads on the left (batched generation)."""
-    path, base_path = check_for_generation(name_or_path, base_model=base_model,
-                                           trust_remote_code=trust_remote_code, flag=flag)  # fmt: skip
+    and the adapter merged in (``source`` opened by :func:`open_for_generation`, or a name it opens). The
+    model is in eval mode on ``device`` with the KV cache on; the tokenizer pads on the left."""
+    src = source if isinstance(source, GenerationSource) else open_for_generation(
+        source, base_model=base_model, trust_remote_code=trust_remote_code, flag=flag
+    )  # fmt: skip
+    path, base_path, tokenizer, flag = src.path, src.base_path, src.tokenizer, src.flag
     if base_path is not None:
         where = f"{flag} {path}: the LoRA adapter's base model"
-        has_tok = any(
-            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-        )
-        tokenizer = load_tokenizer(path if has_tok else base_path, trust_remote_code=trust_remote_code,
-                                   padding_side="left", flag=flag)  # fmt: skip
         model = load_causal_lm(base_path, tokenizer=tokenizer, dtype=dtype,
                                trust_remote_code=trust_remote_code, flag=where)  # fmt: skip
         from peft import PeftModel
@@ -293,7 +340,6 @@ def load_for_generation(
                 f"{flag} {path}: the LoRA adapter does not fit base model {base_path} ({first_line(exc)})"
             ) from None
     else:
-        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="left", flag=flag)
         model = load_causal_lm(path, tokenizer=tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
                                flag=flag)  # fmt: skip
     model.config.use_cache = True

@@ -243,6 +243,12 @@ def load_reward_model(
     if require_trained_head:
         require_reward_model(path, flag)
     config = load_config(path, trust_remote_code=trust_remote_code, flag=flag)
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+    if classifier and config.num_labels != 1:  # a causal LM's config says 2 labels too, by default
+        raise UserError(
+            f"{flag} {path}: a classifier with {config.num_labels} labels, not a reward model (one score per "
+            "answer); start from a causal LM or a 1-label reward model"
+        )
     apply_dropout(config, dropout)
     config.num_labels = 1
     config.id2label, config.label2id = {0: "score"}, {"score": 0}
@@ -258,6 +264,9 @@ def load_reward_model(
         )
     except ValueError as exc:
         raise UserError(f"{flag} {path}: cannot be loaded as a reward model ({first_line(exc)})") from None
+    except RuntimeError:  # transformers' report of weights whose shapes differ from the config's
+        raise UserError(f"{flag} {path}: cannot be loaded as a reward model (weights of other shapes than "
+                        "its config.json says)") from None  # fmt: skip
     except OSError as exc:  # missing or unreadable weights
         raise UserError(f"{flag} {path}: cannot load its weights ({first_line(exc)})") from None
     # Only the head may start fresh: a body weight missing from the checkpoint would silently train from

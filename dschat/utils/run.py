@@ -21,6 +21,7 @@ LOG = logging.getLogger("dschat")
 PROCESS_START = time.perf_counter()
 SUMMARY = "summary.json"
 RESOLVED_CONFIG = "dschat_config.json"
+STEP3_MODEL_DIRS = ("actor", "critic", "actor_ema")  # step 3 saves its models in these, its config above
 
 
 def trained_config(model_path: str | Path) -> dict[str, Any]:
@@ -29,7 +30,10 @@ def trained_config(model_path: str | Path) -> dict[str, Any]:
     directory above); ``{}`` for any other model (a hub name, a plain checkpoint) or an unreadable file.
     Inference reads from it what must match training: the prompt format, a reward model's length limit."""
     p = Path(model_path)
-    for candidate in (p / RESOLVED_CONFIG, p.parent / RESOLVED_CONFIG):
+    # only step 3's model folders: any other parent (the working directory, for a bare relative name or
+    # builtin:NAME) may be an unrelated run's
+    above = [p.parent / RESOLVED_CONFIG] if p.name in STEP3_MODEL_DIRS else []
+    for candidate in (p / RESOLVED_CONFIG, *above):
         try:
             cfg = json.loads(candidate.read_text(encoding="utf-8"))
         except (OSError, ValueError):

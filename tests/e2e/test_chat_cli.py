@@ -202,3 +202,22 @@ def test_empty_prompt(tiny, chat_main, capsys):
         chat_main(["--path", str(tiny.right), "--prompt", "  "])
     assert exc.value.code == 2
     assert capsys.readouterr().err == "error: --prompt: the message is empty (see chat.py --help)\n"
+
+
+def test_base_model_with_a_whole_model_is_one_line(tiny, chat_main):
+    # --base_model was ignored when --path is not an adapter: another model than the user meant answered
+    with pytest.raises(UserError, match=r"--base_model .*wrong: --path .*right is a whole model, not a LoRA"):
+        chat_main(["--path", str(tiny.right), "--base_model", str(tiny.wrong), "--prompt", "hi"])
+
+
+def test_a_missing_chat_template_is_refused_before_the_weights_load(tiny, chat_main, monkeypatch):
+    import dschat.models.loading as loading
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights loaded before the flags were checked")
+
+    monkeypatch.setattr(loading, "load_causal_lm", no_weights)
+    with pytest.raises(UserError, match=r"--chat_template on: .* has no chat template"):
+        chat_main(["--path", str(tiny.right), "--chat_template", "on", "--prompt", "hi"])
+    with pytest.raises(UserError, match=r"--max_new_tokens 1024: .* context \(1024\)"):
+        chat_main(["--path", str(tiny.right), "--max_new_tokens", "1024", "--prompt", "hi"])

@@ -181,3 +181,41 @@ def test_a_trailing_comma_in_tasks_is_ignored(tiny, eval_main, capsys):
     assert eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
                       str(tiny.right), "--num_prompts", "2", "--tasks", "sort,"]) == 0  # fmt: skip
     assert "(sort)" in capsys.readouterr().out
+
+
+def test_an_adapter_whose_base_moved_takes_base_model(tiny, eval_main, capsys):
+    """The error for an adapter whose recorded base is gone said 'pass --base_model PATH', a flag
+    prompt_eval did not have: it has it now, for whichever side is an adapter."""
+    base = ["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune", str(tiny.adapter),
+            "--num_prompts", "1"]  # fmt: skip
+    with pytest.raises(
+        UserError, match=r"--model_name_or_path_finetune .*deleted-base.*pass --base_model PATH"
+    ):
+        eval_main(base)
+    assert "==> baseline" not in capsys.readouterr().out
+    assert eval_main([*base, "--base_model", str(tiny.right)]) == 0
+    assert "==> finetune" in capsys.readouterr().out
+
+
+def test_base_model_without_an_adapter_is_one_line(tiny, eval_main):
+    with pytest.raises(UserError, match=r"--base_model .*right: neither .* is a LoRA adapter"):
+        eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                   str(tiny.right), "--base_model", str(tiny.right)])  # fmt: skip
+
+
+def test_a_format_the_fine_tuned_model_lacks_is_refused_before_the_baseline_generates(
+    tiny, eval_main, capsys
+):
+    """--chat_template on, with a model that has no template, failed after the baseline had answered
+    every prompt; the format and the room for a prompt are checked for both models before any loads."""
+    with pytest.raises(UserError, match=r"--chat_template on: .* has no chat template"):
+        eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                   str(tiny.right), "--num_prompts", "1", "--chat_template", "on"])  # fmt: skip
+    assert "==> baseline" not in capsys.readouterr().out
+
+
+def test_tasks_that_name_no_task_are_refused(tiny, eval_main):
+    # '--tasks ,' meant every task, silently
+    with pytest.raises(SystemExit):
+        eval_main(["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune",
+                   str(tiny.right), "--tasks", ","])  # fmt: skip

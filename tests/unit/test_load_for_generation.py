@@ -132,3 +132,34 @@ def test_a_model_directory_without_weights_is_one_line(base_dir, tmp_path):
         load_causal_lm(str(bare))
     with pytest.raises(UserError, match=r"--model_name_or_path .*bare: cannot load its weights"):
         load_reward_model(str(bare))
+
+
+def test_a_reward_model_given_as_a_causal_lm_is_one_line(base_dir, tmp_path):
+    """A step-2 output (body and score head, no LM head) loaded as a policy started with a random LM head,
+    silently: every causal-LM weight the checkpoint lacks is refused, as the reward model's body is."""
+    from transformers import LlamaForSequenceClassification
+
+    from dschat.models.loading import load_causal_lm
+
+    rm = tmp_path / "rm"
+    LlamaForSequenceClassification.from_pretrained(base_dir, num_labels=1).save_pretrained(rm)
+    with pytest.raises(
+        UserError, match=r"--actor .*rm: the checkpoint lacks 1 weight\(s\) \(lm_head.weight\)"
+    ):
+        load_causal_lm(str(rm), flag="--actor")
+    load_causal_lm(str(base_dir))  # a whole causal LM loads
+
+
+def test_a_two_label_classifier_as_a_reward_model_start_is_one_line(base_dir, tmp_path):
+    # transformers raises RuntimeError on the score head's shape (2 x hidden against 1 x hidden)
+    from transformers import LlamaForSequenceClassification
+
+    from dschat.models.reward import load_reward_model
+
+    two = tmp_path / "two"
+    LlamaForSequenceClassification.from_pretrained(base_dir, num_labels=2).save_pretrained(two)
+    with pytest.raises(
+        UserError, match=r"--model_name_or_path .*two: a classifier with 2 labels, not a reward"
+    ):
+        load_reward_model(str(two))
+    load_reward_model(str(base_dir))  # a causal LM (whose config also says 2 labels) gets a fresh head

@@ -173,3 +173,22 @@ def test_a_resume_must_resolve_the_same_dtype_and_zero_ranks(tmp_path):
     (tmp_path / "dschat_config.json").write_text(json.dumps(unsharded))
     save_resolved_config(str(tmp_path), {**unsharded, "world_size": 1}, resume=True)  # ZeRO-0: any rank count
     assert json.loads((tmp_path / "dschat_config.json").read_text())["world_size"] == 1
+
+
+def test_trained_config_reads_the_step_directory_only_for_step_3_models(tmp_path, monkeypatch):
+    """A model's own dschat_config.json, or for step 3's actor/, critic/, actor_ema/ the step's above it.
+    Any parent was read, so a bare relative name (or builtin:NAME) run from inside a run's directory took
+    that run's prompt format for an unrelated model."""
+    import json
+
+    from dschat.utils.run import trained_config
+
+    (tmp_path / "dschat_config.json").write_text(json.dumps({"chat_template": "off"}))
+    for name in ("actor", "critic", "actor_ema", "other"):
+        (tmp_path / name).mkdir()
+    assert trained_config(tmp_path / "actor") == {"chat_template": "off"}
+    assert trained_config(tmp_path / "actor_ema") == {"chat_template": "off"}
+    assert trained_config(tmp_path / "other") == {}
+    monkeypatch.chdir(tmp_path)
+    assert trained_config("builtin:micro-llama") == {} and trained_config("other") == {}
+    assert trained_config(".") == {"chat_template": "off"}  # the run's own directory
