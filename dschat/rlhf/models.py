@@ -144,11 +144,15 @@ def resolve_models(o: RLHFOptions) -> tuple[ModelPaths, Any, PromptFormat]:
     paths = ModelPaths(where["actor"], where.get("critic"), where.get("reward"), where.get("judge"))
     tokenizer = load_tokenizer(paths.actor, trust_remote_code=o.actor.trust_remote_code, padding_side="left",
                                flag="--actor_model_name_or_path")  # fmt: skip
-    if paths.reward:
-        check_same_tokenizer(paths.reward, specs["reward"][1], tokenizer, owner="actor",
-                             owner_path=paths.actor, trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
-        if o.ppo.normalize_reward:
-            paths.reward_normalization = ScoreNormalization.read(paths.reward, specs["reward"][1])
+    # the critic reads the actor's token ids as the reward model does (each model checked once)
+    checked = {paths.actor}
+    for role in ("critic", "reward"):
+        if role in specs and where[role] not in checked:
+            checked.add(where[role])
+            check_same_tokenizer(where[role], specs[role][1], tokenizer, owner="actor", owner_path=paths.actor,
+                                 trust_remote_code=o.actor.trust_remote_code)  # fmt: skip
+    if paths.reward and o.ppo.normalize_reward:
+        paths.reward_normalization = ScoreNormalization.read(paths.reward, specs["reward"][1])
     if paths.judge:
         if not has_value_head(paths.judge):
             raise UserError(f"--judge_reward_model {o.engine.judge_reward_model}: not a trained reward model (no "

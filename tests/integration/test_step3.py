@@ -343,6 +343,19 @@ def test_a_function_reward_without_a_critic_reads_no_critic_path(models, tmp_pat
 
 def test_bad_inputs(models, tmp_path):
     actor, rm = models
+    # the critic reads the actor's token ids as the reward model does: another vocabulary was let through
+    # (silently wrong values, or an IndexError rounds into the run) when the reward model came elsewhere
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other_vocab_critic"
+    shutil.copytree(rm, other, ignore=shutil.ignore_patterns("checkpoints"))
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    error_line(step3(tmp_path / "voc", actor, other, "--reward_model_name_or_path", str(rm), "--max_steps", "1"),
+               f"--critic_model_name_or_path {other}: its tokenizer differs from the actor's")  # fmt: skip
     # the reward model must have a trained value head
     error_line(step3(tmp_path / "a", actor, rm, "--reward_model_name_or_path", actor, "--max_steps", "1"),
                "not a trained reward model")  # fmt: skip
