@@ -116,7 +116,9 @@ def inspect(path: Path, flag: str) -> GGUFInfo:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = str(value("general.architecture", ""))
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    # transformers renames some of llama.cpp's names itself (qwen3moe -> qwen3_moe, gpt-oss -> gpt_oss):
+    # a name not in its list is asked of transformers' own reader (its config: metadata only, seconds)
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and not transformers_reads(path):
         raise UserError(
             f"{flag} {path}: GGUF architecture {arch or '(none)'!r} cannot be read by transformers (it reads "
             f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))})"
@@ -133,6 +135,17 @@ def inspect(path: Path, flag: str) -> GGUFInfo:
         has_tokenizer="tokenizer.ggml.tokens" in fields,
         has_chat_template="tokenizer.chat_template" in fields,
     )
+
+
+def transformers_reads(path: Path) -> bool:
+    """Whether transformers makes a model config of the GGUF file at ``path``."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception:  # "not supported yet" (ValueError) and whatever a half-known file raises
+        return False
+    return True
 
 
 def gguf_config(path: Path, flag: str) -> dict:

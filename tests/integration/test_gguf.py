@@ -294,3 +294,16 @@ def test_a_partial_hub_cache_is_not_taken_for_the_hub_copy(cache, tmp_path, monk
     assert gguf.hub_snapshot("org/Partial-Instruct") is None
     shutil.copy(src / "tokenizer_config.json", snapshot / "tokenizer_config.json")
     assert gguf.hub_snapshot("org/Partial-Instruct") == str(snapshot)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_an_architecture_transformers_renames_is_read(tmp_path, arch):
+    """llama.cpp's 'qwen3moe' and 'gpt-oss' are read by transformers as qwen3_moe and gpt_oss; the check
+    looked the llama.cpp name up in transformers' own list and refused every such file."""
+    from transformers import AutoConfig
+
+    path = write_gguf(materialize("builtin:micro-llama"), tmp_path / f"{arch}.gguf", architecture=arch)
+    assert gguf.inspect(path, "--model_name_or_path").architecture == arch
+    assert AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).model_type == arch.replace(
+        "moe", "_moe"
+    ).replace("-", "_")
