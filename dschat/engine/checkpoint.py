@@ -27,7 +27,7 @@ import torch
 
 from dschat.utils import dist
 from dschat.utils.errors import UserError
-from dschat.utils.io import atomic_save_tensors, atomic_write_text, replace_dir
+from dschat.utils.io import atomic_save_tensors, atomic_write_text, replace_dir, usual_mode
 
 LOG = logging.getLogger("dschat")
 TAG_RE = re.compile(r"^step(\d+)$")
@@ -287,6 +287,7 @@ def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | Non
             files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
             new = {f.name for f in files}
             for f in files:
+                usual_mode(f)
                 if f.name == "config.json":  # last: before it, what an earlier export left and this one lacks
                     remove_stale_model_files(out_dir, keep=new)
                 os.replace(f, out_dir / f.name)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dschat.utils.errors import UserError
-from dschat.utils.io import cache_root
+from dschat.utils.io import cache_root, usual_mode
 
 LOG = logging.getLogger("dschat")
 COMPLETE = ".dschat-complete"  # written last into an entry: its presence means the entry is whole
@@ -123,5 +123,6 @@ def write_model_dir(model, tokenizer, path: Path) -> None:
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(path)
     save_file(unique_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})
+    usual_mode(path / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

@@ -30,6 +30,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def usual_mode(path: str | os.PathLike) -> None:
+    """Give a written file the mode a plain ``open()`` would (0666 less the umask): safetensors writes its
+    files owner-only (0600), so an export or a shared model cache was unreadable to a job of another user."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

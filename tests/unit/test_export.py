@@ -142,3 +142,21 @@ def test_what_a_killed_save_left_is_removed_by_the_next(tmp_path):
     (tmp_path / "ckpt" / ".tmp-step7").mkdir(parents=True)
     save_checkpoint(Saver(), tmp_path / "ckpt", 4, {})
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step4"]
+
+
+def test_exported_and_cached_weights_are_readable_as_any_written_file(tmp_path):
+    """safetensors writes owner-only files (0600): an export, or a model-cache entry shared between jobs,
+    was unreadable to another user who could read the directory; they get a plain open()'s mode now."""
+    import os
+
+    from dschat.models.cache import write_model_dir
+
+    mask = os.umask(0o022)
+    try:
+        model = _model("causal", tied=True, dtype=torch.float32)
+        write_hf_model(model, gather_full_state_dict(model), None, tmp_path / "out")
+        write_model_dir(model, None, tmp_path / "cache-entry")
+    finally:
+        os.umask(mask)
+    for f in [*(tmp_path / "out").iterdir(), *(tmp_path / "cache-entry").iterdir()]:
+        assert f.stat().st_mode & 0o777 == 0o644, f
