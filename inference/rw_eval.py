@@ -80,16 +80,41 @@ def describe(x: torch.Tensor) -> dict[str, float]:
     }
 
 
+def read_rows(args) -> tuple[list[dict] | None, list | None]:
+    """What to score, read before the model loads: ``(rows, None)`` of prompt + response, or ``(None,
+    pairs)`` of a preference file."""
+    if args.prompt:  # a question typed as it is becomes the one-turn dialogue, as prompt_eval.py reads it
+        return [{"prompt": as_dialogue(args.prompt), "response": r} for r in args.response], None
+    try:
+        samples = read_json_file(Path(args.file))
+    except UserError as exc:
+        raise UserError(f"--file {exc}") from None
+    if args.max_samples:
+        samples = samples[: args.max_samples]
+    if not samples:
+        raise UserError(f"--file {args.file}: no rows")
+    paired = sum(s.rejected is not None for s in samples)
+    if 0 < paired < len(samples):
+        first = next(s for s in samples if s.rejected is None)
+        raise UserError(f"{first.source}: no 'rejected' answer, where {paired} of the file's {len(samples)} rows "
+                        "have one: give preference pairs or prompt + response rows, not both")  # fmt: skip
+    if paired:
+        return None, samples
+    return [{"prompt": s.prompt, "response": s.chosen} for s in samples], None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = resolve(args.model, "--model")
     where = args.inference
     require_reward_model(path, "--model")  # a policy or an adapter: this line, not its tokenizer's error
+    rows, pairs = read_rows(args)  # the inputs and the dtype before the weights load
+    dtype = inference_dtype(where.dtype, where.device)
     tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code, flag="--model")
     fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)  # as it trained
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
                               require_trained_head=True, flag="--model")  # fmt: skip
-    model = model.to(where.device, inference_dtype(where.dtype, where.device))
+    model = model.to(where.device, dtype)
     dist.note_shared_cpu(where.device)
 
     def score(prompts: list[str], responses: list[str]) -> torch.Tensor:
@@ -97,22 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, prompts, responses, batch_size=args.batch_size, device=where.device, fmt=fmt
         )
 
-    if args.prompt:  # a question typed as it is becomes the one-turn dialogue, as prompt_eval.py reads it
-        rows = [{"prompt": as_dialogue(args.prompt), "response": r} for r in args.response]
-    else:
-        samples = read_json_file(Path(args.file))
-        if args.max_samples:
-            samples = samples[: args.max_samples]
-        if not samples:
-            raise UserError(f"{args.file}: no rows")
-        paired = sum(s.rejected is not None for s in samples)
-        if 0 < paired < len(samples):
-            first = next(s for s in samples if s.rejected is None)
-            raise UserError(f"{first.source}: no 'rejected' answer, where {paired} of the file's {len(samples)} rows "
-                            "have one: give preference pairs or prompt + response rows, not both")  # fmt: skip
-        if paired:
-            return report_pairs(samples, score, args, fmt)
-        rows = [{"prompt": s.prompt, "response": s.chosen} for s in samples]
+    if pairs:
+        return report_pairs(pairs, score, args, fmt)
     scores = score([r["prompt"] for r in rows], [r["response"] for r in rows])
     out = [{**r, "score": float(s)} for r, s in zip(rows, scores)]
     if args.json:

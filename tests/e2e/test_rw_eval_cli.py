@@ -37,3 +37,32 @@ def test_a_file_mixing_pairs_and_single_answers_is_one_line(tiny, rw_main, tmp_p
     path = write(tmp_path / "m.jsonl", rows)
     with pytest.raises(UserError, match=rf"{path}:2: no 'rejected' answer, where 1 of the file's 2 rows"):
         rw_main(["--model", str(tiny.reward), "--file", path])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--file", "{tmp}/missing.jsonl"], r"--file .*missing.jsonl: data file not found"),
+        (["--file", "{mixed}"], r"mixed.jsonl:2: no 'rejected' answer"),
+        (
+            ["--prompt", "Q", "--response", " 9", "--dtype", "fp16", "--device", "cpu"],
+            "--dtype fp16: half precision",
+        ),
+    ],
+    ids=["missing-file", "mixed-file", "fp16-on-cpu"],
+)
+def test_bad_input_is_refused_before_the_reward_model_loads(
+    tiny, rw_main, tmp_path, monkeypatch, extra, message
+):
+    """The file was read, and the dtype checked, only after the weights had loaded."""
+    import sys
+
+    def no_weights(*a, **k):
+        raise AssertionError("the reward model loaded before its inputs were checked")
+
+    monkeypatch.setattr(sys.modules[rw_main.__module__], "load_reward_model", no_weights)
+    mixed = write(tmp_path / "mixed.jsonl", [{"prompt": "Q", "chosen": " 9", "rejected": " 8"},
+                                             {"prompt": "Q", "response": " 9"}])  # fmt: skip
+    extra = [a.format(tmp=tmp_path, mixed=mixed) for a in extra]
+    with pytest.raises(UserError, match=message):
+        rw_main(["--model", str(tiny.reward), *extra])
