@@ -118,6 +118,8 @@ class Chat:
         except BrokenPipeError:  # the reader went away: stop generating before leaving
             stream.cancel()
             raise
+        if stream.ended == "cut":  # not the model's end: say so (the history keeps the words shown)
+            self.out.write(f" [cut off at --max_new_tokens {self.opts.max_new_tokens}]")
         self.out.write("\n")
         self.out.flush()
         self.conversation.add_exchange(message, stream.text)

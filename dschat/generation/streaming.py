@@ -113,7 +113,8 @@ class ReplyStream:
     (``max_new_tokens``, ``do_sample``, ...); ``stops`` are stop strings, ``stop_ids`` the token ids
     that end a reply (the format's ``stop_ids``; default: the model's EOS). Iterating yields the shown pieces; afterwards ``text``
     is the whole reply and ``ended`` says why it ended: ``"stop"`` (the model began an invented turn),
-    ``"end"`` (EOS or ``max_new_tokens``) or ``"cancelled"`` (:meth:`cancel`, e.g. on Ctrl-C).
+    ``"end"`` (an end token), ``"cut"`` (``max_new_tokens`` ran out first) or ``"cancelled"`` (:meth:`cancel`,
+    e.g. on Ctrl-C).
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class ReplyStream:
             # the list replaces the generation config's, so that one's EOS ids are part of it
             "eos_token_id": list(stop_ids_for(tokenizer, stop_ids, model)),
         }
+        self._ends, self._budget = set(kwargs["eos_token_id"]), generate_kwargs.get("max_new_tokens")
 
         def run() -> None:
             try:
@@ -177,9 +179,14 @@ class ReplyStream:
             if tail:
                 self.text += tail
                 yield tail
-        self._finish("stop" if self._filter.stopped else "end")
+        self._finish("stop" if self._filter.stopped else "cut" if self._ran_out() else "end")
         if self._error:
             raise self._error[0]
+
+    def _ran_out(self) -> bool:
+        """The whole budget generated and no end token last: the reply did not end, it was cut."""
+        ids = self._streamer.ids
+        return bool(self._budget) and len(ids) >= self._budget and ids[-1] not in self._ends
 
     def cancel(self) -> None:
         """Stop generating (the text shown so far stays in ``text``)."""

@@ -221,3 +221,13 @@ def test_a_missing_chat_template_is_refused_before_the_weights_load(tiny, chat_m
         chat_main(["--path", str(tiny.right), "--chat_template", "on", "--prompt", "hi"])
     with pytest.raises(UserError, match=r"--max_new_tokens 1024: .* context \(1024\)"):
         chat_main(["--path", str(tiny.right), "--max_new_tokens", "1024", "--prompt", "hi"])
+
+
+def test_a_reply_cut_at_max_new_tokens_says_so(tiny, chat_main, capsys):
+    # a reply that ran out of --max_new_tokens printed as if the model had finished it
+    assert (
+        chat_main(["--path", str(tiny.endless), "--prompt", "hi", "--greedy", "--max_new_tokens", "5"]) == 0
+    )
+    assert capsys.readouterr().out == f"{ENDLESS[:5].strip()} [cut off at --max_new_tokens 5]\n"
+    assert chat_main(["--path", str(tiny.right), "--prompt", "hi", "--greedy", "--max_new_tokens", "5"]) == 0
+    assert capsys.readouterr().out == "579\n"  # ended by the model within the budget
