@@ -55,7 +55,7 @@ def what_trains(args: argparse.Namespace) -> list[str]:
 def objective(args: argparse.Namespace) -> list[str]:
     """The DPO loss's flags, the same in both suites (the JSON reports them)."""
     return ["--learning_rate", str(args.learning_rate), "--beta", str(args.beta), "--sft_coef", str(args.sft_coef),
-            "--seed", str(args.seed)]  # fmt: skip
+            "--seed", str(args.seed), "--dpo_loss", args.dpo_loss]  # fmt: skip
 
 
 def run(cmd: list[str]) -> None:
@@ -202,6 +202,12 @@ def main() -> None:
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-5")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument(
+        "--dpo_loss",
+        default="sigmoid",
+        choices=("sigmoid", "ipo"),
+        help="sigmoid (DPO) or ipo (IPO: log-ratios averaged per token, so are the implicit rewards it reports)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=1234,
@@ -272,7 +278,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = verifiable(args, out) if args.suite == "verifiable" else hh(args, out)
     print(json.dumps({"benchmark": f"dpo_{args.suite}", "model": MODEL, "start": args.start, "learning_rate": args.learning_rate,
-                      "beta": args.beta, "sft_coef": args.sft_coef, "seed": args.seed, "lora_dim": args.lora_dim,
+                      "beta": args.beta, "dpo_loss": args.dpo_loss, "sft_coef": args.sft_coef, "seed": args.seed, "lora_dim": args.lora_dim,
                       **{name: getattr(args, name) for parent, options in dependent.items() if getattr(args, parent)
                          for name in options},
                       **result}, indent=2))  # fmt: skip
