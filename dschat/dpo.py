@@ -109,16 +109,17 @@ def packing_mismatch(model, collate, train: list[dict], device) -> str | None:
     return None
 
 
-def settle_share_prompt(model, collate, train: list[dict], evals: list, device) -> None:
+def settle_share_prompt(model, collate, train: list[dict], evals: list[list], device) -> None:
     """Keep ``--share_prompt`` (a :class:`~dschat.data.collate.PreferenceLMCollator` that packs) only where
     packed pairs give the policy the unpacked log-probs (:func:`packing_mismatch`). Otherwise the
-    collator stops packing and the already collated ``evals`` (a list of (batch, weight)) lose their packed
-    rows, with a warning. ``model``: the policy (or its engine), before its first update."""
+    collator stops packing and the already collated evaluation sets ``evals`` (each a list of (batch,
+    weight)) lose their packed rows, with a warning. ``model``: the policy (or its engine), before its
+    first update."""
     why = packing_mismatch(model, collate, train, device)
     if why is None:
         return
     LOG.warning("--share_prompt: %s; computing separate rows instead", why)
-    stop_packing(collate, [evals])
+    stop_packing(collate, evals)
 
 
 def reference_collate(reference, collate, train: list[dict], device):

@@ -230,6 +230,14 @@ def test_train_py_runs_dpo_as_step_two_with_policy_negatives(tmp_path):
     assert train["prompts"] == 16 and 0 < train["pairs"] <= 32
     rows = [json.loads(x) for x in (run / "policy_negatives_train.jsonl").read_text().splitlines()]
     assert len(rows) == train["pairs"]
+    # the held-out prompts' on-policy pairs were mined and then never evaluated; they are a second held-out
+    # set now, as in the reward-model step: the policy == the reference at the start (every reward 0, ties
+    # count as wrong), its own mistakes ranked after the updates
+    assert s["policy_negatives"]["eval"]["pairs"] > 0
+    assert s["implicit_reward_accuracy_policy_negatives_start"] == 0.0
+    assert 0.0 <= s["implicit_reward_accuracy_policy_negatives_end"] <= 1.0
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert all("policy_negatives_accuracy" in r for r in evals), evals
 
 
 def test_online_dpo_trains_on_pairs_a_reward_model_labels(pairs, tmp_path):

@@ -253,12 +253,12 @@ def test_settle_keeps_packing_where_it_holds_and_falls_back_where_not(monkeypatc
     model = _tiny_lm("llama", "sdpa")
     collate = PreferenceLMCollator(pad_id=0, end_id=63, share_prompt=True)
     evals = eval_batches(feats, batch_size=2, collate=collate)
-    settle_share_prompt(model, collate, feats, evals, "cpu")
+    settle_share_prompt(model, collate, feats, [evals], "cpu")
     assert collate.share_prompt and "packed_input_ids" in evals[0][0]
     # a model that applies plain causal attention: the rejected answer sees the chosen one
     monkeypatch.setattr(lm_module, "shared_prompt_mask", lambda seg: torch.ones(seg.shape[1], seg.shape[1]).bool().tril().expand(seg.shape[0], 1, -1, -1))  # fmt: skip
     with caplog.at_level("WARNING", logger="dschat"):
-        settle_share_prompt(model, collate, feats, evals, "cpu")
+        settle_share_prompt(model, collate, feats, [evals], "cpu")
     assert (
         not collate.share_prompt
         and "packed_input_ids" not in evals[0][0]

@@ -45,6 +45,7 @@ from dschat.dpo import (
     table_matches,
 )
 from dschat.inputs import check_inputs
+from dschat.lm import eval_batches
 from dschat.models.loading import (
     check_same_tokenizer,
     inference_dtype,
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     collate = PreferenceLMCollator(tokenizer.pad_token_id, setup.fmt.end_id, share_prompt=hp.share_prompt)
     batches = S.make_batches(data, optim, collate, run.seed, data_args.group_by_length)
     loader, evals, total_steps, global_batch = batches
+    # the held-out prompts' on-policy pairs (the policy's own mistakes): a second evaluation set, as in step 2
+    policy_rows = mined.eval if mined else []
+    policy_evals = eval_batches(policy_rows, batch_size=optim.per_device_eval_batch_size, collate=collate)
 
     # ---------------------------------------------------------------- 3. policy and engine
     load = partial(
@@ -116,17 +120,17 @@ def main(argv: list[str] | None = None) -> int:
              n_params / 1e6, dtype, ds_args.zero_stage, world, hp.beta, hp.dpo_loss)  # fmt: skip
 
     if collate.share_prompt:  # before the reference pass, which already runs packed rows
-        settle_share_prompt(engine, collate, data.train, evals, engine.device)
+        settle_share_prompt(engine, collate, data.train, [evals, policy_evals], engine.device)
 
     # ---------------------------------------------------------------- 4. reference log-probs (once), resume
     sw = Stopwatch()
     with sw("reference"):
         # only the pairs this run reads (a --max_steps run over a large set reads a fraction of it)
         used = loader.sampler.indices_of_run(total_steps * optim.gradient_accumulation_steps)
-        ref_train, ref_eval, reused = reference_tables(engine, ref_path, data, used, optim, collate, run, model_args,
-                                                       dtype)  # fmt: skip
-    log.info("reference log-probs of %d train + %d eval pairs %s (%s)", len(used), len(data.eval),
-             "read from the run" if reused else "computed", ref_path or "the starting policy")  # fmt: skip
+        ref_train, ref_eval, ref_policy, reused = reference_tables(engine, ref_path, data, policy_rows, used, optim,
+                                                                   collate, run, model_args, dtype)  # fmt: skip
+    log.info("reference log-probs of %d train + %d eval + %d on-policy eval pairs %s (%s)", len(used), len(data.eval),
+             len(policy_rows), "read from the run" if reused else "computed", ref_path or "the starting policy")  # fmt: skip
     state, start_step, metrics = T.open_run(engine, run, global_batch, resolved, loader)
 
     def evaluate(step: int, with_accuracy: bool = False) -> tuple[dict, dict | None]:
@@ -134,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         acc = T.true_accuracy(engine, setup, data.eval_prompts, run, ds_args.zero_stage == 3, sw) if with_accuracy else None  # fmt: skip
         with sw("eval"):
             ev = evaluate_pairs(engine, evals, ref_eval, hp, engine.device)
+            if policy_evals:  # held-out pairs whose rejected answer the starting policy itself wrote
+                ev["policy_negatives_accuracy"] = evaluate_pairs(engine, policy_evals, ref_policy, hp,
+                                                                 engine.device)["accuracy"]  # fmt: skip
         metrics.log({**ev, **(acc or {})}, step=step, split="eval")
-        log.info("eval at step %d: implicit-reward accuracy %.4f, margin %.4f, loss %.4f%s", step, ev["accuracy"],
-                 ev["margin"], ev["loss"], f", true accuracy {acc['accuracy']:.3f}" if acc else "")  # fmt: skip
+        own = f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else ""
+        log.info("eval at step %d: implicit-reward accuracy %.4f%s, margin %.4f, loss %.4f%s", step, ev["accuracy"],
+                 own, ev["margin"], ev["loss"], f", true accuracy {acc['accuracy']:.3f}" if acc else "")  # fmt: skip
         return ev, acc
 
     eval_start, acc_start = T.start_of_run(state, "eval", lambda: evaluate(state.step, with_accuracy=True))
@@ -184,7 +192,7 @@ def dpo_pairs(data_args: C.DataArgs, pairs_args: C.PolicyPairsArgs, setup: S.Ste
                             seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)  # fmt: skip
     if mined:
         data.train = mined.training_set(data.train, pairs_args.policy_negatives_only)
-    for split in (data.train, data.eval):
+    for split in (data.train, data.eval, mined.eval if mined else []):
         for i, ex in enumerate(split):
             ex["index"] = i  # the row of its reference log-probs
     return data, mined
@@ -209,6 +217,8 @@ def summarize(hp, state: T.TrainState, eval_start: dict, eval_end: dict, ref_pat
             if f"accuracy_{side}" in ev
         },
         "longer_response_baseline": eval_end.get("longer_response_baseline"),
+        "implicit_reward_accuracy_policy_negatives_start": eval_start.get("policy_negatives_accuracy"),
+        "implicit_reward_accuracy_policy_negatives_end": eval_end.get("policy_negatives_accuracy"),
         "eval_margin_start": eval_start["margin"],
         "eval_margin_end": eval_end["margin"],
         "eval_chosen_reward_end": eval_end["chosen_reward"],
@@ -249,15 +259,22 @@ def dpo_columns(w: dict[str, float], seconds: float) -> dict[str, float]:
     return out | {"computed_tokens_per_sec": w["computed"] / seconds}
 
 
-def reference_tables(engine, ref_path, data, used, optim, collate, run, model_args, dtype):
-    """(train table (N, 2), eval table (M, 2), whether they were read from the run). Computed before the
-    first update (and before a resumed checkpoint is loaded), so the policy is still the starting model;
-    a separate reference is a plain frozen copy on each rank, forward only, freed afterwards."""
+def three_tables(tables) -> tuple:
+    """Train, eval and on-policy eval tables, the last None where there are no on-policy pairs."""
+    return (*tables, None, None)[:3]
+
+
+def reference_tables(engine, ref_path, data, policy_rows, used, optim, collate, run, model_args, dtype):
+    """(train table (N, 2), eval table (M, 2), on-policy eval table (P, 2) or None without on-policy pairs,
+    whether they were read from the run). Computed before the first update (and before a resumed checkpoint
+    is loaded), so the policy is still the starting model; a separate reference is a plain frozen copy on
+    each rank, forward only, freed afterwards."""
     out = Path(run.output_dir)
-    train_path, eval_path = out / "reference_logps.safetensors", out / "reference_logps_eval.safetensors"
-    prints = pairs_fingerprint(data.train), pairs_fingerprint(data.eval)
-    if run.resume and table_matches(train_path, prints[0]) and table_matches(eval_path, prints[1]):
-        return read_table(train_path), read_table(eval_path), True
+    sets = {"": data.train, "_eval": data.eval, **({"_policy_eval": policy_rows} if policy_rows else {})}
+    paths = {k: out / f"reference_logps{k}.safetensors" for k in sets}
+    prints = {k: pairs_fingerprint(rows) for k, rows in sets.items()}
+    if run.resume and all(table_matches(paths[k], prints[k]) for k in sets):
+        return (*three_tables(read_table(paths[k]) for k in sets), True)
     device = engine.device
     model = engine
     if ref_path is not None:
@@ -266,12 +283,13 @@ def reference_tables(engine, ref_path, data, used, optim, collate, run, model_ar
         device = dist.default_device()
         collate = reference_collate(model, collate, data.train, device)
     kw = {"batch_size": optim.per_device_eval_batch_size, "collate": collate, "device": device}
-    train = reference_table(model, data.train, only=used, **kw)
-    evals = reference_table(model, data.eval, **kw)
+    tables = {
+        k: reference_table(model, rows, only=used if k == "" else None, **kw) for k, rows in sets.items()
+    }
     del model
-    save_table(train_path, train, prints[0])
-    save_table(eval_path, evals, prints[1])
-    return train, evals, False
+    for k in sets:
+        save_table(paths[k], tables[k], prints[k])
+    return (*three_tables(tables.values()), False)
 
 
 if __name__ == "__main__":
