@@ -1,6 +1,8 @@
 """Loading tokenizers and models by Hugging Face name, local path, or ``builtin:NAME``.
 
-Safe by default: weights load from safetensors and ``trust_remote_code`` is off unless asked for.
+Safe by default: weights load from safetensors where a model has them (a model with only ``.bin`` files
+loads through transformers' ``torch.load(weights_only=True)``, which runs no code) and
+``trust_remote_code`` is off unless asked for.
 Under ZeRO-3 call :func:`load_causal_lm` inside ``dschat.engine.zero3_loading(ds_config)`` so that
 ``from_pretrained`` partitions the weights while it reads them.
 """
