@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give either --prompt with --response, or --file")
     if args.prompt and not args.response:
         p.error("--prompt needs at least one --response")
+    if any(not r.strip() for r in args.response):  # step 2 leaves such answers out: its score means nothing
+        p.error("--response: an empty answer (step 2 never trains on one, so its score means nothing)")
     # "\n\nHuman: ..." typed in a shell arrives as backslash-n: a newline, as prompt_eval.py's text files read it
     if args.prompt:
         args.prompt = args.prompt.replace("\\n", "\n")

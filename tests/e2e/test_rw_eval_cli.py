@@ -66,3 +66,10 @@ def test_bad_input_is_refused_before_the_reward_model_loads(
     extra = [a.format(tmp=tmp_path, mixed=mixed) for a in extra]
     with pytest.raises(UserError, match=message):
         rw_main(["--model", str(tiny.reward), *extra])
+
+
+def test_an_empty_response_is_refused(tiny, rw_main, capsys):
+    # it was scored (1.24 on a test model) though step 2 never trains on an empty answer
+    with pytest.raises(SystemExit):
+        rw_main(["--model", str(tiny.reward), "--prompt", "Q", "--response", " 9", "--response", "  "])
+    assert "--response: an empty answer" in capsys.readouterr().err
