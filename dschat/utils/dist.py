@@ -217,11 +217,12 @@ def shared_cpu_warning(
 
 
 def note_shared_cpu(device: str) -> None:
-    """The inference tools' check, on stdout beside their progress: a model about to run on a CPU that
-    another dschat run keeps busy. They look without registering (chat.py idles between turns)."""
+    """The inference tools' check, on stderr (their stdout may be JSON or a piped reply): a model about to
+    run on a CPU that another dschat run keeps busy. They look without registering (chat.py idles between
+    turns)."""
     msg = shared_cpu_warning(register=False) if device == "cpu" else None
     if msg:
-        print(f"warning: {msg}", flush=True)
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 def default_device() -> torch.device:

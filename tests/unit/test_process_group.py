@@ -197,3 +197,14 @@ def test_another_runs_threads_on_the_same_cores_are_named(tmp_path, monkeypatch)
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_inference_tools_warning_keeps_stdout_clean(monkeypatch, capsys):
+    # rw_eval --json and a piped chat reply are read from stdout: the shared-CPU warning went there and
+    # broke the JSON whenever a step ran beside it
+    monkeypatch.setattr(dist, "shared_cpu_warning", lambda **kw: "another dschat run shares ...")
+    dist.note_shared_cpu("cpu")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "warning: another dschat run shares ...\n"
+    dist.note_shared_cpu("cuda")  # a GPU run is not slowed by CPU threads
+    assert capsys.readouterr() == ("", "")
