@@ -31,8 +31,9 @@ LOG = logging.getLogger("dschat")
 # 6: token columns stored as flat tensors (_pack_rows); 7: held-out prompts fit the length limit, blank
 # SFT answers dropped; 8: bare prompts are one Human turn; 9: a file's held-out rows are whole prompts;
 # 10: a Human/Assistant answer is one space and its text however the row spells it; 11: a plain prompt's
-# surrounding whitespace is stripped
-CACHE_VERSION = 11
+# surrounding whitespace is stripped; 12: a Human/Assistant dialogue prompt ends at "Assistant:" (no
+# trailing space before the answer's own)
+CACHE_VERSION = 12
 
 
 @dataclass

@@ -143,10 +143,12 @@ class PromptFormat:
 
     def prompt_text(self, prompt: str) -> str:
         """A data set's prompt -> the text the model continues. A dialogue is used byte for byte in the
-        Human/Assistant form and parsed into messages for a chat template; any other text is one user
+        Human/Assistant form (less trailing whitespace) and parsed into messages for a chat template; any other text is one user
         turn in both, in training as at inference (``prompt_eval.py`` and ``chat.py`` ask a question so)."""
-        if self.name == HUMAN_ASSISTANT:
-            return as_dialogue(prompt)
+        if (
+            self.name == HUMAN_ASSISTANT
+        ):  # ends at "Assistant:", as inference sends it (the answer brings its space)
+            return as_dialogue(prompt).rstrip()
         if is_dialogue(prompt):
             return self.render(parse_dialogue(prompt))
         return self.render([{"role": "user", "content": prompt.strip()}])  # stripped, as a dialogue's turns

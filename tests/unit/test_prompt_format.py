@@ -222,3 +222,14 @@ def test_one_answer_is_one_token_sequence_however_a_row_spells_its_space(tmp_pat
     ids = {tuple(fmt.encode_prompts([s.prompt])[0] + fmt.encode_responses([s.chosen])[0]) for s in samples}
     assert len(ids) == 1
     assert fmt.response_text("\n4") == " 4" and fmt.response_text("") == ""
+
+
+def test_a_dialogue_prompt_ending_in_a_space_is_the_prompt_inference_sends():
+    """A dialogue split as '...Assistant: ' + '4' trained 'Assistant:  4' (the prompt's space and the
+    answer's), a prompt ending that chat.py and prompt_eval.py never send: the dialogue ends at
+    'Assistant:' whatever whitespace the row keeps after it."""
+    fmt = prompt_format(build_tokenizer(), "off")
+    plain = "\n\nHuman: hi\n\nAssistant:"
+    for spelled in (plain + " ", plain + "\n", plain):
+        assert fmt.prompt_text(spelled) == plain
+        assert fmt.encode_prompts([spelled]) == fmt.encode_prompts([plain])
