@@ -8,35 +8,7 @@ Pure Python: generating and streaming the reply is :mod:`dschat.generation.strea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from dschat.data.prompt_format import Message, PromptFormat
-
-
-def fit_history(
-    messages: list[Message], count_tokens: Callable[[list[Message]], int], budget: int
-) -> tuple[list[Message], int]:
-    """Drop the oldest turns until ``count_tokens(kept) <= budget``; returns ``(kept, n_dropped)``.
-
-    Turns are dropped up to the next user message, so the kept history always starts with a user turn;
-    the last message is always kept, even when it alone is over the budget (the caller then cuts the
-    start of its token ids, see :func:`keep_last_tokens`).
-    """
-    start = 0
-    while start < len(messages) - 1 and count_tokens(messages[start:]) > budget:
-        start += 1
-        while start < len(messages) - 1 and messages[start]["role"] != "user":
-            start += 1
-    return messages[start:], start
-
-
-def keep_last_tokens(ids: list[int], budget: int, bos_id: int | None = None) -> list[int]:
-    """The last ``budget`` tokens of ``ids``, keeping a leading BOS in place (``budget >= 1``)."""
-    if len(ids) <= budget:
-        return list(ids)
-    if bos_id is not None and ids and ids[0] == bos_id and budget > 1:
-        return [ids[0], *ids[len(ids) - budget + 1 :]]
-    return list(ids[len(ids) - budget :])
 
 
 class Conversation:
@@ -57,18 +29,15 @@ class Conversation:
         self.messages = []
 
     def encode(self, messages: list[Message]) -> list[int]:
-        text = self.fmt.render(messages)
-        return self.tokenizer(text, add_special_tokens=self.fmt.add_special_tokens)["input_ids"]
+        return self.fmt.encode_messages(messages)
 
     def prompt_ids(self, user_text: str) -> tuple[list[int], int, bool]:
-        """``(ids, turns_dropped, message_cut)`` for the history plus ``user_text``; dropped turns are
-        forgotten for good, so the history the model sees is the history that is kept."""
-        msgs = [*self.messages, {"role": "user", "content": user_text}]
-        kept, dropped = fit_history(msgs, lambda m: len(self.encode(m)), self.budget)
-        self.messages = kept[:-1]
-        ids = self.encode(kept)
-        cut = len(ids) > self.budget
-        return keep_last_tokens(ids, self.budget, self.tokenizer.bos_token_id), dropped, cut
+        """``(ids, turns_dropped, message_cut)`` for the history plus ``user_text``, fitted as training
+        fits a prompt (:meth:`PromptFormat.fit_prompt`); dropped turns are forgotten for good, so the
+        history the model sees is the history that is kept."""
+        fitted = self.fmt.fit_prompt([*self.messages, {"role": "user", "content": user_text}], self.budget)
+        self.messages = fitted.messages[:-1]
+        return fitted.ids, fitted.dropped, fitted.cut
 
     def add_exchange(self, user_text: str, reply: str) -> None:
         self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]

@@ -6,9 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from dschat.chat import keep_last_tokens
 from dschat.data.collate import length_batches, pad_right
-from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.data.prompt_format import PromptFormat, keep_last_tokens, prompt_format
 from dschat.generation.decoding import context_length
 
 
@@ -36,16 +35,22 @@ def score_with(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], t
     """(N,) scores of ``prompt + response`` by ``score_fn(input_ids, attention_mask) -> (B,)`` (right
     padded), tokenized exactly as step 2 trains (the prompt rendered by ``fmt``, default the tokenizer's
     own format; the response without an end token), scored at the last real token. Rows longer than
-    ``max_len`` (default: the tokenizer's ``model_max_length``) keep BOS and the end of their prompt (and
-    of a response that alone is too long: step 2 drops such a pair, a score is still given). Batches hold
+    ``max_len`` (default: the tokenizer's ``model_max_length``) have their prompt fitted as step 2 fits its
+    pairs' (:meth:`PromptFormat.fit_prompt`); a response that alone is too long keeps BOS and its end (step
+    2 drops such a pair, a score is still given). Batches hold
     rows of similar length (:func:`~dschat.data.collate.length_batches`); they are ``ceil(N / batch_size)``
     calls, so ranks with equally many rows call ``score_fn`` equally often (collective ZeRO-3 forward
     passes)."""
     fmt = fmt or prompt_format(tokenizer)
     p_ids, r_ids = fmt.encode_prompts(prompts), fmt.encode_responses(responses)
     limit = max_len or min(getattr(tokenizer, "model_max_length", 10**9), 10**9)
-    # BOS, then the end of the prompt, then (where it alone is too long) of the response
-    rows = [keep_last_tokens(p + r, limit, tokenizer.bos_token_id) for p, r in zip(p_ids, r_ids, strict=True)]
+    # the prompt fitted as step 2 fitted its training rows (old turns, then the question's start); a
+    # response that alone is too long keeps BOS and its end
+    rows = []
+    for prompt, p, r in zip(prompts, p_ids, r_ids, strict=True):
+        if len(p) + len(r) > limit and len(r) < limit:
+            p = fmt.fit_prompt(prompt, limit - len(r)).ids
+        rows.append(keep_last_tokens(p + r, limit, tokenizer.bos_token_id))
     scores = torch.zeros(len(rows))
     for ix in length_batches([len(r) for r in rows], batch_size):
         batch = pad_right([rows[i] for i in ix], tokenizer.pad_token_id)

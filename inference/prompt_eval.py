@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from dschat import compare
-from dschat.chat import keep_last_tokens
 from dschat.config import ArgumentParser, FormatArgs, InferenceArgs, add_group, from_namespace
 from dschat.data.prompt_format import PromptFormat, as_dialogue, model_format
 from dschat.generation.decoding import (
@@ -142,9 +141,9 @@ def answer(src: GenerationSource, questions: list[str], opts: DecodeOptions, arg
     fmt, budget = prompt_settings(src, opts, args)
     model, tokenizer = load_for_generation(src, device=where.device, dtype=inference_dtype(where.dtype, where.device),
                                            trust_remote_code=where.trust_remote_code)  # fmt: skip
-    ids = fmt.encode_prompts([as_dialogue(q) for q in questions])
-    cut = sum(len(i) > budget for i in ids)
-    ids = [keep_last_tokens(i, budget, tokenizer.bos_token_id) for i in ids]
+    fitted = [fmt.fit_prompt(as_dialogue(q), budget) for q in questions]  # as training fits a prompt
+    cut = sum(f.dropped > 0 or f.cut for f in fitted)
+    ids = [f.ids for f in fitted]
     torch.manual_seed(args.seed)
     replies = generate_replies(
         model, tokenizer, ids, opts, batch_size=args.batch_size, stops=fmt.stop_strings, stop_ids=fmt.stop_ids

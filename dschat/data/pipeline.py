@@ -32,8 +32,9 @@ LOG = logging.getLogger("dschat")
 # SFT answers dropped; 8: bare prompts are one Human turn; 9: a file's held-out rows are whole prompts;
 # 10: a Human/Assistant answer is one space and its text however the row spells it; 11: a plain prompt's
 # surrounding whitespace is stripped; 12: a Human/Assistant dialogue prompt ends at "Assistant:" (no
-# trailing space before the answer's own)
-CACHE_VERSION = 12
+# trailing space before the answer's own); 13: a pair's prompt over the budget loses its oldest turns, then
+# the start of its question, inside the format's headers (it kept BOS and its last tokens)
+CACHE_VERSION = 13
 
 
 @dataclass
@@ -188,8 +189,9 @@ def tokenize_pairs(samples: list[Sample], fmt: PromptFormat, max_seq_len: int) -
     """Preference pairs -> ``{"chosen", "rejected"}`` token lists (see :func:`pair_example`).
 
     Pairs whose responses are identical or empty carry no preference and are dropped; a prompt too
-    long for ``max_seq_len`` keeps its most recent tokens (the end of the dialogue, after the BOS) so
-    both responses stay whole; pairs whose responses alone do not fit are dropped. All are counted.
+    long for ``max_seq_len`` is fitted as inference fits one (:meth:`PromptFormat.fit_prompt`: its oldest
+    turns, then the start of its question) so both responses stay whole; pairs whose responses leave no
+    room for a prompt are dropped. All are counted.
     """
     usable, dropped = comparable_pairs(samples)
     stats = {"samples": len(samples), "kept": 0, **dropped, "dropped_too_long": 0, "prompt_truncated": 0}
@@ -198,16 +200,16 @@ def tokenize_pairs(samples: list[Sample], fmt: PromptFormat, max_seq_len: int) -
     prompts = fmt.encode_prompts([s.prompt for s in usable])
     chosen = fmt.encode_responses([s.chosen for s in usable])
     rejected = fmt.encode_responses([s.rejected for s in usable])
-    bos = fmt.tokenizer.bos_token_id
+    # the format's own tokens around a question of one token: less room than that, no prompt fits
+    least = len(fmt.encode_prompts(["x"])[0])
     out = []
-    for p, c, r in zip(prompts, chosen, rejected):
+    for s, p, c, r in zip(usable, prompts, chosen, rejected):
         budget = max_seq_len - max(len(c), len(r))
         if len(p) > budget:
-            keep_bos = 1 if p and p[0] == bos else 0
-            if budget - keep_bos < 1:
+            if budget < least:
                 stats["dropped_too_long"] += 1
                 continue
-            p = p[:keep_bos] + p[len(p) - (budget - keep_bos) :]
+            p = fmt.fit_prompt(s.prompt, budget).ids  # old turns, then the question's start (as chat.py)
             stats["prompt_truncated"] += 1
         out.append(pair_example(p, c, r))
     stats["kept"] = len(out)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dschat.utils.errors import UserError
 
@@ -116,6 +116,41 @@ def dialogue_of(messages: list[Message]) -> str:
     return render_human_assistant(messages)
 
 
+def fit_history(
+    messages: list[Message], count_tokens: Callable[[list[Message]], int], budget: int
+) -> tuple[list[Message], int]:
+    """Drop the oldest turns until ``count_tokens(kept) <= budget``; returns ``(kept, n_dropped)``.
+
+    Turns are dropped up to the next user message, so the kept history always starts with a user turn;
+    the last message is always kept, even when it alone is over the budget (the caller then cuts the
+    start of its token ids, see :meth:`PromptFormat.fit_prompt`).
+    """
+    start = 0
+    while start < len(messages) - 1 and count_tokens(messages[start:]) > budget:
+        start += 1
+        while start < len(messages) - 1 and messages[start]["role"] != "user":
+            start += 1
+    return messages[start:], start
+
+
+def keep_last_tokens(ids: list[int], budget: int, bos_id: int | None = None) -> list[int]:
+    """The last ``budget`` tokens of ``ids``, keeping a leading BOS in place (``budget >= 1``)."""
+    if len(ids) <= budget:
+        return list(ids)
+    if bos_id is not None and ids and ids[0] == bos_id and budget > 1:
+        return [ids[0], *ids[len(ids) - budget + 1 :]]
+    return list(ids[len(ids) - budget :])
+
+
+class FittedPrompt(NamedTuple):
+    """A prompt fitted into a token budget (:meth:`PromptFormat.fit_prompt`)."""
+
+    ids: list[int]
+    dropped: int  # oldest messages dropped whole
+    cut: bool  # the start of the last message's text was cut as well
+    messages: list[Message]  # what the ids render
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """The prompt format of one tokenizer (see the module docstring).
@@ -174,6 +209,42 @@ class PromptFormat:
             return []
         texts = [self.response_text(r) for r in responses]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def messages_of(self, prompt: str) -> list[Message]:
+        """A data set's prompt as messages: a dialogue's turns, or one user turn."""
+        return (
+            parse_dialogue(prompt) if is_dialogue(prompt) else [{"role": "user", "content": prompt.strip()}]
+        )
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        return self.tokenizer(self.render(messages), add_special_tokens=self.add_special_tokens)["input_ids"]
+
+    def fit_prompt(self, prompt: str | list[Message], budget: int) -> FittedPrompt:
+        """A prompt (a data set's, or messages) in at most ``budget`` tokens, as training and inference
+        fit one: the oldest turns go whole (the kept ones start with a user turn), then the start of the
+        last message's text, so that the format's own tokens (a template's system turn and role headers,
+        "Human:" and "Assistant:") stay where the model always sees them. A prompt that fits is
+        :meth:`encode_prompts`'s ids. Only where the format's tokens alone exceed the budget are the ids
+        cut as tokens (BOS and the end)."""
+        if isinstance(prompt, str):
+            ids = self.encode_prompts([prompt])[0]
+            if len(ids) <= budget:
+                return FittedPrompt(ids, 0, False, self.messages_of(prompt))
+            prompt = self.messages_of(prompt)
+        kept, dropped = fit_history(prompt, lambda m: len(self.encode_messages(m)), budget)
+        ids = self.encode_messages(kept)
+        if len(ids) <= budget:
+            return FittedPrompt(ids, dropped, False, kept)
+        *before, last = kept
+        text = self.tokenizer(last["content"], add_special_tokens=False)["input_ids"]
+        start = len(ids) - budget
+        while start < len(text):  # decoding and re-encoding the kept text can shift a token or two
+            trimmed = [*before, {**last, "content": self.tokenizer.decode(text[start:]).strip()}]
+            ids = self.encode_messages(trimmed)
+            if len(ids) <= budget:
+                return FittedPrompt(ids, dropped, True, trimmed)
+            start += len(ids) - budget
+        return FittedPrompt(keep_last_tokens(ids, budget, self.tokenizer.bos_token_id), dropped, True, kept)
 
     def fingerprint(self) -> str:
         """What identifies this format in a data-cache key (with the tokenizer's own fingerprint)."""

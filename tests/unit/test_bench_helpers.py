@@ -202,16 +202,24 @@ def test_the_dpo_benchmarks_loss_flags_reach_its_dpo_run(tmp_path, monkeypatch, 
     monkeypatch.setattr(bench_dpo, "run", run)
     monkeypatch.setattr(bench_dpo, "HH", tmp_path / "hh_data")  # the hh suite links the data, never reads it
     args = argparse.Namespace(suite=suite, step1=str(tmp_path / "step1"), judge=None, labeller=None, start=None,
-                              learning_rate=3e-5, beta=0.2, sft_coef=0.5, seed=7, max_steps=5, lora_dim=0)  # fmt: skip
+                              learning_rate=3e-5, beta=0.2, sft_coef=0.5, seed=7, max_steps=5, lora_dim=0,
+                              dpo_loss="ipo")  # fmt: skip
     with pytest.raises(Stop):
         (bench_dpo.verifiable if suite == "verifiable" else bench_dpo.hh)(args, tmp_path / "out")
     cmd = seen[-1]
     flags = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1) if cmd[i].startswith("--")}
-    assert (flags["--sft_coef"], flags["--beta"], flags["--learning_rate"], flags["--seed"]) == (
+    assert (
+        flags["--sft_coef"],
+        flags["--beta"],
+        flags["--learning_rate"],
+        flags["--seed"],
+        flags["--dpo_loss"],
+    ) == (
         "0.5",
         "0.2",
         "3e-05",
         "7",
+        "ipo",
     )
 
 

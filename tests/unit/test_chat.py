@@ -7,14 +7,16 @@ import itertools
 import pytest
 
 from dschat import tasks
-from dschat.chat import Conversation, fit_history, keep_last_tokens
+from dschat.chat import Conversation
 from dschat.data.prompt_format import (
     CHAT_TEMPLATE,
     HUMAN_ASSISTANT,
     TURN_STOPS,
     as_dialogue,
     cut_reply,
+    fit_history,
     is_dialogue,
+    keep_last_tokens,
     render_human_assistant,
 )
 from dschat.data.prompt_format import prompt_format as chat_format

@@ -320,12 +320,12 @@ def test_dpo_rows_with_their_end_token_fit_max_seq_len():
 
     tok = build_tokenizer()
     fmt = prompt_format(tok, "off")
-    args = pair_data_args(DataArgs(max_seq_len=16), fmt)
+    args = pair_data_args(DataArgs(max_seq_len=40), fmt)  # room for the turn's own tokens and a few x
     (p,), stats = tokenize_pairs([Sample("\n\nHuman: " + "x" * 40 + "\n\nAssistant:", " abc", " abd")], fmt,
                                  args.max_seq_len)  # fmt: skip
     p["index"] = 0
     assert stats["prompt_truncated"] == 1
-    assert PreferenceLMCollator(tok.pad_token_id, fmt.end_id)([p])["input_ids"].shape[1] == 16
+    assert PreferenceLMCollator(tok.pad_token_id, fmt.end_id)([p])["input_ids"].shape[1] == 40
 
 
 def test_no_eval_examples_give_no_batches():

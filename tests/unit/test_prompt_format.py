@@ -233,3 +233,32 @@ def test_a_dialogue_prompt_ending_in_a_space_is_the_prompt_inference_sends():
     for spelled in (plain + " ", plain + "\n", plain):
         assert fmt.prompt_text(spelled) == plain
         assert fmt.encode_prompts([spelled]) == fmt.encode_prompts([plain])
+
+
+@pytest.mark.parametrize("template", ["on", "off"])
+def test_a_prompt_over_the_budget_loses_old_turns_and_then_the_start_of_its_question(chatml, template):
+    """A pair's prompt over the budget kept its first token (SmolLM2's BOS is <|im_start|>, the system
+    turn's opener) and then its last tokens: '<|im_start|> ...words...<|im_end|>', a turn without a role,
+    unlike anything inference renders. Now, as chat.py fits a conversation: the oldest turns go whole,
+    then the start of the last question's text; the format's headers stay."""
+    fmt = prompt_format(chatml, template)
+    words = " ".join(f"w{i}" for i in range(200))
+    dialogue = render_human_assistant([{"role": "user", "content": "old question"},
+                                       {"role": "assistant", "content": "old answer"},
+                                       {"role": "user", "content": words}])  # fmt: skip
+    full = fmt.encode_prompts([dialogue])[0]
+    last_only = fmt.encode_prompts([words])[0]
+    # budget between the last turn alone and the whole dialogue: the old exchange is dropped whole
+    ids, dropped, cut, _ = fmt.fit_prompt(dialogue, len(last_only) + 3)
+    assert len(full) > len(last_only) + 3 and (ids, dropped, cut) == (last_only, 2, False)
+    # a smaller budget: the question's start is cut, inside the headers
+    ids, dropped, cut, _ = fmt.fit_prompt(dialogue, 60)
+    text = chatml.decode(ids)
+    assert cut and len(ids) <= 60 and text.endswith(fmt.tokenizer.decode(full[-12:]))
+    head = fmt.prompt_text("x").split("x")[0]  # what the format writes before a question
+    assert text.startswith(head) or text.startswith(chatml.decode(chatml(head)["input_ids"])), text[:80]
+    assert "w199" in text and "w0 " not in text and "old question" not in text
+    # the pair pipeline fits its prompts so
+    pairs, stats = tokenize_pairs([Sample(dialogue, " yes", " no")], fmt, 64)
+    assert stats["prompt_truncated"] == 1
+    assert chatml.decode(pairs[0]["chosen"][: pairs[0]["prompt_len"]]).startswith(text[:20])

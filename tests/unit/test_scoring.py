@@ -23,19 +23,25 @@ def _gpt2_reward_model(positions: int) -> ScalarHeadModel:
 
 def test_a_row_longer_than_the_models_positions_keeps_the_end_of_its_prompt():
     """A model with learned positions (GPT-2, OPT) has no position past its table; the tokenizer's own
-    limit may be larger (OPT's is unlimited). A long row keeps BOS, the end of its prompt and the whole
-    response, as step 2 cuts it, instead of indexing past the table."""
+    limit may be larger (OPT's is unlimited). A long row keeps the format's 'Human:' and 'Assistant:',
+    the end of its question and the whole response, as step 2 fits its pairs, instead of indexing past
+    the table (since 2026-11-29 the question's start is cut inside the turn; before, BOS and the row's
+    last tokens were kept, which cut 'Human:' away)."""
     tok = build_tokenizer()
     tok.model_max_length = 10**30  # as OPT's tokenizer reports it
     model = _gpt2_reward_model(positions=32)
     prompt, response = "x" * 100 + " the end?", " ok"
     long = score_texts(model, tok, [prompt], [response])
-    # the same row cut by hand: BOS + the last prompt tokens + the response, 32 tokens in all
-    ids = tok(as_dialogue(prompt))["input_ids"]  # a bare prompt is one Human turn
+    # the same row by hand: "Human: " + the question's last characters + "Assistant:" + the response
     r = tok(response, add_special_tokens=False)["input_ids"]
-    row = [ids[0], *ids[len(ids) - (32 - 1 - len(r)) :], *r]
+    overhead = len(tok(as_dialogue("x"))["input_ids"]) - 1  # the turn's own tokens around a question
+    question = tok(prompt, add_special_tokens=False)["input_ids"]
+    kept = tok.decode(question[len(question) - (32 - len(r) - overhead) :]).strip()
+    row = tok(as_dialogue(kept))["input_ids"] + r
     want = model.score(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))
-    assert len(row) == 32 and torch.allclose(long, want)
+    text = tok.decode(row, skip_special_tokens=True)
+    assert len(row) == 32 and text.startswith("\n\nHuman: ") and text.endswith("he end?\n\nAssistant: ok")
+    assert torch.allclose(long, want)
 
 
 def test_rows_are_scored_in_batches_of_similar_length_and_returned_in_input_order():
