@@ -92,6 +92,8 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
         "true_accuracy_dpo": s.get("true_accuracy_end"),
         "true_accuracy_by_task_dpo": by_task(s),
         "implicit_reward_accuracy": s["implicit_reward_accuracy_end"],
+        # held-out pairs whose rejected answer the step-1 model wrote (as step 2 reports its own)
+        "implicit_reward_accuracy_policy_negatives": s.get("implicit_reward_accuracy_policy_negatives_end"),
         "eval_margin": s["eval_margin_end"],
         "on_policy_pairs": (s.get("policy_negatives") or {}).get("train", {}).get("pairs"),
         "steps": s["steps"],
