@@ -61,6 +61,18 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # flags only as spelt (see dschat.config.ArgumentParser)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse keeps the last of a repeated flag ('--step 1 --step 2' ran step 2 alone): a flag of
+        train.py given twice is an error, the values belong in one (``--step 1 2``)."""
+        seen: set[str] = set()
+        for arg in args or []:
+            name = arg.split("=", 1)[0]
+            if name in self._option_string_actions and name.startswith("--"):
+                if name in seen:
+                    self.error(f"{name} given twice; give it once (with all its values, e.g. --step 1 2)")
+                seen.add(name)
+        return super().parse_args(args, namespace)
+
     def error(self, message: str):  # type: ignore[override]
         print(f"error: {message}{self._hint(message)} (see train.py --help)", file=sys.stderr)
         sys.exit(2)

@@ -194,3 +194,19 @@ def test_a_flag_spelt_the_steps_way_gets_the_fix_in_its_error(train, capsys, arg
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and argv[0] in err and hint in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--step", "1", "--step", "2"], "--step given twice"),
+        (["--data-path", "builtin:sort", "--data-path=builtin:reverse_words"], "--data-path given twice"),
+        (["--actor-model", "a", "--actor-model", "b"], "--actor-model given twice"),
+    ],
+)
+def test_a_flag_given_twice_is_one_line(train, capsys, argv, needle):
+    """argparse kept the last of a repeated flag: '--step 1 --step 2' ran step 2 alone, and a second
+    --data-path replaced the first, silently."""
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
