@@ -136,6 +136,10 @@ def check_conflicts(args: argparse.Namespace, extra: list[str], steps: list[int]
     from dschat.planning import given
 
     check_chained_models(args, extra, steps)
+    for name in ("overwrite", "resume", "node_local_storage"):  # train.py's own switches, set per step by it
+        if any(a.split("=", 1)[0] == f"--no_{name}" for a in extra):
+            raise UserError(f"--no_{name} after -- would undo train.py's --{name.replace('_', '-')} in every step; "
+                            f"give or leave out train.py's --{name.replace('_', '-')} instead")  # fmt: skip
     if given(extra, "--output_dir") is not None:  # every step would write into the one directory
         raise UserError("--output_dir after -- would send every step to one directory: give train.py "
                         "--output-dir (each step writes its own OUTPUT_DIR/stepN)")  # fmt: skip

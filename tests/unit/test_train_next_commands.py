@@ -210,3 +210,15 @@ def test_a_flag_given_twice_is_one_line(train, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
         train.parse_args(argv)
     assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["overwrite", "resume", "node_local_storage"])
+def test_a_negated_train_py_switch_after_the_separator_is_one_line(train, name):
+    """'--node-local-storage -- --no_node_local_storage' ran with the last of the two (off), and
+    '--overwrite -- --no_overwrite' passed train.py's directory checks and was refused by a later step."""
+    from dschat.launch.steps import check_conflicts
+    from dschat.utils.errors import UserError
+
+    args, extra = train.parse_args([f"--{name.replace('_', '-')}", "--", f"--no_{name}"])
+    with pytest.raises(UserError, match=f"--no_{name} after -- would undo"):
+        check_conflicts(args, extra, train.steps_of(args))
