@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                         "DPO's flags after -- (flags after -- go to every step the command runs)")  # fmt: skip
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)
+    check_actor_model_is_read(args, steps, preset)
     check_models(args)
     if preset:
         print(describe_preset(preset, args), flush=True)
@@ -496,6 +497,19 @@ def check_flags_reach_a_step(args: argparse.Namespace, steps: list[int]) -> None
             which = " and ".join(str(n) for n in sorted(readers))
             raise UserError(f"{flag} is read by steps {which}, and this job runs --step "
                             f"{' '.join(map(str, steps))}: drop it, or run a step that reads it")  # fmt: skip
+
+
+def check_actor_model_is_read(args: argparse.Namespace, steps: list[int], preset: dict) -> None:
+    """--actor-model names step 1's start. Without step 1 in the job, where a finished step 1 is there,
+    the later steps chain from its output (step 3's actor, DPO's policy, step 2's reward model) and the
+    flag was accepted and ignored. Without a finished step 1 a step 2 starts from it, and the memory
+    estimate of a later step plans with it."""
+    step1 = Path(args.output_dir) / "step1"
+    if not args.actor_model or 1 in steps or not finished(step1):
+        return
+    raise UserError(f"--actor-model {args.actor_model}: the steps of this job (--step {' '.join(map(str, steps))}) "
+                    f"start from {step1}, a finished step 1, not from it; it names step 1's starting model: add "
+                    "--step 1 (with --overwrite), or drop it (to pick a preset by name: --preset)")  # fmt: skip
 
 
 def check_dpo(args: argparse.Namespace, steps: list[int]) -> None:

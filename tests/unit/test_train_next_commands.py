@@ -222,3 +222,26 @@ def test_a_negated_train_py_switch_after_the_separator_is_one_line(train, name):
     args, extra = train.parse_args([f"--{name.replace('_', '-')}", "--", f"--no_{name}"])
     with pytest.raises(UserError, match=f"--no_{name} after -- would undo"):
         check_conflicts(args, extra, train.steps_of(args))
+
+
+def test_an_actor_model_no_step_reads_is_one_line(train, tmp_path):
+    """--step 3 --actor-model X (steps 1 and 2 finished) ran step 3 on step 1's output and only took X's
+    preset; --step 2 with a finished step 1 started from that output too. Both ignored X silently."""
+    from dschat.utils.errors import UserError
+
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step1" / "summary.json").write_text("{}")
+    for argv in (["--step", "3"], ["--step", "2"], ["--step", "2", "--algorithm", "dpo"]):
+        args, _ = train.parse_args(
+            [*argv, "--actor-model", "builtin:tiny-llama", "--output-dir", str(tmp_path)]
+        )
+        with pytest.raises(
+            UserError,
+            match=r"--actor-model builtin:tiny-llama: the steps of this job .* start from .*step1, a finished step 1",
+        ):
+            train.check_actor_model_is_read(args, train.steps_of(args), {})
+    # read: step 1 runs, or step 2 starts from it (no step 1 to chain), or a memory estimate plans with it
+    for argv, out in ((["--step", "1", "2"], tmp_path), (["--step", "2"], tmp_path / "fresh"),
+                      (["--step", "3", "--estimate-memory"], tmp_path / "fresh")):  # fmt: skip
+        args, _ = train.parse_args([*argv, "--actor-model", "builtin:tiny-llama", "--output-dir", str(out)])
+        train.check_actor_model_is_read(args, train.steps_of(args), {})
