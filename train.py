@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from dschat.config import check_zero_stage  # noqa: E402
-from dschat.inputs import DATA, check_inputs  # noqa: E402
+from dschat.inputs import DATA, MODEL, check_inputs  # noqa: E402
 from dschat.launch.launcher import DEPLOYMENTS, LAUNCHERS, launcher, launcher_env, processes  # noqa: E402
 from dschat.launch.presets import (  # noqa: E402
     load_preset,
@@ -390,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
         check_output_dir(str(Path(args.output_dir) / step_of(n, args).dir_name), overwrite=args.overwrite,
                          resume=step_ns.resume, flag="--output-dir")  # fmt: skip
-        # its data too (its models may be written by an earlier step of this job: the step checks those)
-        check_inputs(importlib.import_module(lines[n].step.module).GROUPS, lines[n].groups, kinds=(DATA,))
+        # its data too; its models also where no earlier step of this job writes them (the first step's
+        # must be there now: a preset's {output_dir}/step1 with --step 2 alone failed in the step itself).
+        # Step 3's chained models were checked above, as far as it holds them (a critic-free run has none)
+        kinds = (DATA, MODEL) if n == steps[0] and n != 3 else (DATA,)
+        check_inputs(importlib.import_module(lines[n].step.module).GROUPS, lines[n].groups, kinds=kinds)
     env = launcher_env(args)
     if args.dist_timeout:
         env["DSCHAT_DIST_TIMEOUT"] = str(args.dist_timeout)

@@ -245,3 +245,12 @@ def test_an_actor_model_no_step_reads_is_one_line(train, tmp_path):
                       (["--step", "3", "--estimate-memory"], tmp_path / "fresh")):  # fmt: skip
         args, _ = train.parse_args([*argv, "--actor-model", "builtin:tiny-llama", "--output-dir", str(out)])
         train.check_actor_model_is_read(args, train.steps_of(args), {})
+
+
+def test_the_first_steps_models_are_checked_before_it_starts(train, tmp_path, capsys):
+    """--step 2 alone on the default preset passed train.py (and its --dry-run) with the preset's
+    --policy_negatives_from {output_dir}/step1 absent, and failed in the launched step."""
+    from dschat.utils.errors import UserError
+
+    with pytest.raises(UserError, match=r"--policy_negatives_from .*step1: no such local file or directory"):
+        train.main(["--step", "2", "--dry-run", "--output-dir", str(tmp_path / "run")])
