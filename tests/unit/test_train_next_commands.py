@@ -254,3 +254,21 @@ def test_the_first_steps_models_are_checked_before_it_starts(train, tmp_path, ca
 
     with pytest.raises(UserError, match=r"--policy_negatives_from .*step1: no such local file or directory"):
         train.main(["--step", "2", "--dry-run", "--output-dir", str(tmp_path / "run")])
+
+
+def test_resume_refuses_a_step_built_from_an_earlier_run_of_the_step_before(train, tmp_path):
+    """An --overwrite job that stopped in step 3's start-up left the old step 3 (its summary) beside a
+    new step 1 and 2: --resume kept all three and named the stale actor as the result."""
+    import os
+
+    from dschat.utils.errors import UserError
+
+    for n, t in ((1, 2000), (2, 2001), (3, 1000)):  # step 3 older than the steps it is built from
+        (tmp_path / f"step{n}").mkdir()
+        (tmp_path / f"step{n}" / "summary.json").write_text("{}")
+        os.utime(tmp_path / f"step{n}" / "summary.json", (t, t))
+    args, _ = train.parse_args(["--output-dir", str(tmp_path), "--resume"])
+    with pytest.raises(UserError, match="step 3 finished before step 1 was last trained"):
+        train.resume_actions(args, [1, 2, 3])
+    os.utime(tmp_path / "step3" / "summary.json", (3000, 3000))
+    assert set(train.resume_actions(args, [1, 2, 3]).values()) == {"keep"}
