@@ -550,7 +550,12 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
     elif 1 in steps:
         from dschat.config import DEFAULT_MODEL
 
-        result, start = out / "step1", args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL
+        # the model step 1 recorded starting from (a '-- --model_name_or_path' reaches it past the preset)
+        start = trained_config(out / "step1").get("model_name_or_path")
+        result, start = (
+            out / "step1",
+            start or args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL,
+        )
     else:
         return []  # step 2 alone made a reward model: nothing to talk to
     # what the finished result recorded wins: the reward model step 3 trained against (not a stale step2/

@@ -272,3 +272,17 @@ def test_resume_refuses_a_step_built_from_an_earlier_run_of_the_step_before(trai
         train.resume_actions(args, [1, 2, 3])
     os.utime(tmp_path / "step3" / "summary.json", (3000, 3000))
     assert set(train.resume_actions(args, [1, 2, 3]).values()) == {"keep"}
+
+
+def test_the_comparison_starts_from_the_model_step_1_recorded(train, tmp_path):
+    """'--step 1 -- --model_name_or_path builtin:tiny-llama' trained tiny-llama, and the printed comparison
+    named the preset's model as the baseline."""
+    import json
+
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step1" / "summary.json").write_text("{}")
+    (tmp_path / "step1" / "dschat_config.json").write_text(
+        json.dumps({"model_name_or_path": "builtin:tiny-llama"})
+    )
+    _, cmp = commands(train, ["--step", "1", "--output-dir", str(tmp_path)], {"model": "org/Preset-Model"})
+    assert flag(cmp, "--model_name_or_path_baseline") == "builtin:tiny-llama"
