@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     check_conflicts(args, extra, steps)
     check_actor_model_is_read(args, steps, preset)
     check_models(args)
+    check_reward_reads_the_actors_tokens(args, steps)
     if preset:
         print(describe_preset(preset, args), flush=True)
     if args.estimate_memory:
@@ -490,6 +491,22 @@ def check_models(args: argparse.Namespace) -> None:
             check_model(value, flag)
     for spec in args.data_path or ():
         check_data(spec, "--data-path")
+
+
+def check_reward_reads_the_actors_tokens(args: argparse.Namespace, steps: list[int]) -> None:
+    """Step 3 scores the actor's token ids with the model step 2 trains from --reward-model: a reward model
+    of another vocabulary was refused only when step 3 started, after steps 1 and 2 had run. Checked up
+    front where both are given (a preset pairs its own); not for --dry-run or --estimate-memory, which
+    read no model."""
+    if args.algorithm != "ppo" or 3 not in steps or not (args.actor_model and args.reward_model):
+        return
+    if args.dry_run or args.estimate_memory:
+        return
+    from dschat.models.loading import check_same_tokenizer, load_tokenizer, resolve
+
+    actor = load_tokenizer(resolve(args.actor_model, "--actor-model"), flag="--actor-model")
+    check_same_tokenizer(resolve(args.reward_model, "--reward-model"), "--reward-model", actor, owner="actor",
+                         owner_path=args.actor_model)  # fmt: skip
 
 
 # train.py flags read by some steps only (PPO; --algorithm dpo: check_dpo), as (flag, attribute, steps)

@@ -286,3 +286,26 @@ def test_the_comparison_starts_from_the_model_step_1_recorded(train, tmp_path):
     )
     _, cmp = commands(train, ["--step", "1", "--output-dir", str(tmp_path)], {"model": "org/Preset-Model"})
     assert flag(cmp, "--model_name_or_path_baseline") == "builtin:tiny-llama"
+
+
+def test_a_reward_model_of_another_vocabulary_is_refused_before_step_1(train, tmp_path):
+    """--actor-model and --reward-model of different tokenizers ran steps 1 and 2 and failed when step 3
+    started; the two are compared before any step."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dschat.models.builtin import materialize
+    from dschat.utils.errors import UserError
+
+    other = tmp_path / "other"
+    shutil.copytree(materialize("builtin:micro-llama"), other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    argv = ["--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path / "run")]
+    args, _ = train.parse_args([*argv, "--reward-model", str(other)])
+    with pytest.raises(UserError, match=r"--reward-model .*other: its tokenizer differs from the actor's"):
+        train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
+    args, _ = train.parse_args([*argv, "--reward-model", "builtin:micro-llama"])
+    train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
