@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import itertools
 import math
 import os
 import shlex
@@ -463,14 +462,6 @@ def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]
     if all(a == START for a in actions.values()):
         raise UserError(f"--resume: nothing to resume in {out} (no step of this job finished or saved a "
                         "checkpoint there)")  # fmt: skip
-    # a kept step finished before an earlier kept step was last finished was built from that step's
-    # previous run (an --overwrite job that stopped before reaching it left it there)
-    kept = [n for n in steps if actions[n] == KEEP]
-    for early, late in itertools.combinations(kept, 2):
-        t = {m: (out / step_of(m, args).dir_name / "summary.json").stat().st_mtime for m in (early, late)}
-        if t[late] < t[early]:
-            raise UserError(f"--resume: step {late} finished before step {early} was last trained, so it was built "
-                            f"from an earlier step {early}; run it again: --step {late} --overwrite")  # fmt: skip
     runs = [n for n in steps if actions[n] != KEEP]
     if runs and (later := [n for n in steps if n > runs[0] and actions[n] != START]):
         what = "is finished" if actions[later[0]] == KEEP else "has checkpoints"

@@ -254,6 +254,7 @@ def test_the_first_steps_models_are_checked_before_it_starts(train, tmp_path, ca
 
     with pytest.raises(UserError, match=r"--policy_negatives_from .*step1: no such local file or directory"):
         train.main(["--step", "2", "--dry-run", "--output-dir", str(tmp_path / "run")])
+<<<<<<< HEAD
 
 
 def test_resume_refuses_a_step_built_from_an_earlier_run_of_the_step_before(train, tmp_path):
@@ -309,3 +310,5 @@ def test_a_reward_model_of_another_vocabulary_is_refused_before_step_1(train, tm
         train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
     args, _ = train.parse_args([*argv, "--reward-model", "builtin:micro-llama"])
     train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
+=======
+>>>>>>> parent of e50c54c (train.py --resume refuses a kept step that finished before an earlier kept step was last trained: an --overwrite job that stopped in step 3's start-up left the old step 3 beside a new step 1 and 2, and --resume kept it and named its stale actor as the result. Unit test fails before (found by a read-only review))
