@@ -254,25 +254,6 @@ def test_the_first_steps_models_are_checked_before_it_starts(train, tmp_path, ca
 
     with pytest.raises(UserError, match=r"--policy_negatives_from .*step1: no such local file or directory"):
         train.main(["--step", "2", "--dry-run", "--output-dir", str(tmp_path / "run")])
-<<<<<<< HEAD
-
-
-def test_resume_refuses_a_step_built_from_an_earlier_run_of_the_step_before(train, tmp_path):
-    """An --overwrite job that stopped in step 3's start-up left the old step 3 (its summary) beside a
-    new step 1 and 2: --resume kept all three and named the stale actor as the result."""
-    import os
-
-    from dschat.utils.errors import UserError
-
-    for n, t in ((1, 2000), (2, 2001), (3, 1000)):  # step 3 older than the steps it is built from
-        (tmp_path / f"step{n}").mkdir()
-        (tmp_path / f"step{n}" / "summary.json").write_text("{}")
-        os.utime(tmp_path / f"step{n}" / "summary.json", (t, t))
-    args, _ = train.parse_args(["--output-dir", str(tmp_path), "--resume"])
-    with pytest.raises(UserError, match="step 3 finished before step 1 was last trained"):
-        train.resume_actions(args, [1, 2, 3])
-    os.utime(tmp_path / "step3" / "summary.json", (3000, 3000))
-    assert set(train.resume_actions(args, [1, 2, 3]).values()) == {"keep"}
 
 
 def test_the_comparison_starts_from_the_model_step_1_recorded(train, tmp_path):
@@ -310,5 +291,3 @@ def test_a_reward_model_of_another_vocabulary_is_refused_before_step_1(train, tm
         train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
     args, _ = train.parse_args([*argv, "--reward-model", "builtin:micro-llama"])
     train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
-=======
->>>>>>> parent of e50c54c (train.py --resume refuses a kept step that finished before an earlier kept step was last trained: an --overwrite job that stopped in step 3's start-up left the old step 3 beside a new step 1 and 2, and --resume kept it and named its stale actor as the result. Unit test fails before (found by a read-only review))
