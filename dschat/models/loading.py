@@ -156,7 +156,9 @@ def load_causal_lm(
         )
     except ValueError as exc:
         raise UserError(f"{flag} {path}: not a causal language model ({first_line(exc)})") from None
-    except RuntimeError:  # transformers' report of weights whose shapes differ from the config's
+    except RuntimeError as exc:  # only transformers' report of weights of other shapes (not OOM, NCCL, ...)
+        if not shape_mismatch(exc):
+            raise
         raise UserError(f"{flag} {path}: weights of other shapes than its config.json says") from None
     except OSError as exc:  # missing or unreadable weights
         raise UserError(f"{flag} {path}: cannot load its weights ({first_line(exc)})") from None
@@ -174,6 +176,12 @@ def load_causal_lm(
         model.config.pad_token_id = tokenizer.pad_token_id
     model.config.use_cache = False  # training; generation turns it back on
     return contiguous_head_input(use_fast_attention(model))
+
+
+def shape_mismatch(exc: BaseException) -> bool:
+    """Whether ``from_pretrained`` raised for weights whose shapes differ from the model's config."""
+    text = str(exc)
+    return "ignore_mismatched_sizes" in text or "size mismatch" in text
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -26,7 +26,7 @@ from dschat.data.packing import (
 )
 from dschat.losses import gather_last
 from dschat.models.attention import use_fast_attention
-from dschat.models.loading import apply_dropout, has_value_head, load_config, read_config_json
+from dschat.models.loading import apply_dropout, has_value_head, load_config, read_config_json, shape_mismatch
 from dschat.utils import dist
 from dschat.utils.errors import UserError, first_line
 
@@ -264,7 +264,9 @@ def load_reward_model(
         )
     except ValueError as exc:
         raise UserError(f"{flag} {path}: cannot be loaded as a reward model ({first_line(exc)})") from None
-    except RuntimeError:  # transformers' report of weights whose shapes differ from the config's
+    except RuntimeError as exc:  # only transformers' report of weights of other shapes (not OOM, NCCL, ...)
+        if not shape_mismatch(exc):
+            raise
         raise UserError(f"{flag} {path}: cannot be loaded as a reward model (weights of other shapes than "
                         "its config.json says)") from None  # fmt: skip
     except OSError as exc:  # missing or unreadable weights

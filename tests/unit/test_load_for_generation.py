@@ -163,3 +163,18 @@ def test_a_two_label_classifier_as_a_reward_model_start_is_one_line(base_dir, tm
     ):
         load_reward_model(str(two))
     load_reward_model(str(base_dir))  # a causal LM (whose config also says 2 labels) gets a fresh head
+
+
+def test_only_a_shape_mismatch_is_reported_as_one(base_dir, monkeypatch):
+    # a RuntimeError of another cause (out of memory, a collective failing under ZeRO-3) is not a shape
+    # mismatch: it is raised as it is, not turned into a misleading one-line error
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.loading import load_causal_lm
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        load_causal_lm(str(base_dir))
