@@ -33,8 +33,9 @@ LOG = logging.getLogger("dschat")
 # 10: a Human/Assistant answer is one space and its text however the row spells it; 11: a plain prompt's
 # surrounding whitespace is stripped; 12: a Human/Assistant dialogue prompt ends at "Assistant:" (no
 # trailing space before the answer's own); 13: a pair's prompt over the budget loses its oldest turns, then
-# the start of its question, inside the format's headers (it kept BOS and its last tokens)
-CACHE_VERSION = 13
+# the start of its question, inside the format's headers (it kept BOS and its last tokens); 14: that cut
+# never starts inside a multi-byte character
+CACHE_VERSION = 14
 
 
 @dataclass

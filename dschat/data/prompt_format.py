@@ -239,7 +239,11 @@ class PromptFormat:
         text = self.tokenizer(last["content"], add_special_tokens=False)["input_ids"]
         start = len(ids) - budget
         while start < len(text):  # decoding and re-encoding the kept text can shift a token or two
-            trimmed = [*before, {**last, "content": self.tokenizer.decode(text[start:]).strip()}]
+            kept_text = self.tokenizer.decode(text[start:])
+            if kept_text.startswith("\ufffd"):  # the cut fell inside a character (byte-level tokens)
+                start += 1
+                continue
+            trimmed = [*before, {**last, "content": kept_text.strip()}]
             ids = self.encode_messages(trimmed)
             if len(ids) <= budget:
                 return FittedPrompt(ids, dropped, True, trimmed)

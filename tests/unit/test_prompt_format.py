@@ -262,3 +262,15 @@ def test_a_prompt_over_the_budget_loses_old_turns_and_then_the_start_of_its_ques
     pairs, stats = tokenize_pairs([Sample(dialogue, " yes", " no")], fmt, 64)
     assert stats["prompt_truncated"] == 1
     assert chatml.decode(pairs[0]["chosen"][: pairs[0]["prompt_len"]]).startswith(text[:20])
+
+
+def test_a_cut_question_does_not_start_inside_a_character():
+    """With a byte-level tokenizer the cut could fall inside a multi-byte character, and the decoded
+    U+FFFD ('\ufffd') went into the training or scoring prompt."""
+    fmt = prompt_format(build_tokenizer(), "off")
+    question = "日本語のテキストです。" * 4 + "What is it?"
+    for budget in range(60, 90):
+        fitted = fmt.fit_prompt(question, budget)
+        text = fmt.tokenizer.decode(fitted.ids)
+        assert "\ufffd" not in text and len(fitted.ids) <= budget, (budget, text)
+        assert text.rstrip().endswith("What is it?\n\nAssistant:")
