@@ -67,7 +67,10 @@ class Parser(argparse.ArgumentParser):
         seen: set[str] = set()
         for arg in args or []:
             name = arg.split("=", 1)[0]
-            if name in self._option_string_actions and name.startswith("--"):
+            action = self._option_string_actions.get(name)
+            if (
+                action is not None and name.startswith("--") and action.nargs != 0
+            ):  # a switch twice is harmless
                 if name in seen:
                     self.error(f"{name} given twice; give it once (with all its values, e.g. --step 1 2)")
                 seen.add(name)
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     check_conflicts(args, extra, steps)
     check_actor_model_is_read(args, steps, preset)
     check_models(args)
-    check_reward_reads_the_actors_tokens(args, steps)
+    check_reward_reads_the_actors_tokens(args, steps, extra)
     if preset:
         print(describe_preset(preset, args), flush=True)
     if args.estimate_memory:
@@ -484,14 +487,16 @@ def check_models(args: argparse.Namespace) -> None:
         check_data(spec, "--data-path")
 
 
-def check_reward_reads_the_actors_tokens(args: argparse.Namespace, steps: list[int]) -> None:
+def check_reward_reads_the_actors_tokens(
+    args: argparse.Namespace, steps: list[int], extra: list[str]
+) -> None:
     """Step 3 scores the actor's token ids with the model step 2 trains from --reward-model: a reward model
     of another vocabulary was refused only when step 3 started, after steps 1 and 2 had run. Checked up
     front where both are given (a preset pairs its own); not for --dry-run or --estimate-memory, which
     read no model."""
     if args.algorithm != "ppo" or 3 not in steps or not (args.actor_model and args.reward_model):
         return
-    if args.dry_run or args.estimate_memory:
+    if args.dry_run or args.estimate_memory or "--trust_remote_code" in extra:  # the steps load those
         return
     from dschat.models.loading import check_same_tokenizer, load_tokenizer, resolve
 

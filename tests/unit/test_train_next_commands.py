@@ -206,10 +206,12 @@ def test_a_flag_spelt_the_steps_way_gets_the_fix_in_its_error(train, capsys, arg
 )
 def test_a_flag_given_twice_is_one_line(train, capsys, argv, needle):
     """argparse kept the last of a repeated flag: '--step 1 --step 2' ran step 2 alone, and a second
-    --data-path replaced the first, silently."""
+    --data-path replaced the first, silently. A switch given twice changes nothing and is accepted."""
     with pytest.raises(SystemExit) as exc:
         train.parse_args(argv)
     assert exc.value.code == 2 and needle in capsys.readouterr().err
+    args, _ = train.parse_args(["--dry-run", "--dry-run", "--step", "1", "2"])
+    assert args.dry_run and args.step == [1, 2]
 
 
 @pytest.mark.parametrize("name", ["overwrite", "resume", "node_local_storage"])
@@ -288,6 +290,9 @@ def test_a_reward_model_of_another_vocabulary_is_refused_before_step_1(train, tm
     argv = ["--actor-model", "builtin:micro-llama", "--output-dir", str(tmp_path / "run")]
     args, _ = train.parse_args([*argv, "--reward-model", str(other)])
     with pytest.raises(UserError, match=r"--reward-model .*other: its tokenizer differs from the actor's"):
-        train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
+        train.check_reward_reads_the_actors_tokens(args, train.steps_of(args), [])
+    train.check_reward_reads_the_actors_tokens(
+        args, train.steps_of(args), ["--trust_remote_code"]
+    )  # steps judge
     args, _ = train.parse_args([*argv, "--reward-model", "builtin:micro-llama"])
-    train.check_reward_reads_the_actors_tokens(args, train.steps_of(args))
+    train.check_reward_reads_the_actors_tokens(args, train.steps_of(args), [])
