@@ -162,7 +162,8 @@ def cpu_neighbours(
     import tempfile
     from pathlib import Path
 
-    root = Path(registry or Path(tempfile.gettempdir()) / f"dschat-cpu-{os.getuid()}")
+    # per machine too: a temporary directory shared between nodes would mix their processes
+    root = Path(registry or Path(tempfile.gettempdir()) / f"dschat-cpu-{os.getuid()}-{socket.gethostname()}")
     root.mkdir(parents=True, exist_ok=True)
     me = os.getpid()
     job = (
@@ -173,8 +174,10 @@ def cpu_neighbours(
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
-            their_job, their_threads = entry.read_text().split()
+            their_job, their_threads, started = entry.read_text().split()
             os.kill(int(entry.name), 0)  # raises when the process is gone
+            if started != process_start(int(entry.name)):  # a killed run's pid, reused by another process
+                raise ProcessLookupError
         except ProcessLookupError:
             entry.unlink(missing_ok=True)
             continue
@@ -186,10 +189,20 @@ def cpu_neighbours(
         return sorted(others)
     mine = root / str(me)
     tmp = root / f".{me}.tmp"
-    tmp.write_text(f"{job} {threads}")
+    tmp.write_text(f"{job} {threads} {process_start(me)}")
     tmp.replace(mine)  # readers never see half a file
     atexit.register(mine.unlink, missing_ok=True)
     return sorted(others)
+
+
+def process_start(pid: int) -> str:
+    """When process ``pid`` started (Linux: its start time in clock ticks since boot, /proc/PID/stat);
+    "0" where that cannot be read. A pid with another start time is another process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, counted after the command's ")"
+    except (OSError, IndexError):
+        return "0"
 
 
 def shared_cpu_warning(
@@ -200,6 +213,8 @@ def shared_cpu_warning(
     the cores, each run's thread pool taking the cores as its own. ``register``: :func:`cpu_neighbours`."""
     import torch
 
+    if launched_by_mpi():  # its ranks learn their rendezvous only later: they would count each other
+        return None
     threads = torch.get_num_threads()
     try:
         others = cpu_neighbours(threads, registry, register=register)

@@ -179,12 +179,17 @@ def test_another_runs_threads_on_the_same_cores_are_named(tmp_path, monkeypatch)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
-        (tmp_path / str(gone.pid)).write_text("pid1:x 2")
-        (tmp_path / str(os.getppid())).write_text("127.0.0.1:29555 1")  # the other rank of this run
+        (tmp_path / str(gone.pid)).write_text("pid1:x 2 0")
+        (tmp_path / str(os.getppid())).write_text(f"127.0.0.1:29555 1 {dist.process_start(os.getppid())}")
         assert dist.shared_cpu_warning(2, str(tmp_path)) is None  # 2 ranks x 1 thread on 2 cores: no one else
         assert not (tmp_path / str(gone.pid)).exists()
-        assert (tmp_path / str(os.getpid())).read_text() == "127.0.0.1:29555 1"
-        (tmp_path / str(other.pid)).write_text(f"pid{other.pid} 2")
+        assert (
+            tmp_path / str(os.getpid())
+        ).read_text() == f"127.0.0.1:29555 1 {dist.process_start(os.getpid())}"
+        # a live pid whose start time is not the recorded one: a killed run's pid, reused; removed
+        (tmp_path / str(other.pid)).write_text(f"pid{other.pid} 2 12345")
+        assert dist.shared_cpu_warning(2, str(tmp_path)) is None and not (tmp_path / str(other.pid)).exists()
+        (tmp_path / str(other.pid)).write_text(f"pid{other.pid} 2 {dist.process_start(other.pid)}")
         msg = dist.shared_cpu_warning(2, str(tmp_path))
         assert msg and f"pid {other.pid}: 2 threads, this run 2 x 1" in msg and "2 CPU cores" in msg
         monkeypatch.setenv("LOCAL_RANK", "1")  # one line per node, from its local rank 0
