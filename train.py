@@ -53,7 +53,7 @@ from dschat.launch.steps import (  # noqa: E402
 )
 from dschat.launch.supervise import run_step, step_log  # noqa: E402
 from dschat.utils.errors import UserError, run_cli  # noqa: E402
-from dschat.utils.run import check_output_dir, finished, trained_config  # noqa: E402
+from dschat.utils.run import changed_inputs, check_output_dir, finished, trained_config  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -465,6 +465,10 @@ def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]
     if all(a == START for a in actions.values()):
         raise UserError(f"--resume: nothing to resume in {out} (no step of this job finished or saved a "
                         "checkpoint there)")  # fmt: skip
+    for n in steps:  # a kept step built from a step that was trained again since (an interrupted --overwrite)
+        if actions[n] == KEEP and (stale := changed_inputs(trained_config(out / step_of(n, args).dir_name))):
+            raise UserError(f"--resume: step {n} is finished, but {stale[0]}, which it was built from, was trained "
+                            f"again since: run it again (--step {n} --overwrite)")  # fmt: skip
     runs = [n for n in steps if actions[n] != KEEP]
     if runs and (later := [n for n in steps if n > runs[0] and actions[n] != START]):
         what = "is finished" if actions[later[0]] == KEEP else "has checkpoints"

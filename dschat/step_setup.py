@@ -20,7 +20,7 @@ from dschat.models.loading import load_tokenizer, resolve
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import setup_logging
-from dschat.utils.run import check_output_dir, clear_previous_run, save_resolved_config
+from dschat.utils.run import check_output_dir, clear_previous_run, input_runs, save_resolved_config
 
 
 @dataclass
@@ -86,7 +86,8 @@ def begin_step(
     if mined:
         mined.write(run.output_dir)
     resolved = {
-        "step": step, **to_dict(*args), "resolved_model_path": setup.model_path, "resolved_dtype": setup.dtype,
+        "step": step, **to_dict(*args), "resolved_model_path": setup.model_path,
+        "input_runs": input_runs(setup.model_path), "resolved_dtype": setup.dtype,
         "world_size": setup.world, "global_batch_size": batches.global_batch, "total_steps": batches.total_steps,
         "data": data.stats, "data_cache_hit": data.cache_hit,
     }  # fmt: skip

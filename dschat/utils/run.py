@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -112,6 +113,29 @@ def _sharded(config: dict[str, Any]) -> bool:
     return any(isinstance(z, int) and z > 0 for z in stages)
 
 
+def input_runs(*paths: str | Path | None) -> dict[str, str]:
+    """The finished dschat steps among ``paths`` (the models a step starts from: step 1's output for DPO and
+    step 3, step 2's for step 3's critic) with a digest of each one's ``summary.json``, which every run of a
+    step writes anew: recorded in a step's ``dschat_config.json`` as ``input_runs``."""
+    out = {}
+    for p in paths:
+        summary = Path(p) / SUMMARY if p else None
+        if summary is not None and summary.is_file():
+            out[str(p)] = hashlib.sha256(summary.read_bytes()).hexdigest()[:16]
+    return out
+
+
+def changed_inputs(saved: dict[str, Any]) -> list[str]:
+    """The recorded ``input_runs`` of a step's saved configuration that were trained again since (their
+    summary is another); an input no longer there (a moved output directory) is not compared."""
+    stale = []
+    for path, digest in (saved.get("input_runs") or {}).items():
+        now = input_runs(path).get(path)
+        if now is not None and now != digest:
+            stale.append(path)
+    return stale
+
+
 def check_resumed_environment(output_dir: str, config: dict[str, Any]) -> None:
     """On ``--resume``, what the interrupted run resolved from its environment must hold again: the dtype
     ``--dtype auto`` picked (another host without bf16 instructions picks fp32: the optimizer state does
@@ -122,6 +146,9 @@ def check_resumed_environment(output_dir: str, config: dict[str, Any]) -> None:
         saved = json.loads((Path(output_dir) / RESOLVED_CONFIG).read_text())
     except (OSError, ValueError):
         return
+    if stale := changed_inputs(saved):  # its checkpoint continues a run of the earlier model
+        raise UserError(f"--resume: {stale[0]} was trained again since this run started from it, so its checkpoint "
+                        "belongs to the earlier one: start over with --overwrite")  # fmt: skip
     if saved.get("resolved_dtype") not in (None, config.get("resolved_dtype")):
         raise UserError(f"--resume: the interrupted run trained in {saved['resolved_dtype']}, this one resolves "
                         f"--dtype {config.get('dtype', 'auto')} to {config.get('resolved_dtype')}: resume with "

@@ -192,3 +192,21 @@ def test_trained_config_reads_the_step_directory_only_for_step_3_models(tmp_path
     monkeypatch.chdir(tmp_path)
     assert trained_config("builtin:micro-llama") == {} and trained_config("other") == {}
     assert trained_config(".") == {"chat_template": "off"}  # the run's own directory
+
+
+def test_a_resumed_step_refuses_a_checkpoint_of_a_run_whose_input_was_trained_again(tmp_path):
+    # the interrupted run started from step 1's output; step 1 was run again since: its checkpoint would
+    # continue training from the earlier model
+    from dschat.utils.run import check_resumed_environment, input_runs
+
+    step1, out = tmp_path / "step1", tmp_path / "step3"
+    step1.mkdir()
+    out.mkdir()
+    (step1 / "summary.json").write_text('{"run": 1}')
+    (out / "dschat_config.json").write_text(json.dumps({"input_runs": input_runs(step1)}))
+    check_resumed_environment(str(out), {})
+    (step1 / "summary.json").write_text('{"run": 2}')
+    with pytest.raises(
+        UserError, match=r"--resume: .*step1 was trained again since this run started from it"
+    ):
+        check_resumed_environment(str(out), {})

@@ -296,3 +296,31 @@ def test_a_reward_model_of_another_vocabulary_is_refused_before_step_1(train, tm
     )  # steps judge
     args, _ = train.parse_args([*argv, "--reward-model", "builtin:micro-llama"])
     train.check_reward_reads_the_actors_tokens(args, train.steps_of(args), [])
+
+
+def test_resume_refuses_a_finished_step_built_from_a_step_trained_again_since(train, tmp_path):
+    """An --overwrite job that stopped in step 3's start-up left the old step 3 beside a new step 1: --resume
+    kept it and named its actor, built from the earlier step 1, as the result. Each step records the
+    summaries of the finished steps it starts from (input_runs), which a run of that step rewrites."""
+    import json
+
+    from dschat.utils.errors import UserError
+    from dschat.utils.run import input_runs
+
+    for n in (1, 3):
+        (tmp_path / f"step{n}").mkdir()
+        (tmp_path / f"step{n}" / "summary.json").write_text(json.dumps({"run": "first"}))
+    step1 = tmp_path / "step1"
+    (tmp_path / "step3" / "dschat_config.json").write_text(json.dumps({"input_runs": input_runs(step1)}))
+    args, _ = train.parse_args(["--output-dir", str(tmp_path), "--resume", "--step", "1", "3"])
+    assert set(train.resume_actions(args, [1, 3]).values()) == {"keep"}
+    (step1 / "summary.json").write_text(json.dumps({"run": "second"}))  # step 1 trained again
+    with pytest.raises(
+        UserError, match=r"step 3 is finished, but .*step1, which it was built from, was trained"
+    ):
+        train.resume_actions(args, [1, 3])
+    # a recorded input no longer there (the output directory was moved or copied) is not compared
+    (tmp_path / "step3" / "dschat_config.json").write_text(
+        json.dumps({"input_runs": {"/gone/step1": "0123"}})
+    )
+    assert set(train.resume_actions(args, [1, 3]).values()) == {"keep"}

@@ -62,7 +62,7 @@ from dschat.tasks.accuracy import answers_cut_by_budget
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.metrics import setup_logging
-from dschat.utils.run import Stopwatch, check_output_dir, save_resolved_config, write_summary
+from dschat.utils.run import Stopwatch, check_output_dir, input_runs, save_resolved_config, write_summary
 
 SHARED_MODEL = ("dtype", "trust_remote_code")
 # learning rate and weight decay per model; one schedule, one clipping norm and one Adam for both
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = {
         "step": 3, "actor": C.to_dict(o.actor, o.actor_lora, o.actor_optim, o.actor_ds),
         "critic": C.to_dict(o.critic, o.critic_lora, o.critic_optim, o.critic_ds), **C.to_dict(o.engine, ppo, o.data, run), "resolved_actor_path": paths.actor, "resolved_critic_path": paths.critic,
-        "resolved_reward_path": paths.reward, "reward_normalization": norm, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
+        "resolved_reward_path": paths.reward, "input_runs": input_runs(paths.actor, paths.critic, paths.reward), "reward_normalization": norm, "resolved_dtype": dtype, "world_size": world, "global_batch_size": global_batch,
         "total_steps": rounds.total, "actor_optimizer_steps": rounds.actor_updates,
         "critic_optimizer_steps": rounds.critic_updates, "data": prompts.stats, "data_cache_hit": prompts.cache_hit,
     }  # fmt: skip
