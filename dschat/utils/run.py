@@ -120,8 +120,8 @@ def input_runs(*paths: str | Path | None) -> dict[str, str]:
     out = {}
     for p in paths:
         summary = Path(p) / SUMMARY if p else None
-        if summary is not None and summary.is_file():
-            out[str(p)] = hashlib.sha256(summary.read_bytes()).hexdigest()[:16]
+        if summary is not None and summary.is_file():  # absolute: a resume may start from another directory
+            out[str(Path(p).resolve())] = hashlib.sha256(summary.read_bytes()).hexdigest()[:16]
     return out
 
 
@@ -130,7 +130,7 @@ def changed_inputs(saved: dict[str, Any]) -> list[str]:
     summary is another); an input no longer there (a moved output directory) is not compared."""
     stale = []
     for path, digest in (saved.get("input_runs") or {}).items():
-        now = input_runs(path).get(path)
+        now = input_runs(path).get(str(Path(path).resolve()))
         if now is not None and now != digest:
             stale.append(path)
     return stale

@@ -210,3 +210,18 @@ def test_a_resumed_step_refuses_a_checkpoint_of_a_run_whose_input_was_trained_ag
         UserError, match=r"--resume: .*step1 was trained again since this run started from it"
     ):
         check_resumed_environment(str(out), {})
+
+
+def test_input_runs_are_recorded_by_absolute_path(tmp_path, monkeypatch):
+    # train.py passes relative paths (output/step1): recorded as given, a resume from another working
+    # directory found nothing there and compared nothing
+    from dschat.utils.run import changed_inputs, input_runs
+
+    (tmp_path / "output" / "step1").mkdir(parents=True)
+    (tmp_path / "output" / "step1" / "summary.json").write_text('{"run": 1}')
+    monkeypatch.chdir(tmp_path)
+    recorded = input_runs("output/step1")
+    assert list(recorded) == [str(tmp_path / "output" / "step1")]
+    (tmp_path / "output" / "step1" / "summary.json").write_text('{"run": 2}')
+    monkeypatch.chdir("/")
+    assert changed_inputs({"input_runs": recorded}) == [str(tmp_path / "output" / "step1")]
