@@ -178,15 +178,13 @@ class PromptFormat:
 
     def prompt_text(self, prompt: str) -> str:
         """A data set's prompt -> the text the model continues. A dialogue is used byte for byte in the
-        Human/Assistant form (less trailing whitespace) and parsed into messages for a chat template; any other text is one user
-        turn in both, in training as at inference (``prompt_eval.py`` and ``chat.py`` ask a question so)."""
-        if (
-            self.name == HUMAN_ASSISTANT
-        ):  # ends at "Assistant:", as inference sends it (the answer brings its space)
+        Human/Assistant form (less trailing whitespace) and parsed into messages for a chat template
+        (:meth:`messages_of`); any other text is one user turn in both, in training as at inference
+        (``prompt_eval.py`` and ``chat.py`` ask a question so)."""
+        if self.name == HUMAN_ASSISTANT:
+            # ends at "Assistant:", as inference sends it (the answer brings its space)
             return as_dialogue(prompt).rstrip()
-        if is_dialogue(prompt):
-            return self.render(parse_dialogue(prompt))
-        return self.render([{"role": "user", "content": prompt.strip()}])  # stripped, as a dialogue's turns
+        return self.render(self.messages_of(prompt))
 
     def response_text(self, response: str) -> str:
         """A response as the data holds it (``" 432"``, ``"432"``) -> as it follows the prompt in this format:
@@ -211,7 +209,8 @@ class PromptFormat:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def messages_of(self, prompt: str) -> list[Message]:
-        """A data set's prompt as messages: a dialogue's turns, or one user turn."""
+        """A data set's prompt as messages: a dialogue's turns, or one user turn (stripped, as a dialogue's
+        turns are)."""
         return (
             parse_dialogue(prompt) if is_dialogue(prompt) else [{"role": "user", "content": prompt.strip()}]
         )

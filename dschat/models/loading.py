@@ -257,10 +257,10 @@ def require_weights(path: str, flag: str) -> None:
 
 def check_for_generation(
     name_or_path: str, *, base_model: str | None = None, trust_remote_code: bool = False, flag: str = "--path"
-) -> tuple[str, str | None]:
-    """``(path, base_path)`` of a model to generate with, checked before anything loads: a causal LM
-    (``base_path`` None), or a peft LoRA adapter directory and its base (``base_model`` or the adapter's
-    ``base_model_name_or_path``). The usual mistakes (a reward model, a step directory holding models, a
+) -> tuple[str, str | None, Any]:
+    """``(path, base_path, config)`` of a model to generate with, checked before anything loads: a causal
+    LM (``base_path`` None), or a peft LoRA adapter directory and its base (``base_model`` or the adapter's
+    ``base_model_name_or_path``), with the (base) model's config. The usual mistakes (a reward model, a step directory holding models, a
     directory without weights, an adapter without a base) are one line naming ``flag``."""
     path = resolve(name_or_path, flag)
     if not is_lora_adapter(path):
@@ -269,8 +269,11 @@ def check_for_generation(
                             "adapter; --base_model names an adapter's base")  # fmt: skip
         if os.path.exists(path):
             _check_model_dir(path, flag)
-        load_config(path, trust_remote_code=trust_remote_code, flag=flag)  # its error names the path
-        return path, None
+        return (
+            path,
+            None,
+            load_config(path, trust_remote_code=trust_remote_code, flag=flag),
+        )  # its error names the path
     try:
         with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
             adapter_cfg = json.load(f)
@@ -284,10 +287,10 @@ def check_for_generation(
     try:
         if os.path.exists(base_path):
             _check_model_dir(base_path, where)
-        load_config(base_path, trust_remote_code=trust_remote_code, flag=where)
+        config = load_config(base_path, trust_remote_code=trust_remote_code, flag=where)
     except UserError as exc:
         raise UserError(f"{exc}; pass --base_model PATH") from None
-    return path, base_path
+    return path, base_path, config
 
 
 @dataclass
@@ -307,16 +310,14 @@ def open_for_generation(
 ) -> GenerationSource:
     """:func:`check_for_generation`, then the tokenizer (an adapter's own where it has one, else its base's)
     and the config; no weights."""
-    path, base_path = check_for_generation(name_or_path, base_model=base_model,
-                                           trust_remote_code=trust_remote_code, flag=flag)  # fmt: skip
+    path, base_path, config = check_for_generation(name_or_path, base_model=base_model,
+                                                   trust_remote_code=trust_remote_code, flag=flag)  # fmt: skip
     tok_dir = path
     if base_path is not None and not any(
         os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     ):
         tok_dir = base_path
     tokenizer = load_tokenizer(tok_dir, trust_remote_code=trust_remote_code, padding_side="left", flag=flag)
-    where = flag if base_path is None else f"{flag} {path}: the LoRA adapter's base model"
-    config = load_config(base_path or path, trust_remote_code=trust_remote_code, flag=where)
     return GenerationSource(path, base_path, tokenizer, config, flag)
 
 

@@ -187,10 +187,10 @@ def cpu_neighbours(
             others.append((int(entry.name), int(their_threads)))
     if not register:
         return sorted(others)
+    from dschat.utils.io import atomic_write_text  # readers never see half a file
+
     mine = root / str(me)
-    tmp = root / f".{me}.tmp"
-    tmp.write_text(f"{job} {threads} {process_start(me)}")
-    tmp.replace(mine)  # readers never see half a file
+    atomic_write_text(mine, f"{job} {threads} {process_start(me)}")
     atexit.register(mine.unlink, missing_ok=True)
     return sorted(others)
 
