@@ -68,9 +68,8 @@ class Parser(argparse.ArgumentParser):
         for arg in args or []:
             name = arg.split("=", 1)[0]
             action = self._option_string_actions.get(name)
-            if (
-                action is not None and name.startswith("--") and action.nargs != 0
-            ):  # a switch twice is harmless
+            # a value flag, not a switch: a switch given twice changes nothing
+            if action is not None and name.startswith("--") and action.nargs != 0:
                 if name in seen:
                     self.error(f"{name} given twice; give it once (with all its values, e.g. --step 1 2)")
                 seen.add(name)
@@ -362,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                         "DPO's flags after -- (flags after -- go to every step the command runs)")  # fmt: skip
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)
-    check_actor_model_is_read(args, steps, preset)
+    check_actor_model_is_read(args, steps)
     check_models(args)
     check_reward_reads_the_actors_tokens(args, steps, extra)
     if preset:
@@ -528,7 +527,7 @@ def check_flags_reach_a_step(args: argparse.Namespace, steps: list[int]) -> None
                             f"{' '.join(map(str, steps))}: drop it, or run a step that reads it")  # fmt: skip
 
 
-def check_actor_model_is_read(args: argparse.Namespace, steps: list[int], preset: dict) -> None:
+def check_actor_model_is_read(args: argparse.Namespace, steps: list[int]) -> None:
     """--actor-model names step 1's start. Without step 1 in the job, where a finished step 1 is there,
     the later steps chain from its output (step 3's actor, DPO's policy, step 2's reward model) and the
     flag was accepted and ignored. Without a finished step 1 a step 2 starts from it, and the memory
@@ -568,11 +567,9 @@ def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | Non
         from dschat.config import DEFAULT_MODEL
 
         # the model step 1 recorded starting from (a '-- --model_name_or_path' reaches it past the preset)
-        start = trained_config(out / "step1").get("model_name_or_path")
-        result, start = (
-            out / "step1",
-            start or args.actor_model or (preset or {}).get("model") or DEFAULT_MODEL,
-        )
+        result = out / "step1"
+        start = (trained_config(result).get("model_name_or_path") or args.actor_model
+                 or (preset or {}).get("model") or DEFAULT_MODEL)  # fmt: skip
     else:
         return []  # step 2 alone made a reward model: nothing to talk to
     # what the finished result recorded wins: the reward model step 3 trained against (not a stale step2/

@@ -241,12 +241,12 @@ def test_an_actor_model_no_step_reads_is_one_line(train, tmp_path):
             UserError,
             match=r"--actor-model builtin:tiny-llama: the steps of this job .* start from .*step1, a finished step 1",
         ):
-            train.check_actor_model_is_read(args, train.steps_of(args), {})
+            train.check_actor_model_is_read(args, train.steps_of(args))
     # read: step 1 runs, or step 2 starts from it (no step 1 to chain), or a memory estimate plans with it
     for argv, out in ((["--step", "1", "2"], tmp_path), (["--step", "2"], tmp_path / "fresh"),
                       (["--step", "3", "--estimate-memory"], tmp_path / "fresh")):  # fmt: skip
         args, _ = train.parse_args([*argv, "--actor-model", "builtin:tiny-llama", "--output-dir", str(out)])
-        train.check_actor_model_is_read(args, train.steps_of(args), {})
+        train.check_actor_model_is_read(args, train.steps_of(args))
 
 
 def test_the_first_steps_models_are_checked_before_it_starts(train, tmp_path, capsys):
