@@ -88,12 +88,14 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     shift_logits = logits[:, :-1, :].float()
     shift_labels = labels[:, 1:]
     mask = shift_labels != IGNORE_INDEX
+    # ignore_index, not ``nll * mask``: a position without a target may hold a -inf logit (a banned
+    # token), and 0 * inf is NaN in the loss and in its gradient
     nll = F.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.clamp_min(0).reshape(-1),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
         reduction="none",
     ).view_as(shift_labels)
-    nll = nll * mask
     return nll.sum(dim=1), mask.sum(dim=1).float()
 
 

@@ -210,3 +210,14 @@ def test_picked_token_logprobs_by_hand():
     # temperature 2 halves the logits: token 2 at position (0, 1) gets sqrt(3) / (sqrt(3) + 3)
     logp2, _ = picked_token_logprobs(logits, rows, positions, tokens, temperature=2.0)
     assert float(logp2[0, 0]) == pytest.approx(math.log(3**0.5 / (3**0.5 + 3)), abs=1e-6)
+
+
+def test_minus_inf_logit_at_an_ignored_position_stays_finite():
+    # A position without a target whose logit for token 0 is -inf (a banned token, a masked vocabulary)
+    # adds nothing, and sends no NaN gradient back: 0 * inf would be NaN in both.
+    logits = torch.tensor([[[float("-inf"), 0.0], [0.0, 0.0], [0.0, 0.0]]], requires_grad=True)
+    nll, n = token_nll(logits, torch.tensor([[M, M, 1]]))
+    assert close(nll, [math.log(2)]) and close(n, [1.0])
+    nll.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    assert torch.equal(logits.grad[0, 0], torch.zeros(2))
