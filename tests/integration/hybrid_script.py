@@ -26,6 +26,7 @@ from dschat.models.builtin import materialize
 from dschat.models.loading import load_causal_lm, load_tokenizer
 from dschat.models.lora import inject_lora
 from dschat.utils import dist
+from dschat.utils.errors import run_cli
 from tests.integration.zero3_archs_script import builders
 
 PROMPTS = [
@@ -248,7 +249,14 @@ def tp(workdir: Path) -> None:
         emit(check="lengths", unpin=unpin, new_tokens=int(out.shape[1] - enc["input_ids"].shape[1]), limit=n)
 
 
-if __name__ == "__main__":
+def main() -> None:
     core.init_distributed()
     ROWS.append(Path(sys.argv[2]) / f"rows-rank{dist.rank()}.jsonl")
     {"single": single, "tp": tp}[sys.argv[1]](Path(sys.argv[2]))
+
+
+if __name__ == "__main__":
+    # run_cli ends as the steps do: every rank at a barrier, then the process group torn down. Ended
+    # without it, one rank closed its gloo connections while its peer was still finishing, and the peer
+    # aborted at exit after every check had passed ("terminate called without an active exception", ci65)
+    run_cli(main)

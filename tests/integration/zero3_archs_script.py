@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dschat.engine import core
 from dschat.engine.ds_config import train_ds_config
 from dschat.models.loading import count_parameters, load_causal_lm
+from dschat.utils.errors import run_cli
 
 
 def builders():
@@ -83,4 +84,4 @@ def main(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_cli(lambda: main(sys.argv[1]))  # barrier and teardown at the end, as the steps (hybrid_script)
