@@ -268,6 +268,10 @@ class PPOArgs:
             raise UserError(f"--gamma and --lam must be in [0, 1], got {self.gamma} and {self.lam}")
         if self.kl_target is not None and self.kl_target <= 0:
             raise UserError(f"--kl_target must be > 0, got {self.kl_target}")
+        if self.kl_target is not None and self.kl_coef == 0:
+            # the controller scales the coefficient by a factor per round: from 0 it stays 0
+            raise UserError(f"--kl_target {self.kl_target} with --kl_coef 0: the adaptive controller scales the "
+                            "coefficient, so it would stay 0; give --kl_coef its starting value (> 0)")  # fmt: skip
         self.sampling().validate({"max_new_tokens": "--max_answer_seq_len", "draw": "--sampling_draw"})
         # A filtered sampler draws from a distribution the old, new and reference log-probs do not model
         # (tokens outside the filter keep their probability there): the ratio and the KL would be wrong.

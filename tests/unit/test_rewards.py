@@ -179,6 +179,8 @@ def test_verifier_reward_on_generated_tasks(name):
         (PPOArgs(reward_fn="dschat.tasks.verifier_reward"), "--reward_fn"),
         (PPOArgs(ppo_epochs=0), "--ppo_epochs"),
         (PPOArgs(kl_target=0.0), "--kl_target"),
+        # the adaptive controller multiplies the coefficient: from 0 it never moves
+        (PPOArgs(kl_target=6.0, kl_coef=0.0), "--kl_target 6.0 with --kl_coef 0"),
         (PPOArgs(lam=1.5), "--lam"),
         (RLHFEngineArgs(ema_decay=1.0), "--ema_decay"),
     ],
