@@ -77,8 +77,10 @@ class HybridGenerator:
     ``dtype`` is the inference copy's dtype (default: the training parameters' dtype).
     ``static_cache``: a transformers ``StaticCache`` kept between rounds (default: on GPUs only);
     otherwise a dynamic cache per call.
-    ``measure_logprobs``: on the first ``generate`` call, score the generated tokens with the training
-    forward too and record the largest |log-prob difference| (reported by :meth:`stats`).
+    ``measure_logprobs``: on the first ``generate`` call, and again on the first after the engine's first
+    optimizer step, score the generated tokens with the training forward too and record the largest
+    |log-prob difference| over both (reported by :meth:`stats`). The second look is the one that can see a
+    wrong LoRA merge: a fresh adapter's B is zero, so at the first call the merge adds nothing.
     """
 
     def __init__(
@@ -114,7 +116,8 @@ class HybridGenerator:
         self.copy: InferenceCopy | None = None
         self._model: torch.nn.Module | None = None
         self._caches: dict[int, tuple[object, int]] = {}  # batch -> (cache, length)
-        self._measure_pending = measure_logprobs
+        self.measure_logprobs = measure_logprobs
+        self._measured_at: list[int] = []  # the engine's optimizer step at each measurement
         self._active = False
         self.logprob_diff: dict[str, float] = {}
         self.switches, self.switch_seconds, self.first_switch_seconds = 0, 0.0, 0.0
@@ -282,10 +285,11 @@ class HybridGenerator:
                 generator = self._tp_generator(ids.device)
         # ranks step together only when each forward is collective (the unpinned ZeRO-3 module)
         lockstep = True if (self.copy is None and self.zero3 and dist.world_size() > 1) else None
+        measure = self._wants_measure()
         out = decode(
             self._model, ids, mask, s, eos_token_id=list(self.stop_ids), pad_token_id=tok.pad_token_id,
             cache=self._cache(self._model, ids.shape[0], ids.shape[1] + s.max_new_tokens),
-            generator=generator, lockstep=lockstep, return_logprobs=self._measure_pending, greedy_rows=greedy_rows,
+            generator=generator, lockstep=lockstep, return_logprobs=measure, greedy_rows=greedy_rows,
         )  # fmt: skip
         seq, logprobs = out.sequences, out.logprobs
         if sizes is not None:  # hand this rank its own rows, without the group's extra left padding
@@ -294,10 +298,17 @@ class HybridGenerator:
             cut = ids.shape[1] - p
             seq = seq[first : first + b, cut:]
             logprobs = logprobs[first : first + b] if logprobs is not None else None
-        if self._measure_pending:
-            self._measure_pending = False
+        if measure:
             self._measure(seq, attention_mask, logprobs, input_ids.shape[1])
         return seq
+
+    def _wants_measure(self) -> bool:
+        """Measure at the first call, and at the first after the weights have taken an optimizer step (the
+        same answer on every rank: the step count is)."""
+        if not self.measure_logprobs:
+            return False
+        step = int(getattr(self.engine, "global_steps", 0))
+        return not self._measured_at or (len(self._measured_at) == 1 and step > self._measured_at[0])
 
     def _measure(
         self, seq: torch.Tensor, prompt_mask: torch.Tensor, gen_logprobs: torch.Tensor, p: int
@@ -326,15 +337,19 @@ class HybridGenerator:
         n = float(diff.numel())
         mx = float(diff.max()) if n else 0.0
         total, count = dist.all_reduce_sum([float(diff.sum()), n])
-        self.logprob_diff = {
-            "generation_logprob_max_diff": _all_max(mx),
-            "generation_logprob_mean_diff": total / max(count, 1.0),
-            "generation_logprob_tokens": count,
-        }
+        mx, mean = _all_max(mx), total / max(count, 1.0)
+        step = int(getattr(self.engine, "global_steps", 0))
+        self._measured_at.append(step)
         if dist.is_main():
-            LOG.info("hybrid engine: generation vs training log-probs of %d tokens: max |diff| %.2e, mean %.2e",
-                     int(count), self.logprob_diff["generation_logprob_max_diff"],
-                     self.logprob_diff["generation_logprob_mean_diff"])  # fmt: skip
+            LOG.info("hybrid engine: generation vs training log-probs of %d tokens at optimizer step %d: "
+                     "max |diff| %.2e, mean %.2e", int(count), step, mx, mean)  # fmt: skip
+        before = self.logprob_diff
+        self.logprob_diff = {  # the worse of the measurements
+            "generation_logprob_max_diff": max(mx, before.get("generation_logprob_max_diff", 0.0)),
+            "generation_logprob_mean_diff": max(mean, before.get("generation_logprob_mean_diff", 0.0)),
+            "generation_logprob_tokens": count + before.get("generation_logprob_tokens", 0.0),
+            "generation_logprob_measured_steps": len(self._measured_at),
+        }
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, float | int | str | bool | None]:

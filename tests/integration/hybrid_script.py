@@ -167,6 +167,28 @@ def single(workdir: Path) -> None:
              gather_peak_mb=s["hybrid_gather_peak_mb"], chunked_gather_peak_mb=released.stats()["hybrid_gather_peak_mb"],
              released_copy_numel=sum(p.numel() for p in released.copy.model.parameters()))  # fmt: skip
 
+    # the log-prob check looks again after the first optimizer step: a fresh adapter's B is zero, so only
+    # then can it see a LoRA merge gone wrong (here one at twice the scaling)
+    from dschat.generation import inference_copy
+
+    right = inference_copy.merged_lora_weight
+    for broken in (False, True):
+        if broken:
+            inference_copy.merged_lora_weight = lambda w, a, b, scaling, fan=False: right(w, a, b, 2 * scaling, fan)
+        engine = build_engine(path, tok, stage=0, lora=4, steps=0)
+        gen = HybridGenerator(engine, tok, GREEDY, zero3=False)
+        diffs = []
+        for _ in range(3):  # untrained, after one step, after two (no third look)
+            with gen.generation_mode() as g:
+                g.generate(enc["input_ids"], enc["attention_mask"])
+            diffs.append(gen.stats()["generation_logprob_max_diff"])
+            x = enc["input_ids"]
+            engine.backward(engine(input_ids=x, attention_mask=enc["attention_mask"], labels=x).loss)
+            engine.step()
+        inference_copy.merged_lora_weight = right
+        emit(check="remeasure", broken=broken, max_diffs=diffs,
+             measured_steps=gen.stats()["generation_logprob_measured_steps"])  # fmt: skip
+
     # other architectures (ZeRO-3, fp32) against generate on the plain model they were saved from
     for name, build in builders().items():
         torch.manual_seed(0)

@@ -63,6 +63,16 @@ def test_generation_and_training_log_probs_agree(single):
         assert 1e-5 < r["bf16_logprob_max_diff"] < 0.1, r
 
 
+def test_the_log_prob_check_looks_again_once_lora_has_trained(single):
+    """A fresh adapter's B is zero: the first look cannot see the merge; the look after the first optimizer
+    step sees one at twice the scaling, and a right one still agrees."""
+    runs = {r["broken"]: r for r in single if r["check"] == "remeasure"}
+    assert runs[False]["measured_steps"] == runs[True]["measured_steps"] == 2
+    assert max(runs[False]["max_diffs"]) < 1e-4
+    start, trained, later = runs[True]["max_diffs"]
+    assert start < 1e-4 and trained > 1e-2 and later == trained, runs[True]
+
+
 def test_llama_mistral_qwen2_qwen3_gemma2_opt_gpt2_are_served(single):
     archs = {r["arch"]: r for r in single if r["check"] == "arch"}
     assert set(archs) == {"opt", "gpt2", "qwen2", "mistral", "qwen3", "gemma2"}
