@@ -174,7 +174,9 @@ def single(workdir: Path) -> None:
     right = inference_copy.merged_lora_weight
     for broken in (False, True):
         if broken:
-            inference_copy.merged_lora_weight = lambda w, a, b, scaling, fan=False: right(w, a, b, 2 * scaling, fan)
+            inference_copy.merged_lora_weight = lambda w, a, b, scaling, fan=False: right(
+                w, a, b, 2 * scaling, fan
+            )
         engine = build_engine(path, tok, stage=0, lora=4, steps=0)
         gen = HybridGenerator(engine, tok, GREEDY, zero3=False)
         diffs = []
