@@ -65,9 +65,3 @@ def inject_lora(
 def is_lora_param(name: str) -> bool:
     return "lora_" in name
 
-
-def merged_copy(peft_model_cls_builder, state_dict: dict[str, torch.Tensor]):
-    """Load ``state_dict`` into a fresh peft model built by ``peft_model_cls_builder()`` and merge LoRA."""
-    fresh = peft_model_cls_builder()
-    fresh.load_state_dict(state_dict, strict=True)
-    return fresh.merge_and_unload()
