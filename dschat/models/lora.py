@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from dschat.utils.errors import UserError
@@ -64,4 +63,3 @@ def inject_lora(
 
 def is_lora_param(name: str) -> bool:
     return "lora_" in name
-
