@@ -37,7 +37,10 @@ class RLHFEngineArgs:
         "reference = the LoRA actor with its adapter disabled (needs --actor_lora_dim and --only_optimize_lora)",
     )
     enable_ema: bool = opt(
-        False, "keep an exponential moving average of the actor, saved as OUTPUT_DIR/actor_ema"
+        False,
+        "keep an exponential moving average of the actor, saved as OUTPUT_DIR/actor_ema (with LoRA, of each "
+        "factor, as DeepSpeed-Chat: the export merges EMA(B) @ EMA(A), not EMA(B @ A), which would hold a "
+        "dense copy of every adapted weight)",
     )
     ema_decay: float = opt(0.992, "EMA decay per PPO step")
     enable_hybrid_engine: bool = opt(
