@@ -42,6 +42,10 @@ class HeldOutEval:
     seed: int
     metrics: Any  # MetricsLogger
     timer: Any  # Stopwatch: the time goes to "eval"
+    # rows per generate and per score call: the rollouts' (prompts x samples per round), so evaluating
+    # holds no larger KV cache, logits or reward-model batch than a training round does (it generated 32
+    # rows per call whatever the round's size, and scored a rank's whole slice in one pass)
+    batch_rows: int = 32
 
     @torch.no_grad()
     def __call__(self, step: int) -> dict[str, float]:
@@ -51,7 +55,7 @@ class HeldOutEval:
         with self.timer("eval"):
             actor, tok, fmt = self.actor, self.tokenizer, self.fmt
             mine, weights = rank_slice(self.prompts)  # this rank's slice of the held-out prompts
-            kw = dict(device=actor.device, synced_gpus=self.zero3, fmt=fmt)
+            kw = dict(device=actor.device, synced_gpus=self.zero3, fmt=fmt, batch_size=self.batch_rows)
             # the hybrid engine's fast path, or the plain generator
             with self.generator.generation_mode() as gen:
                 if any(tasks.task_of(p) for p in self.prompts):  # truth known: sampled answers too
@@ -80,10 +84,19 @@ class HeldOutEval:
         """Mean reward (and judge score) of the answers over all ranks (weight 0: a padding repeat).
         Prompt + answer are tokenized as step 2 trained the reward model (no end token)."""
         rows = [p + a for p, a in zip(self.fmt.encode_prompts(prompts), self.fmt.encode_responses(answers))]
-        enc = {k: v.to(self.actor.device) for k, v in pad_right(rows, self.tokenizer.pad_token_id).items()}
-        scores = self.reward.score(prompts, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
-        judged = (self.judge.score(prompts, answers, enc["input_ids"], enc["attention_mask"]).float().cpu()
-                  if self.judge is not None else torch.zeros_like(scores))  # fmt: skip
+        scores, judged = torch.zeros(len(rows)), torch.zeros(len(rows))
+        # every rank's slice is equally long (rank_slice): the calls are as many on every rank (ZeRO-3's
+        # forwards are collective)
+        for s in range(0, len(rows), self.batch_rows):
+            cut = slice(s, s + self.batch_rows)
+            enc = {
+                k: v.to(self.actor.device)
+                for k, v in pad_right(rows[cut], self.tokenizer.pad_token_id).items()
+            }
+            args = (prompts[cut], answers[cut], enc["input_ids"], enc["attention_mask"])
+            scores[cut] = self.reward.score(*args).float().cpu()
+            if self.judge is not None:
+                judged[cut] = self.judge.score(*args).float().cpu()
         w = torch.tensor(weights)
         total, judge_total, n = dist.all_reduce_sum(
             [float((scores * w).sum()), float((judged * w).sum()), float(w.sum())]

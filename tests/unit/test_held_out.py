@@ -1,0 +1,64 @@
+"""dschat.rlhf.held_out: step 3's evaluation needs no more memory than a training round: it generates and
+scores in calls of the rollouts' rows, never all of a rank's held-out prompts (or 32 rows) at once."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from dschat.data.prompt_format import prompt_format
+from dschat.generation.plain import PlainGenerator
+from dschat.generation.sampling import SamplingConfig
+from dschat.rlhf.held_out import HeldOutEval
+from tests.unit.test_ppo_trainer import Engine, micro_llama
+
+
+class CountingGenerator(PlainGenerator):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.rows: list[int] = []
+
+    def generate(self, input_ids, attention_mask, sampling=None, greedy_rows=None):
+        self.rows.append(input_ids.shape[0])
+        return super().generate(input_ids, attention_mask, sampling, greedy_rows)
+
+
+class CountingReward:
+    reads_packed = False
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
+        assert len(prompts) == len(responses) == sequences.shape[0]
+        self.rows.append(sequences.shape[0])
+        return torch.ones(sequences.shape[0])
+
+
+class Log:
+    def log(self, *a, **kw) -> None:
+        pass
+
+
+@pytest.mark.parametrize("task_prompts", [False, True])  # truth known: greedy and sampled rows together
+def test_evaluation_generates_and_scores_in_calls_of_the_rollouts_rows(tokenizer, task_prompts):
+    from dschat import tasks
+
+    if task_prompts:
+        prompts = [e.prompt for e in tasks.generate(["sort"], 10, 0, held_out=True)][:10]
+    else:
+        prompts = [f"Say {i}" for i in range(10)]
+    engine = Engine(micro_llama(len(tokenizer)))
+    sampling = SamplingConfig(max_new_tokens=3)
+    gen = CountingGenerator(engine, tokenizer, sampling, zero3=False)
+    reward = CountingReward()
+    evaluate = HeldOutEval(engine, gen, reward, None, tokenizer, prompt_format(tokenizer), prompts, sampling,
+                           zero3=False, seed=0, metrics=Log(), timer=lambda name: contextlib.nullcontext(),
+                           batch_rows=4)  # fmt: skip
+    out = evaluate(0)
+    assert out["held_out_reward"] == 1.0
+    rows = 20 if task_prompts else 10  # a greedy and a sampled answer per prompt where the truth is known
+    assert sum(gen.rows) == rows and max(gen.rows) == 4
+    assert sum(reward.rows) == 10 and max(reward.rows) == 4
