@@ -199,7 +199,7 @@ class HybridGenerator:
     # ------------------------------------------------------------------ generation
     def _cache(self, model: torch.nn.Module, batch: int, length: int):
         """The KV cache of one generate call: a StaticCache for ``batch`` rows of at least ``length``
-        tokens, kept between rounds; or (``static_cache`` off) None for a dynamic cache, or an fp32
+        tokens, kept between rounds (the last one made only); or (``static_cache`` off) None for a dynamic cache, or an fp32
         dynamic cache for a bf16/fp16 copy on CPU (the attention runs in fp32 there)."""
         if not self.static_cache:
             return decode_cache(model)
@@ -207,6 +207,9 @@ class HybridGenerator:
 
         cache, size = self._caches.get(batch, (None, 0))
         if cache is None or size < length:
+            # one cache at a time: one per batch size seen (the rollouts', an evaluation's last partial
+            # batch) stayed in device memory for the whole run, beyond what the memory plan counts
+            self._caches.clear()
             size = -(-length // 16) * 16
             cache = StaticCache(config=model.config, max_cache_len=size)
             self._caches[batch] = (cache, size)

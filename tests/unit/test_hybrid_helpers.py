@@ -670,3 +670,21 @@ def test_reserved_cache_layer_holds_what_a_dynamic_layer_holds_and_writes_in_pla
         assert type(layer) is reserved_layer_class() and layer._k.shape[-2] == 13
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     assert cache.get_seq_length() == 3
+
+
+def test_the_hybrid_engine_keeps_one_static_cache_whatever_batch_sizes_it_sees():
+    """A StaticCache is allocated per batch size; kept for every size seen (the rollouts', an evaluation's
+    and its last partial batch's), they all stayed in device memory through training."""
+    from transformers import LlamaForCausalLM
+
+    from dschat.generation.hybrid import HybridGenerator
+
+    model = LlamaForCausalLM(build_config("micro-llama"))
+    gen = HybridGenerator.__new__(HybridGenerator)  # the cache policy alone: no engine needed
+    gen.static_cache, gen._caches = True, {}
+    first = gen._cache(model, 8, 40)
+    assert gen._cache(model, 8, 30) is first  # the same rows, no longer: reused
+    gen._cache(model, 3, 40)
+    assert list(gen._caches) == [3]
+    again = gen._cache(model, 8, 40)
+    assert again is not first and list(gen._caches) == [8]
