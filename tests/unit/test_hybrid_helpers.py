@@ -679,7 +679,7 @@ def test_the_hybrid_engine_keeps_one_static_cache_whatever_batch_sizes_it_sees()
 
     from dschat.generation.hybrid import HybridGenerator
 
-    model = LlamaForCausalLM(build_config("micro-llama"))
+    model = LlamaForCausalLM(build_config("micro-llama", vocab_size=64))
     gen = HybridGenerator.__new__(HybridGenerator)  # the cache policy alone: no engine needed
     gen.static_cache, gen._caches = True, {}
     first = gen._cache(model, 8, 40)
