@@ -25,10 +25,15 @@ What is counted (bytes; ``P`` parameters, ``N`` devices in all, ``w`` bytes of t
   With gradient checkpointing only each layer's input (``w b s h``) is kept, plus one layer's
   activations while it is recomputed. The LM head adds ``b s V (w + 4 + 4)``: the logits, their fp32
   copy for the loss and its gradient (``b s V 8`` in fp32).
+* DeepSpeed's gradient-reduction bucket per trained engine under ZeRO-1/2/3 (``reduce_bucket_size``,
+  set to 5e7 elements: ``4 x 5e7`` bytes under ZeRO-1, ``w x 5e7`` under ZeRO-2/3).
 * Step 3: the four models' states, plus the largest of generation (KV cache ``2 L b (p + a) kv w``),
-  the experience pass (forward-only logits ``b (p + a) V (w + 8)``) and the actor's or the critic's
-  training activations. With the frozen trunk shared (below ZeRO-3, the actor's bottom frozen), the
+  the experience pass (forward-only logits ``b (p + a) V (w + 8)``, ``w + 16`` for the actor's, whose
+  entropy is taken too), the actor's training activations (plus an SFT batch's with the PTX term),
+  the critic's, and under ZeRO-3 with the hybrid engine the actor gathered to refill its inference copy.
+  With the frozen trunk shared (below ZeRO-3, the actor's bottom frozen), the
   experience pass also keeps ``w b (p + a) h`` per model that starts from it, the update one of them.
+  ``--enable_ema`` adds ``(4 + w) P`` on the writing rank (CPU RAM).
 * A fixed runtime overhead per process: the CUDA context and allocator slack on a GPU
   (:data:`GPU_RUNTIME_BYTES`, assumed), the Python + torch + transformers + DeepSpeed process on a CPU
   (:data:`CPU_RUNTIME_BYTES`, the measured peak RSS of a step-1 run of a model with almost no weights).
@@ -42,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dschat.engine.ds_config import frozen_stage
+from dschat.engine.ds_config import REDUCE_BUCKET_SIZE, frozen_stage
 from dschat.models.shapes import ModelShape
 
 GIB = 1024**3
@@ -148,6 +153,15 @@ def frozen_states(params: int, largest: int, zero_stage: int, offload: bool, dty
     return 0, dtype_bytes * params
 
 
+def gradient_bucket_bytes(choice: Choice, dtype_bytes: int) -> int:
+    """DeepSpeed's gradient-reduction bucket of one trained engine (``reduce_bucket_size`` elements,
+    :data:`dschat.engine.ds_config.REDUCE_BUCKET_SIZE`): kept for the run under ZeRO-3, allocated for
+    each backward under ZeRO-1/2 (in fp32 under ZeRO-1, which stages the fp32 accumulator there)."""
+    if choice.zero_stage == 0:
+        return 0
+    return REDUCE_BUCKET_SIZE * (4 if choice.zero_stage == 1 else dtype_bytes)
+
+
 # ---------------------------------------------------------------------------------------------- activations
 def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
     """Activations one decoder layer keeps for its backward pass, for a ``batch x seq`` micro-batch."""
@@ -180,9 +194,13 @@ def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) ->
     return 2 * shape.num_layers * batch * seq * shape.kv_dim * dtype_bytes
 
 
-def forward_only_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int, head: str = "lm") -> int:
-    """Peak of a no-grad forward pass: one layer's activations, and the logits with their fp32 log-probs."""
-    head_bytes = batch * seq * shape.vocab_size * (dtype_bytes + 8) if head == "lm" else 4 * batch * seq
+def forward_only_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int, head: str = "lm",
+                       entropy: bool = False) -> int:  # fmt: skip
+    """Peak of a no-grad forward pass: one layer's activations, and the logits with their fp32 log-probs
+    (8 bytes per logit: the fp32 copy and the log-softmax). ``entropy`` (the actor's experience pass): 16,
+    the log-softmax and the entropy's clamped copy, its exp and their product (measured: 16.08 on CPU)."""
+    per_logit = dtype_bytes + (16 if entropy else 8)
+    head_bytes = batch * seq * shape.vocab_size * per_logit if head == "lm" else 4 * batch * seq
     return layer_activation_bytes(shape, batch, seq, dtype_bytes) + head_bytes
 
 
@@ -303,6 +321,8 @@ def estimate_train(work: TrainWorkload, choice: Choice, hw: Hardware) -> Estimat
         )
         if ref > acts:
             parts = {"model states": states, "reference pass": ref}
+    if bucket := gradient_bucket_bytes(choice, work.dtype_bytes):
+        parts["gradient bucket"] = bucket
     return _finish(choice, parts, cpu, hw)
 
 
@@ -325,8 +345,10 @@ class RLHFWorkload:
     critic_trainable_layers: int = 0  # --critic_trainable_layers
     reference: bool = True  # False with --share_reference_with_actor
     reward_model: bool = True  # False with --reward_fn ... --reward_fn_mode replace
-    offload_reference: bool = False  # --offload_reference_model (with ZeRO-3)
-    offload_reward: bool = False  # --offload_reward_model (with ZeRO-3)
+    # --offload_reference_model / --offload_reward_model (with ZeRO-3): True or False where the command
+    # line sets them, None where it does not (the plan's offload choice adds them then)
+    offload_reference: bool | None = None
+    offload_reward: bool | None = None
     critic_trained: bool = True  # False for the critic-free estimators (the critic shape is then unused)
     judge: ModelShape | None = None  # --judge_reward_model: frozen, like the reward model
     reward: ModelShape | None = None  # --reward_model_name_or_path: its own shape (default: the critic's)
@@ -338,41 +360,32 @@ class RLHFWorkload:
     # keeps the actor's training graph through the other models' passes
     one_update_per_round: bool = False
     critic_one_update_per_round: bool = False  # the same for the critic's graph
+    ptx_seq_len: int = 0  # --unsupervised_dataset_name: SFT batches of --max_seq_len tokens (0: no PTX term)
+    gather_layers: int = (
+        0  # --tp_gather_partition_size: decoder layers per gather refilling the copy (0: all)
+    )
+    ema: bool = (
+        False  # --enable_ema: an fp32 average of the actor, and its 16-bit gather, on the writing rank
+    )
 
 
-def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
-    """Peak memory of step 3 under ``choice`` (same stage for actor and critic; offload also moves the
-    ZeRO-3 reference and reward models to CPU, as --offload_reference_model / --offload_reward_model)."""
+def rlhf_phases(work: RLHFWorkload, choice: Choice) -> dict[str, int]:
+    """Step 3's passing phases (bytes beyond the models' states), of which the largest is the peak: the
+    KV cache, the experience passes (the actor's with its entropy), the actor's update (with the PTX
+    term's SFT batch, whose graph is built while the PPO graph is alive), the critic's update, and, with
+    the hybrid engine under ZeRO-3, the actor gathered to refill its inference copy."""
     w, s = work.dtype_bytes, work.prompt_len + work.answer_len
-    stage_of_frozen = frozen_stage(choice.zero_stage)
-    parts: dict[str, int] = {}
-    cpu = 0
-    c, parts["actor states"] = _model(work.actor, "lm", work.actor_lora_dim, work.only_lora, choice, w, hw,
-                                      work.actor_trainable_layers)  # fmt: skip
-    cpu += c
-    if work.critic_trained:
-        c, parts["critic states"] = _model(work.critic, "score", work.critic_lora_dim, work.only_lora, choice, w,
-                                           hw, work.critic_trainable_layers)  # fmt: skip
-        cpu += c
-    for present, name, shape, head, off in (
-        (work.reference, "reference", work.actor, "lm", work.offload_reference),
-        (work.reward_model, "reward model", work.reward or work.critic, "score", work.offload_reward),
-        (work.judge is not None, "judge", work.judge or work.critic, "score", work.offload_reward),
-    ):
-        if present:
-            c, parts[name] = frozen_states(shape.parameters(head), shape.largest_layer_params(head), stage_of_frozen,
-                                           choice.offload or off, w, hw.gpus_per_node, hw.nodes)  # fmt: skip
-            cpu += c
-    if work.inference_copy:  # whole (1/tp of each matrix), kept between rounds
-        parts["inference copy"] = w * work.actor.parameters("lm") // max(work.inference_tp_size, 1)
     gc, rows = choice.gradient_checkpointing, work.generation_batch * work.samples_per_prompt
     phases = {
         "generation (KV cache)": kv_cache_bytes(work.actor, rows, s, w),
-        "experience (forward passes)": forward_only_bytes(work.actor, rows, s, w),
+        "experience (forward passes)": forward_only_bytes(work.actor, rows, s, w, entropy=True),
         "actor training": activation_bytes(
             work.actor, work.training_batch, s, w, gc, "lm", work.actor_trainable_layers
         ),
     }
+    if work.ptx_seq_len:
+        phases["actor training"] += activation_bytes(work.actor, work.training_batch, work.ptx_seq_len, w, gc,
+                                                     "lm", work.actor_trainable_layers)  # fmt: skip
     fused = work.one_update_per_round and choice.zero_stage < 3
     if work.share_frozen_trunk and work.actor_trainable_layers and choice.zero_stage < 3:
         # The experience pass keeps the hidden states (rows, p + a, h) where each model starts from the
@@ -390,6 +403,53 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
                                                      work.critic_trainable_layers)  # fmt: skip
         if work.critic_one_update_per_round and choice.zero_stage < 3:  # the critic's graph, likewise
             phases["experience (forward passes)"] += phases["critic training"]
+    if work.inference_copy and choice.zero_stage == 3:
+        # the refill gathers the partitioned actor whole, or --tp_gather_partition_size layers at a time
+        # (and the embedding or head alone), beside the copy it fills
+        a = work.actor
+        chunk = (max(work.gather_layers * a.layer_params(), a.largest_layer_params("lm")) if work.gather_layers
+                 else a.parameters("lm"))  # fmt: skip
+        phases["hybrid switch (actor gathered)"] = w * min(chunk, a.parameters("lm"))
+    return phases
+
+
+def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
+    """Peak memory of step 3 under ``choice`` (same stage for actor and critic; offload also moves the
+    ZeRO-3 reference and reward models to CPU, as --offload_reference_model / --offload_reward_model,
+    unless the command line says otherwise)."""
+    w = work.dtype_bytes
+    stage_of_frozen = frozen_stage(choice.zero_stage)
+    parts: dict[str, int] = {}
+    cpu = 0
+    c, parts["actor states"] = _model(work.actor, "lm", work.actor_lora_dim, work.only_lora, choice, w, hw,
+                                      work.actor_trainable_layers)  # fmt: skip
+    cpu += c
+    trained = 1
+    if work.critic_trained:
+        c, parts["critic states"] = _model(work.critic, "score", work.critic_lora_dim, work.only_lora, choice, w,
+                                           hw, work.critic_trainable_layers)  # fmt: skip
+        cpu += c
+        trained += 1
+    if bucket := gradient_bucket_bytes(choice, w):
+        parts["gradient buckets"] = trained * bucket
+    for present, name, shape, head, off in (
+        (work.reference, "reference", work.actor, "lm", work.offload_reference),
+        (work.reward_model, "reward model", work.reward or work.critic, "score", work.offload_reward),
+        (work.judge is not None, "judge", work.judge or work.critic, "score", work.offload_reward),
+    ):
+        if present:
+            c, parts[name] = frozen_states(shape.parameters(head), shape.largest_layer_params(head), stage_of_frozen,
+                                           choice.offload if off is None else off, w, hw.gpus_per_node, hw.nodes)  # fmt: skip
+            cpu += c
+    if work.inference_copy:  # whole (1/tp of each matrix), kept between rounds
+        parts["inference copy"] = w * work.actor.parameters("lm") // max(work.inference_tp_size, 1)
+    if work.ema:  # fp32 average plus the gathered 16-bit weights each update: the writing rank's CPU RAM
+        ema = (4 + w) * work.actor.parameters("lm")
+        if hw.on_gpu:
+            cpu += ema
+        else:
+            parts["EMA (writing rank)"] = ema
+    phases = rlhf_phases(work, choice)
     peak = max(phases, key=lambda k: phases[k])
     parts[f"activations: {peak}"] = phases[peak]
     return _finish(choice, parts, cpu, hw)

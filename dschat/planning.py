@@ -225,12 +225,14 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             ppo.max_prompt_seq_len, ppo.max_answer_seq_len, w, actor_lora_dim=loras[0].lora_dim,
             critic_lora_dim=loras[1].lora_dim, only_lora=loras[0].only_optimize_lora, reference=held.reference,
             actor_trainable_layers=model_args[0].trainable_layers, critic_trainable_layers=model_args[1].trainable_layers,
-            reward_model=held.reward_model, offload_reference=eng.offload_reference_model,
-            offload_reward=eng.offload_reward_model, critic_trained=held.critic, judge=judge[2] if judge else None,
+            reward_model=held.reward_model, offload_reference=switch(argv, "--offload_reference_model"),
+            offload_reward=switch(argv, "--offload_reward_model"), critic_trained=held.critic, judge=judge[2] if judge else None,
             samples_per_prompt=ppo.n_samples_per_prompt, inference_copy=held.inference_copy, reward=reward[2] if reward else None,
             inference_tp_size=held.inference_tp_size, share_frozen_trunk=ppo.share_frozen_trunk,
             one_update_per_round=one_update_per_round(ppo, model_args[0], loras[0], zero_stage=0),
             critic_one_update_per_round=one_update_per_round(ppo, model_args[1], loras[1], zero_stage=0),
+            ptx_seq_len=data.max_seq_len if ppo.unsupervised_dataset_name else 0,
+            gather_layers=eng.tp_gather_partition_size, ema=eng.enable_ema,
         )  # fmt: skip
         models = [actor, critic, *([reward] if reward else []), *([judge] if judge else [])]
     fixed = fixed_choice(step, argv)

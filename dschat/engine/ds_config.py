@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+# DeepSpeed's gradient-reduction bucket, in elements. Its default (5e8) is a buffer of 1 GB in bf16 that
+# ZeRO-3 keeps for the whole run on every device of every trained engine, and ZeRO-1/2 allocate for each
+# backward (2 GB under ZeRO-1, in fp32), whatever the model's size; 5e7 keeps messages of 100 MB, large
+# enough for the collectives' bandwidth. The memory plan counts it (dschat.memory.gradient_bucket_bytes).
+REDUCE_BUCKET_SIZE = 50_000_000
+
 
 def train_ds_config(
     *,
@@ -31,6 +37,7 @@ def train_ds_config(
         "stage": zero_stage,
         "overlap_comm": False,
         "contiguous_gradients": True,
+        "reduce_bucket_size": REDUCE_BUCKET_SIZE,
     }
     if zero_stage >= 1 and offload:
         zero["offload_optimizer"] = {"device": device, "pin_memory": False}

@@ -39,7 +39,12 @@ def test_batch_sizes():
 
 def test_stage2_without_offload():
     z = cfg()["zero_optimization"]
-    assert z == {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}
+    assert z == {
+        "stage": 2,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 50_000_000,
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -52,7 +57,12 @@ def test_offload_optimizer_only_when_offload(stage):
 
 def test_stage0_never_offloads():
     z = cfg(zero_stage=0, offload=True)["zero_optimization"]
-    assert z == {"stage": 0, "overlap_comm": False, "contiguous_gradients": True}
+    assert z == {
+        "stage": 0,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 50_000_000,
+    }
 
 
 def test_stage3_without_offload():
@@ -99,7 +109,12 @@ def test_eval_config_drops_optimizer_bits():
     assert c["train_batch_size"] == 32
     assert c["gradient_accumulation_steps"] == 1
     assert c["gradient_clipping"] == 0.0
-    assert c["zero_optimization"] == {"stage": 0, "overlap_comm": False, "contiguous_gradients": True}
+    assert c["zero_optimization"] == {
+        "stage": 0,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 50_000_000,
+    }
     assert c["fp16"]["enabled"] is True
 
 

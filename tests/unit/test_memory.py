@@ -185,7 +185,7 @@ def test_rlhf_estimate_counts_four_models_and_the_largest_phase(small):
     assert e.parts["reference"] == 2 * 2792 and e.parts["reward model"] == 2 * 2000
     phases = [
         M.kv_cache_bytes(small, 4, 3, 2),
-        M.forward_only_bytes(small, 4, 3, 2),
+        M.forward_only_bytes(small, 4, 3, 2, entropy=True),
         M.activation_bytes(small, 2, 3, 2, False, "lm"),
         M.activation_bytes(small, 2, 3, 2, False, "score"),
     ]
@@ -398,10 +398,10 @@ def test_rlhf_estimate_holds_the_actors_graph_through_the_experience_pass_where_
     training = M.activation_bytes(small, 4, 3, 2, False, "lm")
     assert activations(zero0, one_update_per_round=True) == (
         "activations: experience (forward passes)",
-        M.forward_only_bytes(small, 4, 3, 2) + training,
+        M.forward_only_bytes(small, 4, 3, 2, entropy=True) + training,
     )
     assert activations(zero0)[1] == max(
-        training, M.kv_cache_bytes(small, 4, 3, 2), M.forward_only_bytes(small, 4, 3, 2)
+        training, M.kv_cache_bytes(small, 4, 3, 2), M.forward_only_bytes(small, 4, 3, 2, entropy=True)
     )
     assert activations(z3, one_update_per_round=True) == activations(z3)
     # with the shared frozen trunk the actor's own hidden states are not kept: the pass is the update's
@@ -410,7 +410,7 @@ def test_rlhf_estimate_holds_the_actors_graph_through_the_experience_pass_where_
         1
     ]
     frozen_training = M.activation_bytes(small, 4, 3, 2, False, "lm", 1)
-    assert fused == M.forward_only_bytes(small, 4, 3, 2) + 2 * one + frozen_training
+    assert fused == M.forward_only_bytes(small, 4, 3, 2, entropy=True) + 2 * one + frozen_training
 
 
 def test_rlhf_estimate_holds_the_critics_graph_through_the_experience_pass_where_its_round_is_one_update(
@@ -425,7 +425,7 @@ def test_rlhf_estimate_holds_the_critics_graph_through_the_experience_pass_where
         return max(v for k, v in parts.items() if k.startswith("activations"))
 
     zero0, z3 = M.Choice(0, False, False), M.Choice(3, False, False)
-    forward = M.forward_only_bytes(small, 4, 3, 2)
+    forward = M.forward_only_bytes(small, 4, 3, 2, entropy=True)
     actor, critic = (
         M.activation_bytes(small, 4, 3, 2, False, "lm"),
         M.activation_bytes(small, 4, 3, 2, False, "score"),
@@ -465,7 +465,12 @@ def test_a_7b_model_on_8_gpus_of_40_gib_is_planned_with_zero2_not_zero1():
     by_choice = {e.choice: e for e in est}
     zero1, zero2 = by_choice[M.Choice(1, False, False)], by_choice[M.Choice(2, False, False)]
     p = shape.parameters()
-    assert zero1.device - zero2.device == 2 * p - 2 * p // 8
+    assert zero1.parts["model states"] - zero2.parts["model states"] == 2 * p - 2 * p // 8
+    # and ZeRO-1's gradient bucket is fp32 (it stages the fp32 accumulator), ZeRO-2's bf16
+    assert (zero1.parts["gradient bucket"], zero2.parts["gradient bucket"]) == (
+        4 * 50_000_000,
+        2 * 50_000_000,
+    )
     chosen, _ = M.plan(est, hw)
     assert chosen.choice == M.Choice(2, False, False)
 
@@ -483,3 +488,88 @@ def test_when_nothing_fits_the_reason_names_the_memory_that_is_short():
     gpu_short = M.Estimate(M.Choice(0, False, False), device=9 * M.GIB, cpu_node=1 * M.GIB)
     chosen, reason = M.plan([gpu_short], hw)
     assert reason.startswith("nothing fits 8.00 GiB per GPU") and "the closest needs 9.00 GiB" in reason
+
+
+# ---------------------------------------------------------------- what step 3 holds that the plan missed
+def test_explicit_no_offload_keeps_the_frozen_models_on_the_device(small):
+    """--no_offload_reference_model / --no_offload_reward_model win over the plan's offload choice, as the
+    flags the plan adds do (it never adds one the command line sets): the estimate kept them on the CPU."""
+    from dschat.config import DataArgs, LoraArgs, ModelArgs, PPOArgs, RLHFEngineArgs
+
+    hw = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    z3_offload = M.Choice(3, True, False)
+    kept = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, offload_reference=False,
+                                          offload_reward=False), z3_offload, hw)  # fmt: skip
+    moved = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2), z3_offload, hw)
+    assert kept.parts["reference"] == 2 * 800 + 2 * 2792 and moved.parts["reference"] == 2 * 800
+    assert kept.parts["reward model"] == 2 * 800 + 2 * 2000 and moved.parts["reward model"] == 2 * 800
+
+    m = ModelArgs(model_name_or_path="builtin:micro-llama", dropout=0.0)
+    groups = (m, m, LoraArgs(), LoraArgs(), DataArgs(), RLHFEngineArgs(), PPOArgs())
+    cpu = M.Hardware(gpus_per_node=1, on_gpu=False, cpu_node_bytes=8 * M.GIB)
+    work = P.make_plan(3, groups, ["--no_offload_reference_model"], cpu).workload
+    assert (work.offload_reference, work.offload_reward) == (False, None)
+
+
+def test_the_actors_experience_pass_counts_the_entropys_temporaries(small):
+    """The entropy of the rollouts' distribution takes 16 bytes per logit beyond the logits (log-softmax,
+    its clamped copy, exp and product), not the 8 of a log-prob pass: (b, s, V) = (4, 3, 100) in bf16."""
+    layer = M.layer_activation_bytes(small, 4, 3, 2)
+    assert M.forward_only_bytes(small, 4, 3, 2) == layer + 4 * 3 * 100 * (2 + 8)
+    assert M.forward_only_bytes(small, 4, 3, 2, entropy=True) == layer + 4 * 3 * 100 * (2 + 16)
+    phases = M.rlhf_phases(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2), M.Choice(0, False, False))
+    assert phases["experience (forward passes)"] == layer + 4 * 3 * 100 * 18
+
+
+def test_the_ptx_terms_sft_batch_adds_to_the_actors_update(small):
+    """--unsupervised_dataset_name: the SFT batch's graph (training batch x --max_seq_len) is built while
+    the PPO loss's is alive."""
+    zero0 = M.Choice(0, False, False)
+    plain = M.rlhf_phases(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2), zero0)
+    ptx = M.rlhf_phases(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, ptx_seq_len=7), zero0)
+    assert ptx["actor training"] == plain["actor training"] + M.activation_bytes(small, 2, 7, 2, False, "lm")
+
+
+def test_the_hybrid_engines_refill_under_zero3_gathers_the_actor(small):
+    """Refilling the inference copy gathers the partitioned actor: whole (2792 parameters in bf16), or
+    --tp_gather_partition_size layers at a time (one layer, 592, is below the embedding's 800)."""
+    z3, zero0 = M.Choice(3, False, False), M.Choice(0, False, False)
+    work = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, inference_copy=True)
+    assert M.rlhf_phases(work, z3)["hybrid switch (actor gathered)"] == 2 * 2792
+    chunked = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, inference_copy=True, gather_layers=1)
+    assert M.rlhf_phases(chunked, z3)["hybrid switch (actor gathered)"] == 2 * 800
+    assert "hybrid switch (actor gathered)" not in M.rlhf_phases(work, zero0)  # whole weights: no gather
+
+
+def test_the_ema_is_counted_on_the_writing_ranks_memory(small):
+    """--enable_ema: an fp32 average (4P) and the 16-bit gather of each update (2P) on the writing rank."""
+    zero0 = M.Choice(0, False, False)
+    gpu = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    base = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2), zero0, gpu)
+    ema = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, ema=True), zero0, gpu)
+    assert ema.cpu_node - base.cpu_node == 6 * 2792 and ema.device == base.device
+    cpu = M.Hardware(gpus_per_node=2, on_gpu=False, cpu_node_bytes=8 * M.GIB)
+    on_cpu = M.estimate_rlhf(M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, ema=True), zero0, cpu)
+    assert on_cpu.parts["EMA (writing rank)"] == 6 * 2792
+
+
+def test_deepspeeds_gradient_bucket_is_counted_per_trained_engine(small):
+    """reduce_bucket_size (5e7 elements, set in every training config) per trained engine: none at ZeRO-0,
+    fp32 at ZeRO-1, the training dtype at ZeRO-2/3."""
+    from dschat.engine.ds_config import REDUCE_BUCKET_SIZE, train_ds_config
+
+    cfg = train_ds_config(
+        zero_stage=3, dtype="bf16", micro_batch_size=1, gradient_accumulation_steps=1, world_size=1
+    )
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == REDUCE_BUCKET_SIZE == 50_000_000
+    gpu = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    work = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2)
+    assert "gradient buckets" not in M.estimate_rlhf(work, M.Choice(0, False, False), gpu).parts
+    assert (
+        M.estimate_rlhf(work, M.Choice(1, False, False), gpu).parts["gradient buckets"] == 2 * 4 * 50_000_000
+    )
+    assert (
+        M.estimate_rlhf(work, M.Choice(3, False, False), gpu).parts["gradient buckets"] == 2 * 2 * 50_000_000
+    )
+    rloo = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, critic_trained=False)
+    assert M.estimate_rlhf(rloo, M.Choice(2, False, False), gpu).parts["gradient buckets"] == 2 * 50_000_000
