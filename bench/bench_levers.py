@@ -34,7 +34,6 @@ measured at the start of this run. Attention-score FLOPs (under 7% at 256 tokens
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import subprocess
 import sys
@@ -48,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_step1 import matmul_peak  # noqa: E402
+from mfu import flops_per_token, matmul_peak, model_shape, steady_rates  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 STEP1 = ROOT / "training" / "step1_supervised_finetuning" / "main.py"
@@ -73,34 +72,6 @@ LEVERS: dict[str, tuple[int, list[str], object]] = {
     "rm_top8_bf16_grouped_shared": (2, ["--share_prompt", "--dtype", "bf16", "--trainable_layers", "8", "--group_by_length"], 8),
     "rm_top8_fp32_grouped_shared": (2, ["--share_prompt", "--dtype", "fp32", "--trainable_layers", "8", "--group_by_length"], 8),
 }  # fmt: skip
-
-
-def model_shape(model: str) -> dict[str, int]:
-    """Layers, parameters per decoder layer and the LM head's size, from the model's config."""
-    from dschat.models.shapes import load_model_config, shape_from_config
-
-    s = shape_from_config(load_model_config(model, "--model")[0])
-    kv = s.num_kv_heads * s.head_dim
-    attn = s.hidden_size * (s.num_heads * s.head_dim) * 2 + s.hidden_size * kv * 2
-    mlp = s.hidden_size * s.intermediate_size * (3 if s.gated_mlp else 2)
-    return {"layers": s.num_layers, "per_layer": attn + mlp, "head": s.vocab_size * s.hidden_size,
-            "hidden": s.hidden_size}  # fmt: skip
-
-
-def flops_per_token(shape: dict[str, int], step: int, trains: object, target_fraction: float = 1.0) -> float:
-    """Model FLOPs per token of one training step (see the module docstring), without recomputation.
-    ``target_fraction``: step 1's share of tokens that are answer tokens, the only rows its fused loss
-    runs the LM head on."""
-    n_layers, per_layer = shape["layers"], shape["per_layer"]
-    # the reward model's head is hidden x 1 on every token; step 1's the vocabulary, on the targets alone
-    head = shape["head"] * target_fraction if step == 1 else shape["hidden"]
-    forward = 2 * (n_layers * per_layer + head)
-    if trains == "all":
-        return forward + 4 * n_layers * per_layer + 2 * head  # (the tied head's weight gradient aside)
-    if isinstance(trains, tuple):  # LoRA: input gradients through every layer LoRA sits in or above
-        k = trains[1] or n_layers
-        return forward + 2 * k * per_layer + 2 * head
-    return forward + 4 * int(trains) * per_layer + 2 * head  # weight + input gradients of the top K
 
 
 # each step's levers against that step's plain run: step 2's tokens are preference pairs, not SFT rows, so
@@ -144,31 +115,6 @@ def run(model: str, lever: str, steps: int, batch: int, max_seq_len: int) -> dic
     return {"lever": lever, "step": step, "dtype": summary["dtype"], "steps": summary["steps"],
             **steady_rates([r for r in rows if r["split"] == "train"]),
             "wall_seconds": time.perf_counter() - t0, "padding_fraction": summary.get("padding_fraction")}  # fmt: skip
-
-
-def steady_rates(train: list[dict]) -> dict[str, float]:
-    """Real and computed tokens/s over the logged windows after the first (which warms allocators and
-    kernels): their tokens over their seconds, not the mean of per-window rates (windows differ in size),
-    and step 1's token-weighted ``target_fraction``. Each row's window: its cumulative ``tokens`` less
-    the previous row's, over ``tokens_per_sec``."""
-    tokens = [b["tokens"] - a["tokens"] for a, b in itertools.pairwise(train)]
-    steady = train[1:]
-    if not steady:  # one window: it is all there is
-        tokens, steady = [train[0]["tokens"]], train
-    seconds = [n / max(r["tokens_per_sec"], 1e-9) for n, r in zip(tokens, steady, strict=True)]
-    computed = sum(
-        r.get("computed_tokens_per_sec", r["tokens_per_sec"]) * s
-        for r, s in zip(steady, seconds, strict=True)
-    )
-    out = {
-        "real_tokens_per_sec": sum(tokens) / sum(seconds),
-        "computed_tokens_per_sec": computed / sum(seconds),
-    }
-    if all("target_fraction" in r for r in steady):
-        out["target_fraction"] = sum(
-            r["target_fraction"] * n for r, n in zip(steady, tokens, strict=True)
-        ) / sum(tokens)
-    return out
 
 
 def main() -> None:

@@ -6,8 +6,10 @@
 
 Each configuration runs the real step-1 entry (``deepspeed.initialize``, real data pipeline) for
 ``--steps`` optimizer steps and reads its ``summary.json``. Throughput counts real (non-padding)
-tokens. MFU = 6 x parameters x tokens/s / peak, where the peak is the matmul rate measured here in
-the training dtype (about 180 GFLOP/s fp32 and 750 GFLOP/s bf16 on the 2-core CPU machines; 744-777
+tokens. MFU = model FLOPs per token (``mfu.flops_per_token``, as bench_levers counts them: forward and
+backward through every layer, the LM head on the answer tokens alone) x tokens/s / peak (it was
+6 x parameters, which counted the embedding and the head on every token: +16-20% for SmolLM2), where the
+peak is the matmul rate measured here in the training dtype (about 180 GFLOP/s fp32 and 750 GFLOP/s bf16 on the 2-core CPU machines; 744-777
 TFLOP/s bf16 measured on the lent H100s, against its 990 dense on paper). Each result also carries the
 evaluation loss before and after and ``learned`` (it fell by at least 1%): a throughput counts only for
 a run that learned.
@@ -20,7 +22,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -28,28 +29,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
+from mfu import flops_per_token, matmul_peak, model_shape, steady_rates  # noqa: E402
+
 from dschat.engine.core import resolve_dtype  # noqa: E402
 
 SHARED_SFT = ROOT.parent / "shared" / "data" / "sft" / "train.jsonl"
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
-    """Best observed FLOP/s of an n x n matmul in ``dtype`` on this device."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cuda":
-        n = 8192
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    best = float("inf")
-    for _ in range(reps):
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        a @ b
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def learning(summary: dict) -> dict:
@@ -85,18 +71,25 @@ def run_one(
             }
         summary = json.loads((Path(out) / "summary.json").read_text())
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["split"] == "train"]
-    # Skip the first logged window (allocator and kernel warm-up) when there is more than one.
-    steady = train_rows[1:] if len(train_rows) > 1 else train_rows
-    tps = sum(r["tokens_per_sec"] for r in steady) / len(steady)
+    return result(model, summary, rows, model_shape(model))
+
+
+def result(model: str, summary: dict, rows: list[dict], shape: dict[str, int]) -> dict:
+    """One model's line: steady real tokens/s (the windows after the first, their tokens over their
+    seconds) and the model FLOPs per token that bench_levers counts for full fine-tuning (the fused loss
+    runs the LM head on the answer tokens alone, the log's ``target_fraction``)."""
+    rates = steady_rates([r for r in rows if r["split"] == "train"])
+    flops = flops_per_token(shape, 1, "all", rates.get("target_fraction", 1.0))
     return {
         "model": model,
         "parameters": summary["parameters"],
         "dtype": summary["dtype"],
         "steps": summary["steps"],
-        "tokens_per_sec_steady": tps,
+        "tokens_per_sec_steady": rates["real_tokens_per_sec"],
         "tokens_per_sec_whole_run": summary["train_tokens_per_sec"],
-        "model_tflops_per_sec": 6 * summary["parameters"] * tps / 1e12,
+        "target_fraction": rates.get("target_fraction"),
+        "model_gflops_per_token": flops / 1e9,
+        "model_tflops_per_sec": flops * rates["computed_tokens_per_sec"] / 1e12,
         **learning(summary),
     }
 
@@ -113,7 +106,7 @@ def main() -> None:
     args, extra = p.parse_known_args()
     if args.steps < 1:  # 0 would mean "all epochs" to step 1, and the benchmark asks for 1000 of them
         p.error(f"--steps {args.steps}: must be at least 1")
-    # its MFU counts 6 FLOPs per parameter and token: a backward through every layer
+    # its MFU counts a backward through every layer
     frozen = [
         a for a in extra if a.split("=")[0] in ("--trainable_layers", "--lora_dim", "--only_optimize_lora")
     ]
@@ -128,8 +121,8 @@ def main() -> None:
         r = run_one(
             m, args.steps, args.batch, args.accum, args.data, args.max_seq_len, ["--dtype", dtype, *extra]
         )
-        if "tokens_per_sec_steady" in r:
-            r["mfu"] = 6 * r["parameters"] * r["tokens_per_sec_steady"] / peak
+        if "model_tflops_per_sec" in r:
+            r["mfu"] = r["model_tflops_per_sec"] * 1e12 / peak
         results.append(r)
     print(json.dumps({
         "benchmark": "step1_sft_throughput",

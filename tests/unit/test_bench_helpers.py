@@ -226,25 +226,46 @@ def test_the_dpo_benchmarks_loss_flags_reach_its_dpo_run(tmp_path, monkeypatch, 
 def test_lever_throughput_is_tokens_over_seconds_not_a_mean_of_window_rates():
     """After the warm-up window: 100 tokens at 100/s (1 s), then 100 tokens at 25/s (4 s): 200 tokens in
     5 s is 40 tokens/s, where the mean of the two rates says 62.5."""
-    import bench_levers
+    import mfu
 
     rows = [{"tokens": 50, "tokens_per_sec": 10.0}, {"tokens": 150, "tokens_per_sec": 100.0},
             {"tokens": 250, "tokens_per_sec": 25.0, "computed_tokens_per_sec": 50.0}]  # fmt: skip
-    out = bench_levers.steady_rates(rows)
+    out = mfu.steady_rates(rows)
     assert out["real_tokens_per_sec"] == pytest.approx(200 / 5)
     assert out["computed_tokens_per_sec"] == pytest.approx((100 * 1 + 50 * 4) / 5)
     rows = [{**r, "target_fraction": f} for r, f in zip(rows, (0.9, 0.5, 0.3), strict=True)]
-    assert bench_levers.steady_rates(rows)["target_fraction"] == pytest.approx(0.4)
+    assert mfu.steady_rates(rows)["target_fraction"] == pytest.approx(0.4)
 
 
 def test_step_1s_lm_head_flops_count_its_answer_tokens_only():
     """Hand count: 2 layers of 10 parameters, a head of 100, top-1 layer trained, 30% answer tokens:
     forward 2 * (20 + 30), backward 4 * 10 + 2 * 30 (the head's input gradient, on the answers)."""
-    import bench_levers
+    import mfu
 
     shape = {"layers": 2, "per_layer": 10, "head": 100, "hidden": 4}
-    assert bench_levers.flops_per_token(shape, 1, 1, target_fraction=0.3) == pytest.approx(100 + 40 + 60)
-    assert bench_levers.flops_per_token(shape, 2, 1) == pytest.approx(2 * (20 + 4) + 40 + 2 * 4)
+    assert mfu.flops_per_token(shape, 1, 1, target_fraction=0.3) == pytest.approx(100 + 40 + 60)
+    assert mfu.flops_per_token(shape, 2, 1) == pytest.approx(2 * (20 + 4) + 40 + 2 * 4)
+
+
+def test_the_step1_benchmark_counts_its_rates_and_flops_as_the_levers_benchmark():
+    """bench_step1's MFU counted 6 x parameters per token (the embedding, and the head on every token) and
+    averaged the windows' rates; it counts what bench_levers counts now: 200 tokens in 5 s after the
+    warm-up window, full fine-tuning with 40% answer tokens."""
+    import bench_step1
+    import mfu
+
+    shape = {"layers": 2, "per_layer": 10, "head": 100, "hidden": 4}
+    rows = [{"split": "train", "tokens": 50, "tokens_per_sec": 10.0, "target_fraction": 0.9},
+            {"split": "eval", "loss": 1.0},
+            {"split": "train", "tokens": 150, "tokens_per_sec": 100.0, "target_fraction": 0.5},
+            {"split": "train", "tokens": 250, "tokens_per_sec": 25.0, "target_fraction": 0.3}]  # fmt: skip
+    summary = {"parameters": 1000, "dtype": "bf16", "steps": 3, "train_tokens_per_sec": 30.0}
+    r = bench_step1.result("m", summary, rows, shape)
+    assert r["tokens_per_sec_steady"] == pytest.approx(40.0)
+    flops = mfu.flops_per_token(shape, 1, "all", 0.4)
+    assert flops == pytest.approx(2 * (20 + 40) + 4 * 20 + 2 * 40)
+    assert r["model_gflops_per_token"] == pytest.approx(flops / 1e9)
+    assert r["model_tflops_per_sec"] == pytest.approx(flops * 40.0 / 1e12)
 
 
 def test_the_hh_halves_keep_each_conversation_in_one_half():
