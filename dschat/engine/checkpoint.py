@@ -27,7 +27,7 @@ import torch
 
 from dschat.utils import dist
 from dschat.utils.errors import UserError
-from dschat.utils.io import atomic_save_tensors, atomic_write_text, replace_dir, usual_mode
+from dschat.utils.io import INCOMPLETE_EXPORT, atomic_save_tensors, atomic_write_text, replace_dir, usual_mode
 
 LOG = logging.getLogger("dschat")
 TAG_RE = re.compile(r"^step(\d+)$")
@@ -286,10 +286,13 @@ def write_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor] | Non
                 (tmp / name).write_text(text)
             files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
             new = {f.name for f in files}
+            marker = out_dir / INCOMPLETE_EXPORT
+            marker.write_text("an export is moving its files in; a directory with this file is incomplete\n")
             for f in files:
                 usual_mode(f)
                 if f.name == "config.json":  # last: before it, what an earlier export left and this one lacks
                     remove_stale_model_files(out_dir, keep=new)
                 os.replace(f, out_dir / f.name)
+            marker.unlink()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

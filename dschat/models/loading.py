@@ -23,6 +23,7 @@ from dschat.models import builtin, gguf
 from dschat.models.attention import use_fast_attention
 from dschat.models.layers import contiguous_head_input
 from dschat.utils.errors import UserError, first_line
+from dschat.utils.io import INCOMPLETE_EXPORT
 
 LOG = logging.getLogger("dschat")
 
@@ -36,6 +37,9 @@ def read_config_json(path: str, flag: str = "") -> dict | None:
     """A model directory's ``config.json`` as a dict; None where there is none. A file that is not a JSON
     object (truncated by an interrupted save, say) is one line naming it."""
     cfg_path = Path(path) / "config.json"
+    if (Path(path) / INCOMPLETE_EXPORT).exists():
+        raise UserError(f"{flag + ' ' if flag else ''}{path}: an export into it was interrupted (its model files "
+                        "are partly new, partly old): rerun the step with --resume, or export the model again")  # fmt: skip
     if not cfg_path.is_file():
         return None
     try:

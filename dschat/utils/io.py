@@ -59,6 +59,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+# Stands in a model directory while an export moves its files in one by one (the directory holds a run's
+# own files too, so it cannot be swapped whole): a directory with it is half old, half new, and the loaders
+# refuse it (dschat.models.loading.read_config_json).
+INCOMPLETE_EXPORT = ".export-in-progress"
+
+
 def replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
     """Move a fully written ``tmp_dir`` to ``final_dir``, replacing an older ``final_dir``.
 

@@ -160,3 +160,33 @@ def test_exported_and_cached_weights_are_readable_as_any_written_file(tmp_path):
         os.umask(mask)
     for f in [*(tmp_path / "out").iterdir(), *(tmp_path / "cache-entry").iterdir()]:
         assert f.stat().st_mode & 0o777 == 0o644, f
+
+
+def test_an_export_killed_while_its_files_move_in_is_refused_by_the_loaders(tmp_path, monkeypatch):
+    """The files of an export move into the directory one by one (it holds the run's own files too, so it
+    cannot be swapped whole): killed between two moves, the new weights sat beside the old config.json
+    and loaded as a model. A marker stands in the directory while they move; loading it is one line."""
+    from dschat.engine import checkpoint
+    from dschat.models.loading import load_config
+    from dschat.utils.errors import UserError
+
+    model = _model("causal", tied=False, dtype=torch.float32)
+    out = tmp_path / "out"
+    write_hf_model(model, gather_full_state_dict(model), None, out)
+    load_config(str(out))  # a finished export loads
+    real, moved = checkpoint.os.replace, []
+
+    def killed_after_one(src, dst):
+        if moved:
+            raise KeyboardInterrupt  # the process ends here
+        moved.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        write_hf_model(model, gather_full_state_dict(model), None, out)
+    monkeypatch.setattr(checkpoint.os, "replace", real)
+    with pytest.raises(UserError, match=r"^--model_name_or_path .*out: an export into it was interrupted"):
+        load_config(str(out))
+    write_hf_model(model, gather_full_state_dict(model), None, out)  # the next export completes it
+    load_config(str(out))
