@@ -128,12 +128,18 @@ class PPOTrainer:
 
     def progress(self) -> dict[str, Any]:
         """The run's time per phase and generated tokens so far: saved with each checkpoint, so that a
-        resumed run's summary counts the whole run's throughput, not the resumed part's."""
-        return {"timing": dict(self.timing), "generated_tokens": self.generated_tokens}
+        resumed run's summary counts the whole run's throughput, not the resumed part's. Collective: the
+        tokens are every rank's (the checkpoint keeps the writing rank's copy of this, and every rank
+        resumes from it)."""
+        (total,) = dist.all_reduce_sum([self.generated_tokens])
+        return {"timing": dict(self.timing), "generated_tokens_all_ranks": total}
 
     def load_progress(self, saved: dict[str, Any]) -> None:
         self.timing.update(saved["timing"])
-        self.generated_tokens = float(saved["generated_tokens"])
+        if "generated_tokens_all_ranks" in saved:  # each rank its share: the summary sums them again
+            self.generated_tokens = float(saved["generated_tokens_all_ranks"]) / dist.world_size()
+        else:  # a checkpoint of an earlier dschat: the writing rank's own count
+            self.generated_tokens = float(saved["generated_tokens"])
 
     def log_row(self, w: dict[str, float]) -> dict[str, float]:
         """The train-split log row of a window of rounds (``w``: :class:`dschat.trainer.MetricWindow` sums

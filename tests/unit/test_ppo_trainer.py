@@ -637,3 +637,29 @@ def test_rounds_with_a_frozen_actor_read_no_ptx_batches(monkeypatch):
         step3.ppo_round(o, Trainer(), m, batch, [], rounds, state, MetricWindow(), pad_id=0)
     # two frozen rounds of two minibatches, then the first trained round reads the first two SFT batches
     assert seen == [(False, None)] * 4 + [(True, 0), (True, 1)]
+
+
+def _resumed_token_total(rank: int) -> float:
+    """Rank r generated 10 + 20 r tokens; the checkpoint keeps the writing rank's (rank 0's) client state,
+    and every rank resumes from that copy. The summary sums the ranks' counts."""
+    from types import SimpleNamespace
+
+    import torch.distributed as torch_dist
+
+    from dschat.utils import dist
+
+    me = SimpleNamespace(timing={"generation": 1.0}, generated_tokens=10.0 + 20.0 * rank)
+    saved = PPOTrainer.progress(me)  # every rank saves; only rank 0's copy is kept
+    kept = [None, None]
+    torch_dist.all_gather_object(kept, saved)
+    resumed = SimpleNamespace(timing={"generation": 0.0}, generated_tokens=0.0)
+    PPOTrainer.load_progress(resumed, kept[0])
+    return dist.all_reduce_sum([resumed.generated_tokens])[0]
+
+
+def test_a_resumed_run_counts_every_ranks_generated_tokens():
+    """Every rank restored rank 0's count, so a resumed two-rank run's summary counted 2 x 10 tokens where
+    the ranks had generated 10 + 30."""
+    from tests.unit.gloo import on_two_ranks
+
+    assert on_two_ranks(_resumed_token_total) == {0: 40.0, 1: 40.0}
