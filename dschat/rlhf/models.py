@@ -286,4 +286,5 @@ def make_trainer(o: RLHFOptions, m: Models, generator, tokenizer) -> PPOTrainer:
                      generation_batches=ppo.generation_batches, one_update_per_round=C.one_update_per_round(o.ppo, o.actor, o.actor_lora, o.actor_ds.zero_stage),
                      critic_one_update_per_round=C.one_update_per_round(o.ppo, o.critic, o.critic_lora, o.critic_ds.zero_stage))  # fmt: skip
     return PPOTrainer(actor=m.actor, reference=m.reference, critic=m.critic, reward_source=m.reward,
-                      generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=m.judge)  # fmt: skip
+                      generator=generator, tokenizer=tokenizer, hyper=hyper, kl_ctl=kl_ctl, judge=m.judge,
+                      after_actor_step=(lambda: m.ema.update(m.actor.module)) if m.ema is not None else None)  # fmt: skip

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -94,7 +94,8 @@ class PPOTrainer:
     """``make_experience(prompts) -> Experience`` and ``train(experience) -> metrics``.
 
     ``reference`` is an engine, or None when the reference is the LoRA actor with its adapter
-    disabled (``--share_reference_with_actor``). ``critic`` is None with the critic-free advantage
+    disabled (``--share_reference_with_actor``). ``after_actor_step`` runs after each of the actor's
+    optimizer steps (a skipped minibatch takes none). ``critic`` is None with the critic-free advantage
     estimators (``rloo``, ``group_norm``, ``dr_grpo``).
     """
 
@@ -110,11 +111,15 @@ class PPOTrainer:
         hyper: PPOHyper,
         kl_ctl,
         judge=None,
+        after_actor_step: Callable[[], None] | None = None,
     ) -> None:
         self.actor, self.reference, self.critic = actor, reference, critic
         self.reward_source, self.generator, self.tokenizer = reward_source, generator, tokenizer
         self.judge = judge  # a second reward source scored beside the reward, never optimised
         self.hyper, self.kl_ctl = hyper, kl_ctl
+        # run after each optimizer step of the actor, never after a skipped one (the EMA: an average per
+        # step, as --ema_decay says)
+        self.after_actor_step = after_actor_step
         self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
         self.generated_tokens = 0.0
         self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
@@ -611,6 +616,8 @@ class PPOTrainer:
             out["ptx_loss"] = float(ptx.detach())
         self.actor.backward(actor_loss)
         self.actor.step()
+        if self.after_actor_step is not None:
+            self.after_actor_step()
         out.update(
             {
                 "policy_loss": float(pg_loss.detach()),

@@ -663,3 +663,24 @@ def test_a_resumed_run_counts_every_ranks_generated_tokens():
     from tests.unit.gloo import on_two_ranks
 
     assert on_two_ranks(_resumed_token_total) == {0: 40.0, 1: 40.0}
+
+
+def test_the_actor_step_hook_runs_after_each_optimizer_step_and_not_after_a_skipped_one(tokenizer):
+    """--enable_ema averages the actor after each of its optimizer steps (the hook the step passes): it
+    was updated after every minibatch, a skipped one too (--filter_uniform_groups), so it moved towards
+    unchanged weights and decayed faster than --ema_decay says."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    engine, calls = AdamEngine(actor), []
+
+    def make(scores):
+        t = trainer(engine, Engine(reference), tokenizer, temperature=1.0, scores=FixedScores(scores),
+                    advantage_estimator="group_norm", filter_uniform_groups=True)  # fmt: skip
+        t.after_actor_step = lambda: calls.append(engine.steps)
+        return t
+
+    torch.manual_seed(5)
+    mixed = make([1.0, 0.0, 0.0, 2.0])
+    mixed.train(mixed.make_experience(*prompts(tokenizer))[0])
+    uniform = make([1.0, 1.0, 3.0, 3.0])
+    assert uniform.train(uniform.make_experience(*prompts(tokenizer))[0]) == {"skipped_actor_updates": 1.0}
+    assert calls == [1]  # after the one step taken, after it

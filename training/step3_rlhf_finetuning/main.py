@@ -196,8 +196,6 @@ def ppo_round(o: RLHFOptions, trainer: PPOTrainer, m: Models, batch: dict, buffe
                 unsup = {k: v.to(device) for k, v in next(rounds.unsup).items()} if ptx else None
                 stats = trainer.train(collected.slice(s, s + mb), unsup, train_actor=train_actor)
                 window.add(updates=1, actor_updates=float("policy_loss" in stats), **stats)
-                if m.ema is not None:
-                    m.ema.update(m.actor.module)
     return round_kl / max(round_rows, 1.0), int(round_rows)
 
 
