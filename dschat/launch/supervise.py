@@ -230,9 +230,31 @@ def _run(cmd: list[str], log_path: Path, append: bool, env: dict, local: bool) -
 STOP_GRACE_SECONDS = 10.0
 
 
-def stop_group(pgid: int, grace: float = STOP_GRACE_SECONDS) -> None:
+def stop_group(pgid: int, grace: float | None = None) -> None:
     """Stop every process of group ``pgid``: SIGINT (a rank's Ctrl-C, so it can clean up), then SIGTERM,
-    then SIGKILL, each after ``grace`` seconds in which some process of the group is still alive."""
+    then SIGKILL, each after ``grace`` seconds (:data:`STOP_GRACE_SECONDS`) in which some process of the
+    group is still alive. A second Ctrl-C (or SIGTERM, SIGHUP) meanwhile is ignored: raised in here, it
+    ended the escalation before SIGTERM, and a rank blocked in a collective, deaf to SIGINT, trained on."""
+    grace = STOP_GRACE_SECONDS if grace is None else grace
+    with _signals_ignored():
+        _escalate(pgid, grace)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _escalate(pgid: int, grace: float) -> None:
     import time
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
@@ -253,8 +275,8 @@ def stop_group(pgid: int, grace: float = STOP_GRACE_SECONDS) -> None:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM (``kill``, ``timeout``, a scheduler) stops the step like Ctrl-C does, instead of ending
-    train.py at once and leaving the step's processes running."""
+    """SIGTERM (``kill``, ``timeout``, a scheduler) and SIGHUP stop the step like Ctrl-C does, instead of
+    ending train.py at once and leaving the step's processes running."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -262,8 +284,10 @@ def _terminate_as_interrupt():
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # SIGHUP too: a dropped ssh session hangs up train.py, whose ranks run in a session of their own
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -286,6 +286,37 @@ def test_stopping_train_py_stops_the_steps_whole_process_tree(tmp_path, signum):
         assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.parametrize(
+    "signals",
+    [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM), (signal.SIGHUP,)],
+    ids=["INT-twice", "TERM-twice", "HUP"],
+)
+def test_a_second_interrupt_or_a_hangup_still_stops_a_rank_that_ignores_sigint(
+    tmp_path, monkeypatch, signals
+):
+    """A rank blocked in a collective does not act on SIGINT, so the stop escalates to SIGTERM after a
+    grace period. A second Ctrl-C within it raised inside the escalation, which then never sent SIGTERM:
+    the rank trained on, alone. A hang-up (a dropped ssh session) ended train.py at once, the same way."""
+    from dschat.launch import supervise
+
+    monkeypatch.setattr(supervise, "STOP_GRACE_SECONDS", 1.0)
+    spawn = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+             "'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)']);"
+             " print(c.pid, flush=True); time.sleep(60)")  # fmt: skip
+    main = threading.main_thread().ident
+    for i, signum in enumerate(signals):
+        threading.Timer(3.0 + 0.5 * i, signal.pthread_kill, (main, signum)).start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_step([sys.executable, "-c", spawn], tmp_path / "log", append=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    rank = int((tmp_path / "log").read_text().splitlines()[1])
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_rank_killed_by_a_signal_without_a_name_is_still_reported():
     from dschat.launch.supervise import RankWatch
 
