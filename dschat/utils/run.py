@@ -96,12 +96,15 @@ def check_output_prefix(
 
 
 def clear_previous_run(path: str) -> None:
-    """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics."""
+    """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics, step 3's
+    models (a new run without a critic or an EMA left the old ones beside its own config, which then
+    described them) and the dashboards' local logs (TensorBoard showed the old points beside the new)."""
     if not dist.is_node_writer():
         return
     p = Path(path)
     (p / SUMMARY).unlink(missing_ok=True)
-    shutil.rmtree(p / "checkpoints", ignore_errors=True)
+    for d in ("checkpoints", *STEP3_MODEL_DIRS, "tensorboard", "wandb"):
+        shutil.rmtree(p / d, ignore_errors=True)
     (p / "metrics.jsonl").unlink(missing_ok=True)
     if not os.environ.get("DSCHAT_LOG_CAPTURED"):  # train.py already truncated the log it is writing
         (p / "training.log").unlink(missing_ok=True)

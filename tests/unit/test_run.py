@@ -97,6 +97,17 @@ def test_clear_previous_run(tmp_path):
     check_output_dir(str(out), overwrite=False, resume=False)
 
 
+def test_overwrite_clears_step_3s_models_and_the_dashboards_logs(tmp_path):
+    """--overwrite: a new step 3 without an EMA or a critic left the old actor_ema/ or critic/ beside its
+    own config (which then described it), and TensorBoard showed the old run's points beside the new."""
+    out = finished(tmp_path / "out")
+    for d in ("actor", "critic", "actor_ema", "tensorboard", "wandb"):
+        (out / d).mkdir()
+        (out / d / "x").write_text("old")
+    clear_previous_run(str(out))
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
 def test_clear_previous_run_only_on_rank_0(tmp_path, monkeypatch):
     out = finished(tmp_path / "out")
     monkeypatch.setenv("RANK", "1")
