@@ -103,7 +103,11 @@ class MetricsLogger:
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard_path or str(Path(output_dir) / "tensorboard"))
+            # a resumed run: the interrupted run's points after the checkpoint go (as its jsonl rows do)
+            purge = keep_through + 1 if append and keep_through is not None else None
+            self._tb = SummaryWriter(
+                tensorboard_path or str(Path(output_dir) / "tensorboard"), purge_step=purge
+            )
         if enable_wandb:
             import wandb
 

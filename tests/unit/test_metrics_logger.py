@@ -27,3 +27,22 @@ def test_a_fresh_run_starts_an_empty_file(tmp_path):
     m.log({"loss": 3.0}, step=1, split="train")
     m.close()
     assert [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [3.0]
+
+
+def test_a_resume_drops_tensorboards_points_logged_after_its_checkpoint(tmp_path):
+    """TensorBoard kept the interrupted run's steps 5-6 beside the resumed run's: (5, 5.0), (6, 6.0), then
+    (5, 105.0), (6, 106.0). Resumed from the checkpoint of step 4, its points after step 4 are purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m = MetricsLogger(str(tmp_path), config={}, enable_tensorboard=True)
+    for s in range(1, 7):
+        m.log({"loss": float(s)}, step=s, split="train")
+    m.close()
+    m = MetricsLogger(str(tmp_path), config={}, enable_tensorboard=True, append=True, keep_through=4)
+    for s in range(5, 9):
+        m.log({"loss": 100.0 + s}, step=s, split="train")
+    m.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0), (8, 108.0)]
