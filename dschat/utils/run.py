@@ -53,6 +53,8 @@ def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "-
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {path}: exists and is not a directory")
+    if not p.exists():
+        check_parent_dir(p, flag, path)
     ckpt = p / "checkpoints" / "latest"
     if finished(p) and not overwrite:
         raise UserError(f"{flag} {path}: holds a finished run ({SUMMARY}); pass --overwrite to replace it")
@@ -62,6 +64,18 @@ def check_output_dir(path: str, *, overwrite: bool, resume: bool, flag: str = "-
         raise UserError(
             f"{flag} {path}: holds checkpoints of an unfinished run; pass --resume to continue it or --overwrite to start over"
         )
+
+
+def check_parent_dir(p: Path, flag: str, shown: str) -> None:
+    """``p`` (not there yet) can be made: its nearest existing ancestor is a directory this process can
+    write in (an output directory under a file failed deep in start-up with a traceback)."""
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {shown}: {parent} exists and is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"{flag} {shown}: cannot write in {parent}")
+            return
 
 
 def output_stem(prefix: str, suffixes: tuple[str, ...]) -> str:
@@ -81,13 +95,7 @@ def check_output_prefix(
     stem = output_stem(prefix, suffixes)
     if prefix.endswith(("/", os.sep)) or p.is_dir() or not Path(stem).name or stem.endswith(("/", os.sep)):
         raise UserError(f"{flag} {prefix}: names a directory; give a file prefix such as {p / 'results'}")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{flag} {prefix}: {parent} exists and is not a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise UserError(f"{flag} {prefix}: cannot write in {parent}")
-            break
+    check_parent_dir(p, flag, prefix)
     earlier = [f"{stem}{s}" for s in suffixes if Path(f"{stem}{s}").exists()]
     if earlier and not overwrite:
         raise UserError(
