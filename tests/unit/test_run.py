@@ -92,7 +92,9 @@ def test_an_output_directory_under_a_file_is_one_line(tmp_path):
     """--output-dir afile, afile a file: each step's directory (afile/step1) does not exist, so it passed,
     and the run died in start-up with NotADirectoryError's traceback."""
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(UserError, match=r"^--output_dir .*afile/step1: .*afile exists and is not a directory$"):
+    with pytest.raises(
+        UserError, match=r"^--output_dir .*afile/step1: .*afile exists and is not a directory$"
+    ):
         check_output_dir(str(tmp_path / "afile" / "step1"), overwrite=False, resume=False)
     check_output_dir(str(tmp_path / "new" / "step1"), overwrite=False, resume=False)  # a directory to make
 
