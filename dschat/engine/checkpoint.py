@@ -70,7 +70,10 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
         replace_dir(root / tmp_tag, root / tag)
         atomic_write_text(root / "latest", tag + "\n")
         steps = sorted(int(m[1]) for p in root.iterdir() if (m := TAG_RE.match(p.name)) and p.is_dir())
-        for old in steps[:-keep]:
+        # checkpoints past this one are an abandoned continuation's (a resume from an earlier one): they go,
+        # and the newest ``keep`` up to this one stay, this one always among them
+        past = [s for s in steps if s > step]
+        for old in past + [s for s in steps if s <= step][:-keep]:
             shutil.rmtree(root / f"step{old}", ignore_errors=True)
     dist.barrier()
     return root / tag

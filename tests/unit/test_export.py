@@ -3,6 +3,8 @@ builds no second, randomly initialised copy of the model (no random numbers draw
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -190,3 +192,22 @@ def test_an_export_killed_while_its_files_move_in_is_refused_by_the_loaders(tmp_
         load_config(str(out))
     write_hf_model(model, gather_full_state_dict(model), None, out)  # the next export completes it
     load_config(str(out))
+
+
+def test_pruning_never_deletes_the_checkpoint_just_saved(tmp_path):
+    """Pruning kept the numerically highest steps: after a resume from step 400 (step 600 of an abandoned
+    continuation still there) the save of step 500 with keep=1 deleted step 500 itself, leaving 'latest'
+    naming nothing. Checkpoints above the one just saved belong to the abandoned run and go."""
+    from dschat.engine.checkpoint import latest_tag, save_checkpoint
+
+    class Saver:  # what save_checkpoint asks of an engine: a directory per tag
+        def save_checkpoint(self, root, tag, client_state, save_latest):
+            (Path(root) / tag).mkdir(parents=True)
+
+    root = tmp_path / "ckpt"
+    for step in (400, 600):
+        save_checkpoint(Saver(), root, step, {}, keep=2)
+    (root / "latest").write_text("step400\n")  # resumed from step 400
+    save_checkpoint(Saver(), root, 500, {}, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step500"]
+    assert latest_tag(root) == "step500"
