@@ -34,7 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 from dschat.config import check_zero_stage  # noqa: E402
 from dschat.inputs import DATA, MODEL, check_inputs  # noqa: E402
-from dschat.launch.launcher import DEPLOYMENTS, LAUNCHERS, launcher, launcher_env, processes  # noqa: E402
+from dschat.launch.launcher import (  # noqa: E402
+    DEPLOYMENTS,
+    LAUNCHERS,
+    check_deployment_flags,
+    launcher,
+    launcher_env,
+    processes,
+)
 from dschat.launch.presets import (  # noqa: E402
     load_preset,
 )
@@ -361,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                         "DPO's flags after -- (flags after -- go to every step the command runs)")  # fmt: skip
     args.deployment_type = args.deployment_type or preset.get("deployment_type") or "single_gpu"
     check_conflicts(args, extra, steps)
+    check_deployment_flags(args)  # before any plan: --estimate-memory plans with them
     check_actor_model_is_read(args, steps)
     check_models(args)
     check_reward_reads_the_actors_tokens(args, steps, extra)

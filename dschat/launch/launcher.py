@@ -54,10 +54,17 @@ def single_node_devices(n: int) -> list[str]:
     return [] if n == len(ids) else ["--include", "localhost:" + ",".join(ids[:n])]
 
 
+MAX_PROCESSES_PER_NODE = 4096  # beyond any machine's GPUs or cores: a typo, not a plan
+
+
 def read_hostfile(path: str) -> list[tuple[str, int]]:
     """``[(host, slots)]`` of a DeepSpeed hostfile (``host slots=N`` per line, ``#`` comments)."""
     hosts = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--hostfile {path}: not UTF-8 text (byte {exc.start})") from None
+    for i, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -66,14 +73,20 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
             raise UserError(f"--hostfile {path} line {i}: expected 'hostname slots=N', got {line!r}")
         if any(host == m[1] for host, _ in hosts):
             raise UserError(f"--hostfile {path} line {i}: host {m[1]} is listed twice")
+        if not 1 <= int(m[2]) <= MAX_PROCESSES_PER_NODE:
+            raise UserError(
+                f"--hostfile {path} line {i}: slots must be in 1 .. {MAX_PROCESSES_PER_NODE}, got {m[2]}"
+            )
         hosts.append((m[1], int(m[2])))
     if not hosts:
         raise UserError(f"--hostfile {path}: no hosts")
     return hosts
 
 
-def launcher(args: argparse.Namespace) -> list[str]:
-    """The command prefix that starts one step's processes."""
+def check_deployment_flags(args: argparse.Namespace) -> None:
+    """The launch flags' own consistency, whatever machine runs train.py: checked before any memory plan
+    (``--estimate-memory`` plans for a cluster from a laptop, and printed '-4 CPU processes' for
+    ``--num-gpus -4``) and again by :func:`launcher`."""
     multi_only = [("--launcher", args.launcher), ("--launcher-args", args.launcher_args), ("--nnodes", args.nnodes),
                   ("--node-rank", args.node_rank)]  # fmt: skip
     if args.deployment_type != "multi_node":
@@ -84,17 +97,37 @@ def launcher(args: argparse.Namespace) -> list[str]:
                 raise UserError(f"{flag} needs --deployment-type multi_node")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port {args.master_port}: must be a port number in 1 .. 65535")
-    if args.deployment_type == "single_gpu":
-        if args.num_gpus not in (None, 1):
+    if args.deployment_type == "single_gpu" and args.num_gpus not in (None, 1):
+        raise UserError(
+            "--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)"
+        )
+    if args.num_gpus is not None and not 1 <= args.num_gpus <= MAX_PROCESSES_PER_NODE:
+        raise UserError(f"--num-gpus {args.num_gpus}: must be in 1 .. {MAX_PROCESSES_PER_NODE}")
+    if args.nnodes is not None and args.nnodes < 1:
+        raise UserError(f"--nnodes {args.nnodes}: must be at least 1")
+    if args.deployment_type == "multi_node" and args.launcher != "torchrun":
+        if args.nnodes is not None or args.node_rank is not None:
             raise UserError(
-                "--num-gpus needs --deployment-type single_node or multi_node (single_gpu is one process)"
+                "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
             )
+        if args.hostfile:
+            if Path(args.hostfile).is_dir():
+                raise UserError(f"--hostfile {args.hostfile}: is a directory, not a hostfile")
+            if not Path(args.hostfile).is_file():
+                raise UserError(f"--hostfile {args.hostfile}: file not found")
+            read_hostfile(args.hostfile)
+    if args.nnodes is not None and args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank {args.node_rank} must be in 0 .. --nnodes - 1 ({args.nnodes - 1})")
+
+
+def launcher(args: argparse.Namespace) -> list[str]:
+    """The command prefix that starts one step's processes."""
+    check_deployment_flags(args)
+    if args.deployment_type == "single_gpu":
         for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port)):
             if value is not None:  # one process has no rendezvous: the flag would be dropped silently
                 raise UserError(f"{flag} needs --deployment-type single_node or multi_node")
         return [sys.executable]
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise UserError(f"--num-gpus {args.num_gpus}: must be at least 1")
     from dschat.utils.dist import free_port
 
     if args.deployment_type == "multi_node" and args.launcher == "torchrun":
@@ -116,17 +149,11 @@ def launcher(args: argparse.Namespace) -> list[str]:
         # An explicit hostfile that is no file: given none, the runner reads /job/hostfile where one exists
         # (DLTS clusters, some images) and would spread a single_node run over the hosts listed there.
         return [*runner, "--hostfile", os.devnull, *single_node_devices(n)]
-    if args.nnodes is not None or args.node_rank is not None:
-        raise UserError(
-            "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
-        )
     if not args.hostfile:
         raise UserError(
             "--deployment-type multi_node needs --hostfile FILE (lines 'host slots=N'), "
             "or --launcher torchrun with --nnodes, --node-rank, --master-addr and --master-port"
         )
-    if not Path(args.hostfile).is_file():
-        raise UserError(f"--hostfile {args.hostfile}: file not found")
     hosts = read_hostfile(args.hostfile)
     backend = args.launcher or "pdsh"
     if args.num_gpus and backend in NO_NUM_GPUS:
@@ -176,8 +203,6 @@ def torchrun(args: argparse.Namespace) -> list[str]:
         raise UserError(
             "--launcher-args is for the DeepSpeed launcher's backends (pdsh, MPI, SLURM); torchrun takes none"
         )
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise UserError(f"--node-rank {args.node_rank} must be in 0 .. --nnodes - 1 ({args.nnodes - 1})")
     have, kind = visible_devices()
     n = args.num_gpus or have
     if n > have:

@@ -173,13 +173,44 @@ def test_rendezvous_flags_that_would_be_dropped_or_are_out_of_range_are_one_line
 
 @pytest.mark.parametrize(
     ("text", "needle"),
-    [("node-a slots = 2\n", "line 1"), ("node-a slots=2\nnode-a slots=2\n", "node-a is listed twice")],
-)
+    [("node-a slots = 2\n", "line 1"), ("node-a slots=2\nnode-a slots=2\n", "node-a is listed twice"),
+     # 0 divided the memory plan by zero, a huge count overflowed it (tracebacks, --dry-run included)
+     ("node-a slots=2\nnode-b slots=0\n", "line 2: slots must be in 1 .. 4096, got 0"),
+     ("node-a slots=99999999999\n", "line 1: slots must be in 1 .. 4096"),
+     (b"node-a slots=2\n\xff\n", "not UTF-8 text")],
+)  # fmt: skip
 def test_a_hostfile_deepspeed_would_refuse_is_one_line(tmp_path, text, needle):
     path = tmp_path / "hosts"
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(UserError, match=needle):
         read_hostfile(str(path))
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [({"num_gpus": -4}, "--num-gpus -4: must be in 1 .. 4096"),
+     ({"num_gpus": 0}, "--num-gpus 0: must be in 1 .. 4096"),  # was replaced by the detected count
+     ({"num_gpus": 99999999999}, "--num-gpus 99999999999: must be in 1 .. 4096"),
+     ({"deployment_type": "single_gpu", "num_gpus": 4, "master_port": None}, "--num-gpus needs"),
+     ({"deployment_type": "multi_node", "launcher": "torchrun", "nnodes": -3}, "--nnodes -3: must be at least 1"),
+     ({"deployment_type": "multi_node", "launcher": "torchrun", "nnodes": 2, "node_rank": 7}, "--node-rank 7 must be"),
+     ({"deployment_type": "multi_node", "nnodes": 5}, "--nnodes and --node-rank need --launcher torchrun"),
+     ({"nnodes": 4}, "--nnodes needs --deployment-type multi_node")],
+)  # fmt: skip
+def test_deployment_flags_are_checked_before_any_plan_on_any_machine(kw, needle):
+    """--estimate-memory plans a cluster from any machine, before the launcher's own checks: it printed
+    '1 node x -4 CPU processes' and negative GiB, and planned --nnodes 4 as one node without a word."""
+    from dschat.launch.launcher import check_deployment_flags
+
+    with pytest.raises(UserError, match=needle):
+        check_deployment_flags(args(**kw))
+
+
+def test_a_hostfile_that_is_a_directory_says_so(tmp_path):
+    from dschat.launch.launcher import check_deployment_flags
+
+    with pytest.raises(UserError, match="is a directory, not a hostfile"):
+        check_deployment_flags(args(deployment_type="multi_node", hostfile=str(tmp_path)))
 
 
 def test_the_env_file_for_other_nodes_merges_the_users_and_forwards_the_steps_variables(tmp_path):
