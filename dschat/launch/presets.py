@@ -17,15 +17,28 @@ DEFAULT_PRESET = (
 
 PRESET_KEYS = {"model", "reward_model", "deployment_type", "step1", "step2", "step3", "step2_dpo"}
 
+# step flags train.py sets itself, after a preset's (so a preset's value was dropped without a word)
+TRAIN_PY_SETS = {
+    "--output_dir": "train.py's --output-dir sets (OUTPUT_DIR/stepN for each step)",
+    "--model_name_or_path": "train.py sets (step 1 from the preset's model:, later steps from the step before)",
+    "--actor_model_name_or_path": "train.py sets to step 1's output",
+    "--critic_model_name_or_path": "train.py sets to step 2's output (or the preset's reward_model:)",
+    "--overwrite": "is train.py's own switch",
+    "--resume": "is train.py's own switch",
+    "--node_local_storage": "is train.py's own switch",
+}
+
 
 def read_preset(path: Path) -> dict:
     """A preset file: ``model``, ``reward_model``, ``deployment_type`` and ``stepN: {"--flag": value}``."""
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: malformed YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of {', '.join(sorted(PRESET_KEYS))}")
     for key, value in data.items():
@@ -34,6 +47,13 @@ def read_preset(path: Path) -> dict:
         if key.startswith("step"):
             if not isinstance(value, dict) or not all(str(f).startswith("--") for f in value):
                 raise UserError(f"{path}: '{key}' must map step flags (--name) to values")
+            for flag in value:
+                if str(flag) in TRAIN_PY_SETS:
+                    raise UserError(
+                        f"{path}: '{key}' sets {flag}, which {TRAIN_PY_SETS[str(flag)]}; remove it"
+                    )
+        elif key in ("model", "reward_model") and not isinstance(value, str):
+            raise UserError(f"{path}: {key} must be a model name or path (a string), got {value!r}")
         elif key == "deployment_type" and value not in DEPLOYMENTS:
             raise UserError(f"{path}: deployment_type must be one of {', '.join(DEPLOYMENTS)}, got {value!r}")
     return data
