@@ -92,11 +92,12 @@ def gather_samples(args: DataArgs, phase: int) -> tuple[list[Sample], list[Sampl
     evals: list[Sample] = []
     for spec in args.data_path:
         src = load_source(spec, seed=seed)
+        if not src.train and not src.eval:  # an empty file: its split is not what is wrong
+            raise UserError(f"--data_path {spec}: holds no samples")
         share = phase_share(src.train, fractions, phase, seed)
         if not share:
-            raise UserError(
-                f"--data_split {args.data_split}: step {phase} gets no samples of {spec} ({len(src.train)} training samples)"
-            )
+            raise UserError(f"--data_split {args.data_split}: step {phase} gets no samples of {spec} (only "
+                            f"{len(src.train)} training sample{'s' if len(src.train) != 1 else ''} to split)")  # fmt: skip
         train.extend(share)
         evals.extend(src.eval)
     if phase == 1:

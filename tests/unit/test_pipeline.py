@@ -87,9 +87,18 @@ def test_gather_samples_phases_are_disjoint(data_dir, tmp_path):
     assert sorted(s.prompt for s in t1 + t2) == sorted(f"Q{i}" for i in range(20))
     assert [s.prompt for s in e1] == [s.prompt for s in e2] == ["E0", "E1", "E2"]
     with pytest.raises(
-        UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (20 training")
+        UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (only 20 training")
     ):
         gather_samples(args, 3)
+
+
+def test_an_empty_data_file_is_named_as_the_cause(tmp_path):
+    """A file of blank lines blamed --data_split ('step 1 gets no samples ... (0 training samples)')."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    args = make_args(str(empty), tmp_path / "out", data_split="2,4,4")
+    with pytest.raises(UserError, match=rf"^--data_path {re.escape(str(empty))}: holds no samples$"):
+        gather_samples(args, 1)
 
 
 def test_gather_samples_sft_only_sources_are_step1_only(data_dir, tmp_path):
