@@ -87,7 +87,8 @@ def test_gather_samples_phases_are_disjoint(data_dir, tmp_path):
     assert sorted(s.prompt for s in t1 + t2) == sorted(f"Q{i}" for i in range(20))
     assert [s.prompt for s in e1] == [s.prompt for s in e2] == ["E0", "E1", "E2"]
     with pytest.raises(
-        UserError, match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (only 20 training")
+        UserError,
+        match=re.escape(f"--data_split 1,1,0: step 3 gets no samples of {data_dir} (only 20 training"),
     ):
         gather_samples(args, 3)
 
