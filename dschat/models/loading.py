@@ -266,6 +266,9 @@ def check_for_generation(
     LM (``base_path`` None), or a peft LoRA adapter directory and its base (``base_model`` or the adapter's
     ``base_model_name_or_path``), with the (base) model's config. The usual mistakes (a reward model, a step directory holding models, a
     directory without weights, an adapter without a base) are one line naming ``flag``."""
+    from dschat.inputs import check_model  # a local path that is not there: said so, not a hub-name complaint
+
+    check_model(name_or_path, flag)
     path = resolve(name_or_path, flag)
     if not is_lora_adapter(path):
         if base_model:  # it would be ignored: another model than the one meant would answer

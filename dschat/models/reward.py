@@ -218,6 +218,9 @@ def settle_share_prompt(model: ScalarHeadModel, collate, train: list, eval_sets:
 
 def require_reward_model(path: str, flag: str) -> None:
     """One line unless ``path`` holds a trained reward model (cheap: reads config.json only)."""
+    from dschat.inputs import check_model  # a local path that is not there: said so first
+
+    check_model(path, flag)
     if not has_value_head(path):
         raise UserError(
             f"{flag} {path}: not a trained reward model (no sequence-classification value head; "

@@ -183,7 +183,7 @@ def test_lora_adapter_with_base_model(tiny, chat_main, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--path", "{root}/no-such-model"], "--path .*no-such-model: neither a local model directory"),
+        (["--path", "{root}/no-such-model"], "--path .*no-such-model: no such local file or directory"),
         (["--path", "{root}"], "no config.json, not a model directory .*model directories inside: .*right"),
         (["--path", "{reward}"], "is a reward model"),
         (["--path", "{right}", "--max_new_tokens", "1024"], r"--max_new_tokens 1024: .* context \(1024\)"),

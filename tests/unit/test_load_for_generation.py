@@ -72,7 +72,7 @@ def test_paths_that_are_not_generating_models(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UserError, match="is a file, not a model directory"):
         load_for_generation(str(tmp_path / "notes.txt"))
-    with pytest.raises(UserError, match="--path /no/such/model: neither a local model directory"):
+    with pytest.raises(UserError, match="--path /no/such/model: no such local file or directory"):
         load_for_generation("/no/such/model")
     with pytest.raises(UserError, match="--path builtin:nope: unknown built-in model"):
         load_for_generation("builtin:nope")
@@ -178,3 +178,17 @@ def test_only_a_shape_mismatch_is_reported_as_one(base_dir, monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", oom)
     with pytest.raises(torch.OutOfMemoryError):
         load_causal_lm(str(base_dir))
+
+
+def test_a_local_path_that_is_not_there_is_said_so(tmp_path, monkeypatch):
+    """chat.py --path ./nope printed transformers' complaint about hub repo ids, and rw_eval.py --model ./nope
+    'not a trained reward model': the path is simply not there, as train.py already says."""
+    from dschat.models.loading import check_for_generation
+    from dschat.models.reward import require_reward_model
+    from dschat.utils.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^--path \./nope: no such local file or directory$"):
+        check_for_generation("./nope", flag="--path")
+    with pytest.raises(UserError, match=r"^--model \./nope: no such local file or directory$"):
+        require_reward_model("./nope", "--model")
