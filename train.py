@@ -554,14 +554,12 @@ def check_dpo(args: argparse.Namespace, steps: list[int]) -> None:
         raise UserError(
             "--step 3 with --algorithm dpo: DPO trains the policy in step 2 and has no step 3 (use --step 1 2)"
         )
-    for flag, value in (
-        ("--reward-model", args.reward_model),
-        ("--reward-zero-stage", args.reward_zero_stage),
+    for flag, value, instead in (
+        ("--reward-model", args.reward_model, "its policy starts from step 1's output, or --actor-model"),
+        ("--reward-zero-stage", args.reward_zero_stage, "its policy's stage is --actor-zero-stage"),
     ):
         if value is not None:
-            raise UserError(
-                f"{flag} with --algorithm dpo: DPO trains no reward model (use --actor-zero-stage)"
-            )
+            raise UserError(f"{flag} with --algorithm dpo: DPO trains no reward model ({instead})")
 
 
 def next_commands(args: argparse.Namespace, steps: list[int], preset: dict | None = None) -> list[str]:

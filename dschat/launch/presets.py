@@ -71,7 +71,8 @@ def preset_for_model(model: str, deployment: str | None) -> tuple[Path | None, s
         return None, ""
     exact = [p for p, d in matches if d == deployment]
     if exact:
-        return exact[0], f"implied by --actor-model {model} and --deployment-type {deployment}"
+        how = f" and --deployment-type {deployment}" if deployment else ""
+        return exact[0], f"implied by --actor-model {model}{how}"
     matches.sort(key=lambda m: DEPLOYMENTS.index(m[1]) if m[1] in DEPLOYMENTS else len(DEPLOYMENTS))
     return matches[0][0], f"implied by --actor-model {model}"
 

@@ -148,8 +148,12 @@ def test_dpo_step_command_line(train, tmp_path):
     "argv, needle",
     [
         (["--algorithm", "dpo", "--step", "3"], "no step 3"),
-        (["--algorithm", "dpo", "--reward-model", "x"], "--reward-model"),
-        (["--algorithm", "dpo", "--reward-zero-stage", "3"], "--reward-zero-stage"),
+        # the advice fits the flag (a model flag was told to use --actor-zero-stage)
+        (
+            ["--algorithm", "dpo", "--reward-model", "x"],
+            r"--reward-model .*step 1's output, or --actor-model\)$",
+        ),
+        (["--algorithm", "dpo", "--reward-zero-stage", "3"], r"--reward-zero-stage .*--actor-zero-stage\)$"),
     ],
 )
 def test_dpo_refuses_what_it_does_not_have(train, argv, needle):
