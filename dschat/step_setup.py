@@ -16,7 +16,7 @@ from dschat.data.prompt_format import PromptFormat, prompt_format
 from dschat.engine import core as engine_core
 from dschat.launch.supervise import adopt_pending_log
 from dschat.lm import eval_batches, train_loader
-from dschat.models.loading import load_tokenizer, resolve
+from dschat.models.loading import load_config, load_tokenizer, resolve
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import setup_logging
@@ -47,8 +47,21 @@ def setup_step(model: ModelArgs, run: RunArgs, data: DataArgs) -> StepSetup:
     torch.manual_seed(run.seed)
     model_path = resolve(model.model_name_or_path)
     tokenizer = load_tokenizer(model_path, trust_remote_code=model.trust_remote_code)
+    check_context(data.max_seq_len, load_config(model_path, trust_remote_code=model.trust_remote_code), tokenizer,
+                  model.model_name_or_path)  # fmt: skip
     fmt = prompt_format(tokenizer, data.chat_template)
     return StepSetup(log, dtype, dist.world_size(), model_path, tokenizer, fmt)
+
+
+def check_context(max_seq_len: int, config, tokenizer, name: str) -> None:
+    """--max_seq_len within what the model attends to (its position limit, or its tokenizer's if smaller):
+    beyond it a learned position table is indexed past its end mid-run, and a rotary model trains on
+    positions it never saw."""
+    from dschat.generation.decoding import context_length
+
+    limit = context_length(config, tokenizer)
+    if max_seq_len > limit:
+        raise UserError(f"--max_seq_len {max_seq_len}: beyond the {limit} tokens {name} attends to")
 
 
 def begin_outputs(run: RunArgs) -> logging.Logger:

@@ -53,6 +53,12 @@ def test_everything_filtered_out_by_max_seq_len(tmp_path):
     error_line(run_bad(tmp_path, "--data_path", "builtin:add", "--max_seq_len", "8"), "--max_seq_len 8")
 
 
+def test_max_seq_len_beyond_the_models_context_is_one_line(tmp_path):
+    """micro-llama attends to 1024 positions: --max_seq_len 99999 trained and saved a model on short data,
+    and on long data would index past a learned position table mid-run."""
+    error_line(run_bad(tmp_path, "--max_seq_len", "99999"), "--max_seq_len 99999: beyond the 1024 tokens")
+
+
 def test_unknown_model_name_offline(tmp_path):
     proc = run_bad(tmp_path, "--model_name_or_path", "no-such-org/no-such-model", env={"HF_HUB_OFFLINE": "1"})
     error_line(proc, "no-such-org/no-such-model")
