@@ -67,7 +67,12 @@ def add_group(
                                help=f"turn off {flag}" if default else argparse.SUPPRESS)  # fmt: skip
             continue
         kind = meta.get("type") or (type(default) if default is not None else str)
-        kwargs: dict[str, Any] = {"default": default, "help": meta["help"] + f" (default: {default})"}
+        # a help text that says its default in words keeps them (an empty or None value says nothing)
+        said = "(default" in meta["help"] or default in (None, "")
+        kwargs: dict[str, Any] = {
+            "default": default,
+            "help": meta["help"] + ("" if said else f" (default: {default})"),
+        }
         if isinstance(default, list) or meta.get("nargs"):
             kwargs["nargs"] = meta.get("nargs") or "+"
             kind = meta.get("type") or str

@@ -53,6 +53,16 @@ def test_every_group_together_builds_a_help_text():
             assert f"--{f.name}" in text
 
 
+def test_the_help_says_each_default_once():
+    """'(default: --learning_rate) (default: None)' and '(default: $DSCHAT_CACHE/data, ...) (default: )':
+    a help text that says its default in words got argparse's value appended too."""
+    import re
+
+    text = re.sub(r"\s+", " ", make_parser(*GROUPS).format_help())
+    assert "(default: None)" not in text and "(default: )" not in text
+    assert "(default: 512)" in text  # --max_seq_len: a value still says itself
+
+
 def test_flags_are_parsed_with_their_types():
     parser = make_parser(ModelArgs, DataArgs, LoraArgs, OptimArgs)
     ns = parser.parse_args(
