@@ -122,7 +122,8 @@ def detect_hardware(gpus_per_node: int, nodes: int, device_memory_gib: float | N
                     cpu_memory_gib: float | None = None) -> M.Hardware:  # fmt: skip
     """This machine's devices (or the ones given): GPU memory via torch.cuda, else the CPU's RAM.
 
-    ``--device-memory`` plans for GPUs of that size from any machine (a laptop planning a cluster)."""
+    ``--device-memory`` plans for GPUs of that size from any machine (a laptop planning a cluster); from a
+    machine without GPUs, the nodes' CPU RAM is then unknown unless ``--cpu-memory`` gives it."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -132,7 +133,14 @@ def detect_hardware(gpus_per_node: int, nodes: int, device_memory_gib: float | N
         device = int(torch.cuda.get_device_properties(0).total_memory)
     else:
         device = None
-    cpu = int(cpu_memory_gib * M.GIB) if cpu_memory_gib is not None else physical_ram()
+    if cpu_memory_gib is not None:
+        cpu = int(cpu_memory_gib * M.GIB)
+    elif device_memory_gib is not None and not cuda:
+        # GPUs planned from a machine without any (a laptop planning a cluster): this machine's RAM says
+        # nothing of the cluster's nodes, so the CPU side is not judged (--cpu-memory gives it)
+        cpu = None
+    else:
+        cpu = physical_ram()
     return M.Hardware(gpus_per_node, nodes, cuda or device_memory_gib is not None, device, cpu)
 
 
@@ -279,7 +287,10 @@ def format_plan(p: StepPlan, full: bool) -> str:
         lora = f", LoRA rank {w.lora_dim}{' only' if w.only_lora else ''}" if w.lora_dim else ""
         lines.append(f"  micro-batch {w.batch}{pairs} x {w.seq} tokens (--max_seq_len){lora}")
     if p.fixed:
-        lines.append("  fixed by your flags: " + ", ".join(f"{k}={v}" for k, v in p.fixed.items()))
+        lines.append(
+            "  fixed by the flags (yours or the preset's): "
+            + ", ".join(f"{k}={v}" for k, v in p.fixed.items())
+        )
     unit = "GPU" if p.hw.on_gpu else "process"
     if full:
         lines.append(

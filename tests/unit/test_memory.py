@@ -573,3 +573,15 @@ def test_deepspeeds_gradient_bucket_is_counted_per_trained_engine(small):
     )
     rloo = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, critic_trained=False)
     assert M.estimate_rlhf(rloo, M.Choice(2, False, False), gpu).parts["gradient buckets"] == 2 * 50_000_000
+
+
+def test_gpus_planned_from_a_machine_without_any_do_not_judge_the_cpu_by_this_machines_ram(monkeypatch):
+    """--device-memory 80 for an 8-node cluster, from a laptop: the plan said 'nothing fits: ... 44.81 GiB of
+    CPU RAM per node, of 23.54 GiB', this machine's RAM. It is unknown unless --cpu-memory says it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hw = P.detect_hardware(8, 8, device_memory_gib=80)
+    assert hw.on_gpu and hw.device_bytes == 80 * M.GIB and hw.cpu_node_bytes is None
+    assert P.detect_hardware(8, 8, device_memory_gib=80, cpu_memory_gib=512).cpu_node_bytes == 512 * M.GIB
+    assert P.detect_hardware(1, 1).cpu_node_bytes > 0  # this machine, planned as itself
