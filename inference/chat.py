@@ -47,10 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model directory (any step's output), HF name, builtin:NAME, or a peft LoRA adapter")  # fmt: skip
     p.add_argument("--base_model", help="base model of a LoRA adapter (default: the one its config names)")
     p.add_argument("--prompt", help="answer this one message and exit")
-    add_decoding_args(p, DECODING, strategies=("sample", "greedy"))
-    p.add_argument(
-        "--greedy", dest="decoding", action="store_const", const="greedy", help="--decoding greedy"
-    )
+    add_decoding_args(p, DECODING, strategies=("sample", "greedy"), greedy_switch=True)
     add_group(p, FormatArgs, title="prompt format (as in training)")
     add_group(p, InferenceArgs, title="device and precision")
     args = p.parse_args(argv)

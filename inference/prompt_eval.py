@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     replies: dict[str, list[str]] = {}
     cut_off: dict[str, list[bool]] = {}
     for side in SIDES:
-        print(f"==> {side}: {models[side]} ({len(questions)} prompts, {args.decoding})", flush=True)
+        print(f"==> {side}: {models[side]} ({len(questions)} prompts, {opts.strategy})", flush=True)
         (replies[side], cut_off[side]), cut = answer(sources[side], questions, opts, args)
         if cut:
             print(f"    {cut} prompt(s) longer than the context kept only their end", flush=True)

@@ -87,18 +87,28 @@ class DecodeOptions:
 
 
 def add_decoding_args(
-    p: argparse.ArgumentParser, defaults: DecodeOptions, strategies: tuple[str, ...] = STRATEGIES
+    p: argparse.ArgumentParser,
+    defaults: DecodeOptions,
+    strategies: tuple[str, ...] = STRATEGIES,
+    *,
+    greedy_switch: bool = False,
 ) -> None:
     """The inference tools' one decoding group; each tool passes its own defaults (chat samples,
-    prompt_eval is greedy) and the strategies it can run. Read back with :func:`decode_options`."""
+    prompt_eval is greedy) and the strategies it can run; ``greedy_switch`` adds ``--greedy``. Read back
+    with :func:`decode_options`. The flags a strategy may not read default to None, so that one given at
+    its default value is still known to be given."""
     g = p.add_argument_group("decoding")
-    g.add_argument("--decoding", choices=strategies, default=defaults.strategy, help="decoding strategy")
+    g.add_argument("--decoding", choices=strategies, help=f"decoding strategy (default: {defaults.strategy})")
+    if greedy_switch:
+        g.add_argument("--greedy", action="store_true", help="--decoding greedy")
     g.add_argument(
         "--max_new_tokens", type=int, default=defaults.max_new_tokens, help="most new tokens per reply"
     )
-    g.add_argument("--temperature", type=float, default=defaults.temperature, help="sampling temperature")
     g.add_argument(
-        "--top_p", type=float, default=defaults.top_p, help="sampling: nucleus probability (1 = off)"
+        "--temperature", type=float, help=f"sampling temperature (default: {defaults.temperature})"
+    )
+    g.add_argument(
+        "--top_p", type=float, help=f"sampling: nucleus probability, 1 = off (default: {defaults.top_p})"
     )
     g.add_argument(
         "--top_k",
@@ -110,34 +120,44 @@ def add_decoding_args(
     g.add_argument("--seed", type=int, default=defaults.seed,
                    help=f"seed of the sampling (default: {'a different draw each run' if defaults.seed is None else defaults.seed})")  # fmt: skip
     if "beam" in strategies:
-        g.add_argument("--num_beams", type=int, default=defaults.num_beams, help="beam search width")
+        g.add_argument("--num_beams", type=int, help=f"beam search width (default: {defaults.num_beams})")
     if "contrastive" in strategies:
-        g.add_argument("--penalty_alpha", type=float, default=defaults.penalty_alpha,
-                       help="contrastive search: weight of the degeneration penalty")  # fmt: skip
+        g.add_argument("--penalty_alpha", type=float,
+                       help=f"contrastive search: weight of the degeneration penalty (default: {defaults.penalty_alpha})")  # fmt: skip
+
+
+# which strategies read each flag that not every strategy reads
+READ_BY = {"temperature": ("sample",), "top_p": ("sample",), "top_k": ("sample", "contrastive"),
+           "num_beams": ("beam",), "penalty_alpha": ("contrastive",)}  # fmt: skip
 
 
 def decode_options(args: argparse.Namespace, defaults: DecodeOptions) -> DecodeOptions:
-    """The validated :class:`DecodeOptions` of a parser built by :func:`add_decoding_args`. A flag the chosen
-    strategy does not read, given another value than the tool's default, is an error (``--temperature 0.7``
+    """The validated :class:`DecodeOptions` of a parser built by :func:`add_decoding_args` (``args`` is only
+    read). A flag the chosen strategy does not read is an error, whatever its value (``--temperature 0.7``
     without ``--decoding sample`` decoded greedily and said nothing); ``--temperature 0`` with greedy is
-    the usual way to say greedy and is accepted."""
-    reads = {"temperature": ("sample",), "top_p": ("sample",), "top_k": ("sample", "contrastive"),
-             "num_beams": ("beam",), "penalty_alpha": ("contrastive",)}  # fmt: skip
-    for name, strategies in reads.items():
+    the usual way to say greedy and is accepted. ``--greedy`` with another ``--decoding`` is a conflict."""
+    strategy = args.decoding or defaults.strategy
+    if getattr(args, "greedy", False):
+        if args.decoding not in (None, "greedy"):
+            raise UserError(f"--greedy and --decoding {args.decoding}: give one")
+        strategy = "greedy"
+    for name, strategies in READ_BY.items():
         value = getattr(args, name, None)
-        unread = args.decoding not in strategies and value is not None
-        if unread and value != (None if name == "top_k" else getattr(defaults, name)):
-            if name == "temperature" and value == 0 and args.decoding == "greedy":
+        if value is not None and strategy not in strategies:
+            if name == "temperature" and value == 0 and strategy == "greedy":
                 continue
-            raise UserError(f"--{name} {value}: --decoding {args.decoding} does not read it (it applies to "
+            raise UserError(f"--{name} {value}: --decoding {strategy} does not read it (it applies to "
                             f"--decoding {' or '.join(strategies)})")  # fmt: skip
-    top_k = (
-        args.top_k if args.top_k is not None else (4 if args.decoding == "contrastive" else defaults.top_k)
-    )
-    return DecodeOptions(strategy=args.decoding, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_p=args.top_p, top_k=top_k, num_beams=getattr(args, "num_beams", defaults.num_beams),
-                         penalty_alpha=getattr(args, "penalty_alpha", defaults.penalty_alpha),
-                         repetition_penalty=args.repetition_penalty, seed=args.seed).validate()  # fmt: skip
+
+    def given(name: str):
+        value = getattr(args, name, None)
+        return getattr(defaults, name) if value is None else value
+
+    top_k = args.top_k if args.top_k is not None else (4 if strategy == "contrastive" else defaults.top_k)
+    return DecodeOptions(strategy=strategy, max_new_tokens=args.max_new_tokens, temperature=given("temperature"),
+                         top_p=given("top_p"), top_k=top_k, num_beams=given("num_beams"),
+                         penalty_alpha=given("penalty_alpha"), repetition_penalty=args.repetition_penalty,
+                         seed=args.seed).validate()  # fmt: skip
 
 
 def context_length(model, tokenizer) -> int:

@@ -83,7 +83,7 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
         (["--reward_model", "{right}"], "--reward_model .*right: not a trained reward model"),
         (
             ["--model_name_or_path_finetune", "{root}/nothing"],
-            "--model_name_or_path_finetune .*nothing: neither",
+            "--model_name_or_path_finetune .*nothing: no such local file or directory",
         ),
         (
             ["--model_name_or_path_baseline", "{reward}"],

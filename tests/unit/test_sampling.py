@@ -102,6 +102,27 @@ def test_a_flag_the_strategy_does_not_read_is_refused():
     assert parse(DecodeOptions(), ["--decoding", "greedy", "--temperature", "0"]).strategy == "greedy"
     assert parse(chat, ["--decoding", "greedy"], ("sample", "greedy")).strategy == "greedy"  # its defaults
     assert parse(DecodeOptions(), ["--decoding", "beam", "--num_beams", "2"]).num_beams == 2
+    # given at the tool's default value it is still given, and still unread: refused alike
+    for argv, flag in (
+        (["--num_beams", "4"], "--num_beams 4"),
+        (["--penalty_alpha", "0.6"], "--penalty_alpha 0.6"),
+    ):
+        with pytest.raises(UserError, match=rf"^{flag}: --decoding greedy does not read it"):
+            parse(DecodeOptions(), argv)
+    with pytest.raises(UserError, match=r"^--temperature 0\.7: --decoding greedy does not read it"):
+        parse(chat, ["--decoding", "greedy", "--temperature", "0.7"], ("sample", "greedy"))
+
+
+def test_chats_greedy_switch_and_another_decoding_conflict():
+    """chat.py --greedy --decoding sample sampled (the two wrote one destination, the last won)."""
+    chat = DecodeOptions(strategy="sample", max_new_tokens=128, temperature=0.7, top_p=0.9, top_k=50)
+    p = argparse.ArgumentParser()
+    add_decoding_args(p, chat, ("sample", "greedy"), greedy_switch=True)
+    with pytest.raises(UserError, match=r"^--greedy and --decoding sample: give one$"):
+        decode_options(p.parse_args(["--greedy", "--decoding", "sample"]), chat)
+    assert decode_options(p.parse_args(["--greedy"]), chat).strategy == "greedy"
+    assert decode_options(p.parse_args(["--greedy", "--decoding", "greedy"]), chat).strategy == "greedy"
+    assert decode_options(p.parse_args([]), chat) == chat
 
 
 def test_hybrid_engine_under_zero3_needs_the_gather():
