@@ -72,7 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--prompts_file", help="JSONL (field 'prompt') or text file, one prompt per line")
     p.add_argument(
-        "--num_prompts", type=int, default=12, help="built-in held-out prompts to use without --prompts_file"
+        "--num_prompts",
+        type=int,
+        help="built-in held-out prompts to use without --prompts_file (default: 12)",
     )
     p.add_argument("--tasks", help="built-in tasks to draw them from, comma-separated (default: every task)")
     add_decoding_args(p, DecodeOptions(seed=0))  # greedy by default: comparable, repeatable answers
@@ -84,6 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_group(p, InferenceArgs, title="device and precision")
     args = p.parse_args(argv)
     args.inference = from_namespace(InferenceArgs, args)
+    if args.num_prompts is not None and args.prompts_file:  # it was ignored: every prompt of the file ran
+        raise UserError(
+            "--num_prompts picks how many built-in prompts; --prompts_file is used whole: give one"
+        )
+    args.num_prompts = 12 if args.num_prompts is None else args.num_prompts
     if args.num_prompts < 1:
         p.error(f"--num_prompts {args.num_prompts}: must be at least 1")
     from dschat import tasks

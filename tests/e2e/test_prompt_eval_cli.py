@@ -90,6 +90,8 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
             "--model_name_or_path_baseline .*reward: is a reward model",
         ),
         (["--prompts_file", "{root}/none.txt"], "--prompts_file .*none.txt: no such file"),
+        # it was ignored: every prompt of the file ran
+        (["--prompts_file", "{root}/p.txt", "--num_prompts", "1"], "--num_prompts picks .*: give one"),
         (["--decoding", "contrastive", "--top_k", "1"], "--top_k 1: contrastive search compares"),
         (["--max_new_tokens", "2000"], "--max_new_tokens 2000: leaves no room"),
         (
@@ -104,6 +106,7 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
         "missing-model",
         "reward-as-generator",
         "missing-prompts",
+        "num-prompts-with-a-file",
         "contrastive-k",
         "no-room",
         "output-under-a-file",
@@ -112,8 +115,13 @@ def test_builtin_prompts_with_contrastive_search(tiny, eval_main, capsys):
     ],
 )
 def test_bad_input(tiny, eval_main, extra, message):
-    base = ["--model_name_or_path_baseline", str(tiny.wrong), "--model_name_or_path_finetune", str(tiny.right),
-            "--num_prompts", "1"]  # fmt: skip
+    base = [
+        "--model_name_or_path_baseline",
+        str(tiny.wrong),
+        "--model_name_or_path_finetune",
+        str(tiny.right),
+    ]
+    base += [] if "--prompts_file" in extra else ["--num_prompts", "1"]  # the two are one choice
     extra = [a.format(root=tiny.root, reward=tiny.reward, right=tiny.right) for a in extra]
     with pytest.raises(UserError, match=message):
         eval_main([*base, *extra])
