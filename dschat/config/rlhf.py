@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from dschat.config.fields import opt, share_prompt_opt
 from dschat.config.groups import LoraArgs, ModelArgs
@@ -86,6 +86,10 @@ class RLHFEngineArgs:
             raise UserError("--inference_tp_size > 1 needs the inference copy: drop --unpin_actor_parameters")
         if not 0.0 < self.ema_decay < 1.0:
             raise UserError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
+        if not self.enable_ema and self.ema_decay != next(
+            f.default for f in fields(self) if f.name == "ema_decay"
+        ):
+            raise UserError("--ema_decay needs --enable_ema")
 
 
 @dataclass

@@ -228,6 +228,9 @@ def test_parse_data_split_names_the_given_flag():
         (RunArgs(resume=True, overwrite=True), "--resume and --overwrite contradict each other"),
         (RunArgs(keep_checkpoints=0), "--keep_checkpoints must be >= 1, got 0"),
         (RunArgs(save_steps=-1), "--save_steps must be >= 0, got -1"),
+        # accepted and unused: no dashboard was written to
+        (RunArgs(tensorboard_path="tb"), "--tensorboard_path needs --enable_tensorboard"),
+        (RunArgs(wandb_project="p"), "--wandb_project needs --enable_wandb"),
         (RunArgs(eval_interval=-5), "--eval_interval must be >= 0, got -5"),
         (ModelArgs(dropout=1.0), "--dropout must be in [0, 1), got 1.0"),
         (ModelArgs(dropout=-0.1), "--dropout must be in [0, 1), got -0.1"),

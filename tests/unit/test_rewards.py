@@ -183,6 +183,7 @@ def test_verifier_reward_on_generated_tasks(name):
         (PPOArgs(kl_target=6.0, kl_coef=0.0), "--kl_target 6.0 with --kl_coef 0"),
         (PPOArgs(lam=1.5), "--lam"),
         (RLHFEngineArgs(ema_decay=1.0), "--ema_decay"),
+        (RLHFEngineArgs(ema_decay=0.9), "--ema_decay needs --enable_ema"),  # accepted and unused
     ],
 )
 def test_step3_validation_names_the_flag(obj, flag):
