@@ -491,6 +491,10 @@ def check_models(args: argparse.Namespace) -> None:
     line now, not a failed step later."""
     from dschat.inputs import check_data, check_model
 
+    for flag, value in (("--actor-model", args.actor_model), ("--reward-model", args.reward_model),
+                        ("--output-dir", args.output_dir)):  # fmt: skip
+        if value is not None and not value.strip():  # '' was ignored (a model) or meant ./step1 (the output)
+            raise UserError(f"{flag} is empty")
     for flag, value in (("--actor-model", args.actor_model), ("--reward-model", args.reward_model)):
         if value:
             check_model(value, flag)

@@ -328,3 +328,13 @@ def test_resume_refuses_a_finished_step_built_from_a_step_trained_again_since(tr
         json.dumps({"input_runs": {"/gone/step1": "0123"}})
     )
     assert set(train.resume_actions(args, [1, 3]).values()) == {"keep"}
+
+
+@pytest.mark.parametrize("flag", ["--actor-model", "--reward-model", "--output-dir"])
+def test_an_empty_model_or_output_dir_is_one_line(train, flag):
+    """--actor-model '' was ignored (the preset's model trained) and --output-dir '' wrote ./step1."""
+    from dschat.utils.errors import UserError
+
+    args, _ = train.parse_args([flag, ""])
+    with pytest.raises(UserError, match=rf"^{flag} is empty$"):
+        train.check_models(args)
