@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dschat import compare
+from dschat.config import InferenceArgs
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.io import atomic_write_bytes, atomic_write_text
 
@@ -47,10 +48,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--num_prompts", type=int, default=12, help="built-in held-out prompts answered side by side"
     )
     p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier report of this run")
     args = p.parse_args(argv)
+    # checked before anything is written: a bad flag failed inside prompt_eval after the plots were
     if args.num_prompts < 0:
         raise UserError(f"--num_prompts must be >= 0, got {args.num_prompts}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    InferenceArgs(device=args.device).validate()  # cuda without a GPU
+    report = Path(args.output_dir) / "report" / "report.md"
+    if report.exists() and not args.overwrite:
+        raise UserError(f"{report} exists (an earlier report); pass --overwrite to replace it")
     return args
 
 
@@ -215,7 +224,8 @@ def answers(run: Path, out: Path, args: argparse.Namespace) -> list[str]:
     spec.loader.exec_module(prompt_eval)
     argv = ["--model_name_or_path_baseline", str(run / "step1"), "--model_name_or_path_finetune", str(final),
             "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
-            "--device", args.device, "--output", str(out / "answers")]  # fmt: skip
+            "--device", args.device, "--output", str(out / "answers"),
+            *(["--overwrite"] if args.overwrite else [])]  # fmt: skip
     if (run / "step2" / "config.json").is_file():
         argv += ["--reward_model", str(run / "step2")]
     # the prompts of the tasks the run trained on, in the prompt format it trained with

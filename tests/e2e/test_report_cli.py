@@ -67,6 +67,21 @@ def test_report_of_a_finished_run(tiny, tmp_path):
     assert "win_rate" in answers
     rows = [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
     assert [r["task"] for r in rows] == ["sort", "reverse", "sort"]  # not every built-in task in turn
+    # a second report replaces the first only with --overwrite (it did silently)
+    error_line(run_cmd([REPORT, str(tmp_path), "--num_prompts", "0"]), "report.md exists", "--overwrite")
+    assert (out / "report.md").read_text() == md
+    assert_ok(run_cmd([REPORT, str(tmp_path), "--num_prompts", "3", "--max_new_tokens", "8", "--overwrite"]))
+
+
+def test_bad_flags_are_refused_before_anything_is_written(tiny, tmp_path):
+    """--device foo failed inside prompt_eval after the plots were written, leaving no report.md; a
+    step-1-only run accepted it and --max_new_tokens 0 without a word."""
+    fake_run(tmp_path, tiny)
+    for flags, needle in ((["--device", "foo"], "invalid choice: 'foo'"),
+                          (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1, got 0")):  # fmt: skip
+        proc = run_cmd([REPORT, str(tmp_path), *flags])
+        assert proc.returncode != 0 and needle in proc.stderr, proc.stderr[-500:]
+        assert not (tmp_path / "report").exists()
 
 
 def test_no_finished_step_is_one_line(tmp_path):
