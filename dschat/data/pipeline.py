@@ -218,6 +218,12 @@ def tokenize_pairs(samples: list[Sample], fmt: PromptFormat, max_seq_len: int) -
     return out, stats
 
 
+def _why(stats: dict) -> str:
+    """The hint after a count of pairs none of which was usable: --max_seq_len only where length dropped
+    some (a set of identical pairs was sent to it too)."""
+    return " (see --max_seq_len)" if stats.get("dropped_too_long") else ""
+
+
 def _check_pairs(samples: list[Sample]) -> None:
     for s in samples:
         if s.rejected is None:
@@ -246,11 +252,9 @@ def _build_pairs(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:
     train, tstats = tokenize_pairs(train_s, fmt, args.max_seq_len)
     evals, estats = tokenize_pairs(eval_s, fmt, args.max_seq_len)
     if not train:
-        raise UserError(
-            f"no usable preference pairs for step {phase}: {json.dumps(tstats)} (see --max_seq_len)"
-        )
+        raise UserError(f"no usable preference pairs for step {phase}: {json.dumps(tstats)}{_why(tstats)}")
     if not evals:
-        raise UserError(f"no usable evaluation pairs: {json.dumps(estats)} (see --max_seq_len)")
+        raise UserError(f"no usable evaluation pairs: {json.dumps(estats)}{_why(estats)}")
     prompts, _ = held_out_prompts(eval_s, fmt, args.max_seq_len - 1, args.data_seed)
     return PreparedData(train, evals, {"train": tstats, "eval": estats}, prompts)
 

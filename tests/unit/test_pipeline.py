@@ -370,3 +370,18 @@ def test_a_whitespace_only_response_is_dropped_as_empty_in_every_format(chat_tem
     fmt = prompt_format(tok, chat_template)
     out, stats = tokenize_sft([Sample("Q", " "), Sample("Q", "   "), Sample("Q", " A")], fmt, 64, False)
     assert stats["dropped_empty_response"] == 2 and len(out) == 1
+
+
+def test_pairs_none_of_which_differ_are_not_blamed_on_max_seq_len(tmp_path, tokenizer):
+    """Every pair identical: the error ended '(see --max_seq_len)', though length dropped none."""
+    import json as _json
+
+    from dschat.data.pipeline import prepare_pair_data
+
+    rows = [{"prompt": f"Q{i}", "chosen": " same", "rejected": " same"} for i in range(20)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    args = make_args(str(path), tmp_path, data_split="0,1,0")
+    with pytest.raises(UserError, match="no usable preference pairs") as err:
+        prepare_pair_data(args, tokenizer, phase=2)
+    assert "max_seq_len" not in str(err.value) and '"dropped_identical": ' in str(err.value)
