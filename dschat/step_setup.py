@@ -64,13 +64,14 @@ def check_context(max_seq_len: int, config, tokenizer, name: str) -> None:
         raise UserError(f"--max_seq_len {max_seq_len}: beyond the {limit} tokens {name} attends to")
 
 
-def begin_outputs(run: RunArgs) -> logging.Logger:
-    """Once the inputs are known good: clear a run being overwritten, then log to OUTPUT_DIR/training.log.
+def begin_outputs(run: RunArgs, model_dirs: tuple[str, ...] = ()) -> logging.Logger:
+    """Once the inputs are known good: clear a run being overwritten (with the model directories the step
+    writes, ``model_dirs``: step 3's), then log to OUTPUT_DIR/training.log.
 
     Called after data and flags are validated, so bad input never leaves an output directory behind.
     """
     if run.overwrite:
-        clear_previous_run(run.output_dir)
+        clear_previous_run(run.output_dir, model_dirs)
     if dist.local_rank() == 0:  # each node's train.py (torchrun: training.nodeN.log) named its own file
         adopt_pending_log()  # train.py's log of this step replaces the earlier run's now
     dist.barrier()

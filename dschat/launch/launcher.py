@@ -106,7 +106,10 @@ def check_deployment_flags(args: argparse.Namespace) -> None:
     if args.nnodes is not None and args.nnodes < 1:
         raise UserError(f"--nnodes {args.nnodes}: must be at least 1")
     if args.deployment_type == "multi_node" and args.launcher != "torchrun":
-        if args.nnodes is not None or args.node_rank is not None:
+        # --estimate-memory plans a cluster of --nnodes nodes with any launcher (the README's example)
+        if (
+            args.nnodes is not None and not getattr(args, "estimate_memory", False)
+        ) or args.node_rank is not None:
             raise UserError(
                 "--nnodes and --node-rank need --launcher torchrun (the DeepSpeed launcher reads --hostfile)"
             )

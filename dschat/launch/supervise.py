@@ -284,8 +284,10 @@ def _terminate_as_interrupt():
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    # SIGHUP too: a dropped ssh session hangs up train.py, whose ranks run in a session of their own
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGHUP too: a dropped ssh session hangs up train.py, whose ranks run in a session of their own. A
+    # signal already ignored stays ignored (nohup ignores SIGHUP: such a run must outlive the session).
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(s) is not signal.SIG_IGN}  # fmt: skip
     try:
         yield
     finally:

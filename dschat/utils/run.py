@@ -103,15 +103,17 @@ def check_output_prefix(
         )
 
 
-def clear_previous_run(path: str) -> None:
-    """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics, step 3's
-    models (a new run without a critic or an EMA left the old ones beside its own config, which then
-    described them) and the dashboards' local logs (TensorBoard showed the old points beside the new)."""
+def clear_previous_run(path: str, model_dirs: tuple[str, ...] = ()) -> None:
+    """For --overwrite: first drop the 'finished' marker, then the old checkpoints and metrics, the
+    step's model directories ``model_dirs`` (step 3's: a new run without a critic or an EMA left the old
+    ones beside its own config, which then described them) and the default TensorBoard directory (it
+    showed the old points beside the new). W&B's local folder stays: offline, it is the old run's only
+    copy, and W&B draws from its server, not from it."""
     if not dist.is_node_writer():
         return
     p = Path(path)
     (p / SUMMARY).unlink(missing_ok=True)
-    for d in ("checkpoints", *STEP3_MODEL_DIRS, "tensorboard", "wandb"):
+    for d in ("checkpoints", *model_dirs, "tensorboard"):
         shutil.rmtree(p / d, ignore_errors=True)
     (p / "metrics.jsonl").unlink(missing_ok=True)
     if not os.environ.get("DSCHAT_LOG_CAPTURED"):  # train.py already truncated the log it is writing

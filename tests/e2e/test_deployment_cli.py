@@ -125,6 +125,16 @@ def test_estimate_memory_of_step_3_from_the_built_in_table(tmp_path):
     )  # ZeRO-3's two trained engines each keep a reduce bucket of 5e7 bf16 elements: 0.19 GiB
 
 
+def test_the_readmes_cluster_plan_from_a_machine_without_gpus(tmp_path):
+    """The README's example plans 8 nodes x 8 GPUs of 80 GiB with --nnodes (no launcher needed to plan),
+    and judges no CPU RAM by this machine's."""
+    proc = train_py("--estimate-memory", "--step", "3", "--actor-model", "facebook/opt-66b", "--deployment-type",
+                    "multi_node", "--nnodes", "8", "--num-gpus", "8", "--device-memory", "80",
+                    "--output-dir", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert_ok(proc)
+    assert "8 nodes x 8 GPUs (80.00 GiB each)" in proc.stdout and "nothing fits" not in proc.stdout
+
+
 def test_estimate_memory_of_dpo_plans_the_policy_on_pairs(tmp_path):
     # DPO's step 2 is the step-1 policy (LM head) on chosen + rejected, not the reward model
     proc = train_py("--estimate-memory", "--algorithm", "dpo", "--step", "2", "--actor-model", "facebook/opt-1.3b",

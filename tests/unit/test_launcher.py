@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -204,6 +205,32 @@ def test_deployment_flags_are_checked_before_any_plan_on_any_machine(kw, needle)
 
     with pytest.raises(UserError, match=needle):
         check_deployment_flags(args(**kw))
+
+
+def test_a_memory_plan_of_nnodes_needs_no_launcher():
+    """The README plans a cluster with --estimate-memory --deployment-type multi_node --nnodes 8: only a
+    real run needs torchrun for --nnodes (the DeepSpeed launcher reads --hostfile)."""
+    from dschat.launch.launcher import check_deployment_flags
+
+    check_deployment_flags(args(deployment_type="multi_node", nnodes=8, num_gpus=8, estimate_memory=True))
+    with pytest.raises(UserError, match="--nnodes and --node-rank need --launcher torchrun"):
+        check_deployment_flags(args(deployment_type="multi_node", nnodes=8, num_gpus=8))
+
+
+def test_a_run_started_under_nohup_outlives_a_hang_up(tmp_path):
+    """nohup ignores SIGHUP so that a run outlives the session; the step supervisor made a hang-up stop
+    the run anyway (it installed its own handler over the ignored signal)."""
+    code = (
+        "import os, signal, time\n"
+        "from dschat.launch import supervise\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does\n"
+        "with supervise._terminate_as_interrupt():\n"
+        "    os.kill(os.getpid(), signal.SIGHUP)\n"
+        "    time.sleep(0.5)\n"
+        "print('survived')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[-800:]
 
 
 def test_a_hostfile_that_is_a_directory_says_so(tmp_path):

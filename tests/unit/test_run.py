@@ -111,12 +111,19 @@ def test_clear_previous_run(tmp_path):
 def test_overwrite_clears_step_3s_models_and_the_dashboards_logs(tmp_path):
     """--overwrite: a new step 3 without an EMA or a critic left the old actor_ema/ or critic/ beside its
     own config (which then described it), and TensorBoard showed the old run's points beside the new."""
+    from dschat.utils.run import STEP3_MODEL_DIRS
+
     out = finished(tmp_path / "out")
     for d in ("actor", "critic", "actor_ema", "tensorboard", "wandb"):
         (out / d).mkdir()
         (out / d / "x").write_text("old")
+    clear_previous_run(str(out), STEP3_MODEL_DIRS)
+    # W&B's local folder is an offline run's only copy, and W&B does not draw from it: it stays
+    assert sorted(p.name for p in out.iterdir()) == ["wandb"]
+    # another step names no model directories: a folder called actor there is not its to remove
+    (out / "actor").mkdir()
     clear_previous_run(str(out))
-    assert sorted(p.name for p in out.iterdir()) == []
+    assert sorted(p.name for p in out.iterdir()) == ["actor", "wandb"]
 
 
 def test_clear_previous_run_only_on_rank_0(tmp_path, monkeypatch):

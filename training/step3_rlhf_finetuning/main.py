@@ -62,7 +62,14 @@ from dschat.tasks.accuracy import answers_cut_by_budget
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.metrics import setup_logging
-from dschat.utils.run import Stopwatch, check_output_dir, input_runs, save_resolved_config, write_summary
+from dschat.utils.run import (
+    STEP3_MODEL_DIRS,
+    Stopwatch,
+    check_output_dir,
+    input_runs,
+    save_resolved_config,
+    write_summary,
+)
 
 SHARED_MODEL = ("dtype", "trust_remote_code")
 # learning rate and weight decay per model; one schedule, one clipping norm and one Adam for both
@@ -306,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                      critic_updates=rounds.critic_updates)  # fmt: skip
     # the outputs begin (a finished run is cleared under --overwrite) only once the models have taken every
     # flag checked against them (--actor_trainable_layers, --actor_lora_module_name ...)
-    S.begin_outputs(run)
+    S.begin_outputs(run, STEP3_MODEL_DIRS)
     global_batch = ppo.per_device_generation_batch_size * world
     resolved = {
         "step": 3, "actor": C.to_dict(o.actor, o.actor_lora, o.actor_optim, o.actor_ds),
