@@ -361,12 +361,12 @@ class RLHFWorkload:
     one_update_per_round: bool = False
     critic_one_update_per_round: bool = False  # the same for the critic's graph
     ptx_seq_len: int = 0  # --unsupervised_dataset_name: SFT batches of --max_seq_len tokens (0: no PTX term)
-    gather_layers: int = (
-        0  # --tp_gather_partition_size: decoder layers per gather refilling the copy (0: all)
-    )
-    ema: bool = (
-        False  # --enable_ema: an fp32 average of the actor, and its 16-bit gather, on the writing rank
-    )
+    # --tp_gather_partition_size: decoder layers per gather refilling the copy (0: all)
+    gather_layers: int = 0
+    # --enable_ema: an fp32 average of the actor, and its 16-bit gather, on the writing rank
+    ema: bool = False
+    # the hybrid engine's StaticCache, kept between rounds on GPUs (not with --release_inference_cache)
+    kept_kv_cache: bool = False
 
 
 def rlhf_phases(work: RLHFWorkload, choice: Choice) -> dict[str, int]:
@@ -450,6 +450,8 @@ def estimate_rlhf(work: RLHFWorkload, choice: Choice, hw: Hardware) -> Estimate:
         else:
             parts["EMA (writing rank)"] = ema
     phases = rlhf_phases(work, choice)
+    if work.kept_kv_cache and hw.on_gpu:  # the generation cache stays through training: a standing part
+        parts["KV cache (kept between rounds)"] = phases.pop("generation (KV cache)")
     peak = max(phases, key=lambda k: phases[k])
     parts[f"activations: {peak}"] = phases[peak]
     return _finish(choice, parts, cpu, hw)

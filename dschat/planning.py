@@ -240,7 +240,7 @@ def make_plan(step: int, groups: tuple, argv: list[str], hw: M.Hardware, shapes:
             one_update_per_round=one_update_per_round(ppo, model_args[0], loras[0], zero_stage=0),
             critic_one_update_per_round=one_update_per_round(ppo, model_args[1], loras[1], zero_stage=0),
             ptx_seq_len=data.max_seq_len if ppo.unsupervised_dataset_name else 0,
-            gather_layers=eng.tp_gather_partition_size, ema=eng.enable_ema,
+            gather_layers=eng.tp_gather_partition_size, ema=eng.enable_ema, kept_kv_cache=held.kept_kv_cache,
         )  # fmt: skip
         models = [actor, critic, *([reward] if reward else []), *([judge] if judge else [])]
     fixed = fixed_choice(step, argv)

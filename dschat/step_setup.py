@@ -59,6 +59,9 @@ def check_context(max_seq_len: int, config, tokenizer, name: str) -> None:
     positions it never saw."""
     from dschat.generation.decoding import context_length
 
+    known = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    if not any(isinstance(x, int) and 0 < x < 10**7 for x in known):
+        return  # no position limit (ALiBi models): nothing to hold it to
     limit = context_length(config, tokenizer)
     if max_seq_len > limit:
         raise UserError(f"--max_seq_len {max_seq_len}: beyond the {limit} tokens {name} attends to")

@@ -302,6 +302,9 @@ class Step3Models:
     inference_copy: bool  # the hybrid engine's plain copy of the actor (not with --unpin_actor_parameters)
     inference_tp_size: int  # ranks that share one inference copy
     rollouts_per_round: int  # sequences generated per rank per round: prompts x --n_samples_per_prompt
+    # the hybrid engine keeps its generation cache between rounds (a StaticCache, on GPUs) unless
+    # --release_inference_cache frees it
+    kept_kv_cache: bool = False
 
 
 def step3_models(engine: RLHFEngineArgs, ppo: PPOArgs) -> Step3Models:
@@ -313,6 +316,7 @@ def step3_models(engine: RLHFEngineArgs, ppo: PPOArgs) -> Step3Models:
         inference_copy=engine.enable_hybrid_engine and not engine.unpin_actor_parameters,
         inference_tp_size=engine.inference_tp_size,
         rollouts_per_round=ppo.rows_per_round,
+        kept_kv_cache=engine.enable_hybrid_engine and not engine.release_inference_cache,
     )
 
 

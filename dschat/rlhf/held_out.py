@@ -42,9 +42,9 @@ class HeldOutEval:
     seed: int
     metrics: Any  # MetricsLogger
     timer: Any  # Stopwatch: the time goes to "eval"
-    # rows per generate and per score call: the rollouts' (prompts x samples per round), so evaluating
-    # holds no larger KV cache, logits or reward-model batch than a training round does (it generated 32
-    # rows per call whatever the round's size, and scored a rank's whole slice in one pass)
+    # rows per generate and per score call: at most the rollouts' (prompts x samples per round), so
+    # evaluating holds no larger KV cache, logits or reward-model batch than a training round does (it
+    # generated 32 rows per call whatever the round's size, and scored a rank's whole slice in one pass)
     batch_rows: int = 32
 
     @torch.no_grad()

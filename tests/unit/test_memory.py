@@ -585,3 +585,16 @@ def test_gpus_planned_from_a_machine_without_any_do_not_judge_the_cpu_by_this_ma
     assert hw.on_gpu and hw.device_bytes == 80 * M.GIB and hw.cpu_node_bytes is None
     assert P.detect_hardware(8, 8, device_memory_gib=80, cpu_memory_gib=512).cpu_node_bytes == 512 * M.GIB
     assert P.detect_hardware(1, 1).cpu_node_bytes > 0  # this machine, planned as itself
+
+
+def test_the_hybrid_engines_kept_generation_cache_stands_through_training_on_gpus(small):
+    """On a GPU the hybrid engine keeps its StaticCache between rounds (unless --release_inference_cache):
+    it is a standing part beside the training activations, not a passing phase weighed against them."""
+    zero0 = M.Choice(0, False, False)
+    gpu = M.Hardware(gpus_per_node=1, on_gpu=True, device_bytes=M.GIB)
+    cpu = M.Hardware(gpus_per_node=1, on_gpu=False, cpu_node_bytes=8 * M.GIB)
+    kept = M.RLHFWorkload(small, small, 4, 2, 2, 1, 2, inference_copy=True, kept_kv_cache=True)
+    e = M.estimate_rlhf(kept, zero0, gpu)
+    assert e.parts["KV cache (kept between rounds)"] == M.kv_cache_bytes(small, 4, 3, 2)
+    assert not any("generation" in k for k in e.parts)
+    assert "KV cache (kept between rounds)" not in M.estimate_rlhf(kept, zero0, cpu).parts  # a dynamic cache

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens with EOS): they cannot be answered in full", ppo.max_answer_seq_len, cut, len(held_out), longest)  # fmt: skip
     evaluate = HeldOutEval(m.actor, generator, m.reward, m.judge, tokenizer, fmt, held_out, sampling,
                            zero3=o.actor_ds.zero_stage == 3, seed=run.seed, metrics=metrics, timer=sw,
-                           batch_rows=ppo.rows_per_round)  # fmt: skip
+                           batch_rows=min(32, ppo.rows_per_round))  # fmt: skip
     eval_start = T.start_of_run(state, "eval", lambda: evaluate(state.step))
 
     # 4. PPO rounds: experience, updates, log, KL coefficient, evaluation, checkpoint
