@@ -364,12 +364,17 @@ def test_a_second_interrupt_or_a_hangup_still_stops_a_rank_that_ignores_sigint(
     main = threading.main_thread().ident
     for i, signum in enumerate(signals):
         threading.Timer(3.0 + 0.5 * i, signal.pthread_kill, (main, signum)).start()
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # the signals' usual dispositions, whatever this test runs under (CI started under nohup ignores
+    # SIGHUP, and an ignored signal stays ignored by design: test_a_run_started_under_nohup...)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL)}  # fmt: skip
     try:
         with pytest.raises(KeyboardInterrupt):
             run_step([sys.executable, "-c", spawn], tmp_path / "log", append=False)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     rank = int((tmp_path / "log").read_text().splitlines()[1])
     with contextlib.suppress(psutil.NoSuchProcess):
         assert psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
