@@ -25,13 +25,19 @@ def run_cli(main: Callable[[], int | None]) -> None:
     """Run ``main`` and turn a :class:`UserError` into ``error: <message>`` on stderr and exit 2.
 
     Any other exception keeps its traceback (it is a bug, and the traceback is what a bug report needs).
-    Under several ranks only rank 0 prints, so a bad flag does not print the same line N times.
+    Under several ranks rank 0 prints, and each other node's first rank, naming its rank: a bad flag does
+    not print the same line N times, and an error of one node alone is still seen.
     """
     try:
         code = main()
     except UserError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        # once per node: rank 0, and each other node's first rank naming itself (an error found on one node
+        # alone, its node-local disk say, ended the job with an exit code and no word)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif int(os.environ.get("LOCAL_RANK", "-1")) == 0:
+            print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         # Alone, nothing can wait on this rank; with peers a blocking teardown could hang on a
         # rank that did not fail, so they exit as before and the launcher ends the job.
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:

@@ -213,3 +213,22 @@ def test_the_inference_tools_warning_keeps_stdout_clean(monkeypatch, capsys):
     assert out == "" and err == "warning: another dschat run shares ...\n"
     dist.note_shared_cpu("cuda")  # a GPU run is not slowed by CPU threads
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("rank", "local_rank", "printed"),
+    [("0", "0", "error: bad flag\n"), ("1", "1", ""), ("8", "0", "error: rank 8: bad flag\n")],
+)
+def test_a_user_error_is_printed_once_per_node(monkeypatch, capsys, rank, local_rank, printed):
+    """Only rank 0 printed: a user error found on another node alone (its node-local disk, say) ended the
+    job with 'exit code 2' and no word. Each node's first rank prints, naming its rank; rank 0 as before."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+
+    def main() -> int:
+        raise UserError("bad flag")
+
+    with pytest.raises(SystemExit):
+        run_cli(main)
+    assert capsys.readouterr().err == printed
