@@ -59,13 +59,15 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def refuse_without_mode(group: Any, mode: str, on: bool, prefix: str = "", exempt: tuple[str, ...] = (),
-                        needs: str = "") -> None:  # fmt: skip
-    """An option of ``group`` that only a mode reads (every field but ``mode`` and ``exempt``), given (not
-    its default) while the mode is off, is an error, not accepted and unused: ``--{prefix}NAME needs
-    --{prefix}{mode}{needs}``."""
+                        needs: str = "", only: tuple[str, ...] | None = None) -> None:  # fmt: skip
+    """An option of ``group`` that only a mode reads (every field but ``mode`` and ``exempt``, or the fields
+    ``only``), given (not its default) while the mode is off, is an error, not accepted and unused:
+    ``--{prefix}NAME needs --{prefix}{mode}{needs}``."""
     if on:
         return
     for f in dataclasses.fields(group):
+        if only is not None and f.name not in only:
+            continue
         if f.name != mode and f.name not in exempt and getattr(group, f.name) != f.default:
             raise UserError(f"--{prefix}{f.name} needs --{prefix}{mode}{needs}")
 

@@ -278,9 +278,7 @@ class RunArgs:
         if self.resume and self.overwrite:
             raise UserError("--resume and --overwrite contradict each other: pick one")
         for name, mode in (("tensorboard_path", "enable_tensorboard"), ("wandb_project", "enable_wandb")):
-            default = next(f.default for f in fields(self) if f.name == name)
-            if getattr(self, name) != default and not getattr(self, mode):  # accepted and unused
-                raise UserError(f"--{prefix}{name} needs --{prefix}{mode}")
+            refuse_without_mode(self, mode, getattr(self, mode), prefix, only=(name,))  # accepted and unused
 
 
 @dataclass

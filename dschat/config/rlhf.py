@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from dschat.config.fields import opt, share_prompt_opt
+from dschat.config.fields import opt, refuse_without_mode, share_prompt_opt
 from dschat.config.groups import LoraArgs, ModelArgs
 from dschat.generation.sampling import DRAWS, SamplingConfig
 from dschat.utils.errors import UserError
@@ -86,10 +86,7 @@ class RLHFEngineArgs:
             raise UserError("--inference_tp_size > 1 needs the inference copy: drop --unpin_actor_parameters")
         if not 0.0 < self.ema_decay < 1.0:
             raise UserError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
-        if not self.enable_ema and self.ema_decay != next(
-            f.default for f in fields(self) if f.name == "ema_decay"
-        ):
-            raise UserError("--ema_decay needs --enable_ema")
+        refuse_without_mode(self, "enable_ema", self.enable_ema, only=("ema_decay",))  # accepted and unused
 
 
 @dataclass
