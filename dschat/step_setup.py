@@ -57,13 +57,10 @@ def check_context(max_seq_len: int, config, tokenizer, name: str) -> None:
     """--max_seq_len within what the model attends to (its position limit, or its tokenizer's if smaller):
     beyond it a learned position table is indexed past its end mid-run, and a rotary model trains on
     positions it never saw."""
-    from dschat.generation.decoding import context_length
+    from dschat.generation.decoding import known_context_length
 
-    known = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
-    if not any(isinstance(x, int) and 0 < x < 10**7 for x in known):
-        return  # no position limit (ALiBi models): nothing to hold it to
-    limit = context_length(config, tokenizer)
-    if max_seq_len > limit:
+    limit = known_context_length(config, tokenizer)  # None: no position limit (ALiBi), nothing to hold to
+    if limit is not None and max_seq_len > limit:
         raise UserError(f"--max_seq_len {max_seq_len}: beyond the {limit} tokens {name} attends to")
 
 

@@ -160,16 +160,22 @@ def decode_options(args: argparse.Namespace, defaults: DecodeOptions) -> DecodeO
                          seed=args.seed).validate()  # fmt: skip
 
 
-def context_length(model, tokenizer) -> int:
+def known_context_length(model, tokenizer) -> int | None:
     """Tokens the model (a module, or its config) can attend to: its position limit, or the tokenizer's
-    limit when that is smaller."""
+    limit when that is smaller; None where neither names one (ALiBi models)."""
     config = getattr(model, "config", model)
     limits = [
         getattr(config, "max_position_embeddings", None),
         getattr(tokenizer, "model_max_length", None),
     ]
     usable = [int(x) for x in limits if isinstance(x, int) and 0 < x < 10**7]
-    return min(usable) if usable else 2048
+    return min(usable) if usable else None
+
+
+def context_length(model, tokenizer) -> int:
+    """:func:`known_context_length`, 2048 where the model names none (a budget generation can plan with)."""
+    known = known_context_length(model, tokenizer)
+    return 2048 if known is None else known
 
 
 def contrastive_pick(
