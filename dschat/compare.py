@@ -17,7 +17,7 @@ from dschat import tasks
 from dschat.data.prompt_format import as_dialogue
 from dschat.data.sources import BUILTIN_SEED, builtin_task_names
 from dschat.utils.errors import UserError
-from dschat.utils.io import data_lines, read_data_text
+from dschat.utils.io import data_lines, read_user_text
 
 
 def builtin_prompts(n: int, names: list[str] | None = None) -> list[str]:
@@ -48,10 +48,7 @@ def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{flag} {path}: no such file")
-    try:
-        text = read_data_text(p)
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{flag} {path}: not UTF-8 text ({exc.reason})") from None
+    text = read_user_text(p, f"{flag} {path}", encoding="utf-8-sig")  # without a byte-order mark
     if p.suffix == ".json":
         try:
             items = json.loads(text)

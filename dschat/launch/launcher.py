@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dschat.utils.dist import cpu_cores, threads_per_rank
 from dschat.utils.errors import UserError
+from dschat.utils.io import read_user_text
 
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "torchrun")
@@ -60,11 +61,7 @@ MAX_PROCESSES_PER_NODE = 4096  # beyond any machine's GPUs or cores: a typo, not
 def read_hostfile(path: str) -> list[tuple[str, int]]:
     """``[(host, slots)]`` of a DeepSpeed hostfile (``host slots=N`` per line, ``#`` comments)."""
     hosts = []
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"--hostfile {path}: not UTF-8 text (byte {exc.start})") from None
-    for i, line in enumerate(text.splitlines(), 1):
+    for i, line in enumerate(read_user_text(path, f"--hostfile {path}").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dschat.launch.launcher import DEPLOYMENTS
 from dschat.utils.errors import UserError
+from dschat.utils.io import read_user_text
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "presets"
 DEFAULT_PRESET = (
@@ -33,12 +34,11 @@ def read_preset(path: Path) -> dict:
     """A preset file: ``model``, ``reward_model``, ``deployment_type`` and ``stepN: {"--flag": value}``."""
     import yaml
 
+    text = read_user_text(path, str(path))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: malformed YAML ({str(exc).splitlines()[0]})") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of {', '.join(sorted(PRESET_KEYS))}")
     for key, value in data.items():

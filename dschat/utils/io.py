@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dschat.utils.errors import UserError
+
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``."""
@@ -91,6 +93,15 @@ def cache_root() -> Path:
 def read_data_text(path: str | os.PathLike) -> str:
     """A data file's UTF-8 text without a leading byte-order mark (Windows editors write one)."""
     return Path(path).read_text(encoding="utf-8-sig")
+
+
+def read_user_text(path: str | os.PathLike, label: str, encoding: str = "utf-8") -> str:
+    """A file a user names (a hostfile, a preset, a prompts file) as text; text that is not UTF-8 is one
+    line naming ``label`` (``--hostfile FILE``), not a traceback."""
+    try:
+        return Path(path).read_text(encoding=encoding)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{label}: not UTF-8 text (byte {exc.start})") from None
 
 
 def data_lines(text: str) -> list[str]:
