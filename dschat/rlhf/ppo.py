@@ -471,7 +471,11 @@ class PPOTrainer:
                     name, source.score(prompts, responses, sequences, reward_mask), out
                 )
 
-            scores = scored("reward", self.reward_source)
+            # equal answers to one prompt get one score (their mean): 16-bit rounding apart, a group baseline
+            # (group_norm's division by the std above all) would read the rounding as a preference
+            scores = M.share_scores_of_identical_answers(
+                scored("reward", self.reward_source), sequences, h.n_samples_per_prompt
+            )
             judged = scored("judge", self.judge) if self.judge is not None else None
 
             truncated = truncated_rows(sequences, prompt_len, stops)

@@ -191,6 +191,24 @@ def group_relative_scores(scores: torch.Tensor, group_size: int, method: str) ->
     return out.view(-1).float()
 
 
+def share_scores_of_identical_answers(
+    scores: torch.Tensor, sequences: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """(B*K,) scores of K answers per prompt (consecutive rows) and their (B*K, L) token ids -> (B*K,): the
+    rows of a group whose token ids are equal all get their mean score.
+
+    The reward is a function of the text, so equal answers have one score; a 16-bit reward model can still
+    score them a rounding step apart (another row, another padding), and ``group_norm`` divides by the
+    group's std, which turns that step into advantages of full size and random sign."""
+    if group_size < 2:
+        return scores
+    s = scores.double().view(-1, group_size)
+    ids = sequences.view(s.shape[0], group_size, -1)
+    same = (ids[:, :, None, :] == ids[:, None, :, :]).all(-1).double()  # (B, K, K): row i equals row j
+    # the same row of ``same`` for equal answers, so the same sum: their shared score is bit-identical
+    return ((same @ s.unsqueeze(-1)).squeeze(-1) / same.sum(-1)).view(-1).to(scores.dtype)
+
+
 def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """(B*K,) scores in consecutive groups of K -> (B*K,) bool: True for every row of a group whose
     scores are all equal (within 1e-6). DAPO (Yu et al. 2025) drops these groups: a group baseline gives

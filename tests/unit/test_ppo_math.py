@@ -26,6 +26,7 @@ from dschat.rlhf.ppo_math import (
     masked_whiten,
     policy_loss,
     ppo_optimizer_steps,
+    share_scores_of_identical_answers,
     uniform_groups,
     value_loss,
 )
@@ -288,6 +289,20 @@ def test_group_norm_hand_values():
     assert close(out, [-1.0, 0.0, 1.0, 0.0, 0.0, 0.0], atol=1e-5)
     out = group_relative_scores(t([0.0, 4.0]), 2, "group_norm")
     assert close(out, [-2 / math.sqrt(8), 2 / math.sqrt(8)], atol=1e-5)
+
+
+def test_identical_answers_share_their_mean_score_within_their_own_group_only():
+    # group 0: answers A, B, A scored 1, 5, 2 -> the two A's get (1 + 2) / 2 = 1.5, B keeps 5
+    # group 1: answer A again (another prompt's group: not pooled with group 0) and C: scores kept
+    ids = torch.tensor([[7, 1, 2], [7, 3, 4], [7, 1, 2], [8, 1, 2], [8, 5, 6], [9, 9, 9]])
+    out = share_scores_of_identical_answers(t([1.0, 5.0, 2.0, 4.0, 0.5, 3.0]), ids, 3)
+    assert out.tolist() == [1.5, 5.0, 1.5, 4.0, 0.5, 3.0]
+    # one answer per prompt (GAE without groups): nothing to share
+    assert share_scores_of_identical_answers(t([1.0, 2.0]), ids[:2], 1).tolist() == [1.0, 2.0]
+    # three equal answers: one bit-identical score, so the group is uniform and group_norm gives 0
+    three = share_scores_of_identical_answers(t([0.1, 0.3, 0.7]), torch.tensor([[1, 2]] * 3), 3)
+    assert three[0] == three[1] == three[2] and abs(float(three[0]) - 1.1 / 3) < 1e-6
+    assert group_relative_scores(three, 3, "group_norm").abs().max() == 0.0
 
 
 def test_group_baselines_reject_bad_groups():

@@ -684,3 +684,20 @@ def test_the_actor_step_hook_runs_after_each_optimizer_step_and_not_after_a_skip
     uniform = make([1.0, 1.0, 3.0, 3.0])
     assert uniform.train(uniform.make_experience(*prompts(tokenizer))[0]) == {"skipped_actor_updates": 1.0}
     assert calls == [1]  # after the one step taken, after it
+
+
+def test_identical_answers_to_a_prompt_share_one_score_so_group_norm_sees_no_signal(tokenizer):
+    """A reward model in bf16 can score the same answer a rounding step apart (another row, another
+    padding: 2**-7 at a score of 1). GRPO's division by the group's std turned that into advantages of
+    +-0.71 for two identical answers; the answer's text is what is scored, so equal answers to a prompt get
+    their mean score, the group is uniform and carries no advantage."""
+    actor, reference = micro_llama(len(tokenizer), seed=0), micro_llama(len(tokenizer), seed=1)
+    scores = [1.0, 1.0 + 2**-7, 0.0, 2**-6]
+    ppo = trainer(Engine(actor), Engine(reference), tokenizer, temperature=1e-4, scores=FixedScores(scores),
+                  advantage_estimator="group_norm", kl_in="loss", kl_estimator="k3")  # fmt: skip
+    exp, stats = ppo.make_experience(*prompts(tokenizer))
+    # near-greedy: each prompt's two answers are one answer
+    assert torch.equal(exp.sequences[0], exp.sequences[1]) and torch.equal(exp.sequences[2], exp.sequences[3])
+    assert stats["uniform_group_rows"] == 4.0
+    assert exp.advantages.abs().max() == 0.0  # the KL is a loss term here: advantages are the scores' alone
+    assert stats["score_sum"] == pytest.approx(sum(scores))  # each pair's mean, twice
