@@ -100,6 +100,18 @@ class ScoreNormalization:
         return cls(**{k: stats[k] for k in ("mean", "std", "source", "n")})
 
 
+class Fp32ScoreHead(nn.Linear):
+    """The scalar head, computed in fp32 from 16-bit hidden states (B, T, H) and weights -> (B, T, 1).
+
+    A bf16 score has 8 bits of mantissa (steps of 2**-7 at 1): two answers a reward model tells apart in
+    fp32 tied in 0.6% of HH test pairs, each counted wrong, and PPO read rounding steps as preferences. The
+    weights stay in the model's dtype (the same state dict and checkpoints); only the product is fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
 class ScalarHeadModel(nn.Module):
     """``forward(input_ids (B,T), attention_mask (B,T)) -> values (B,T)``; ``score(...) -> (B,)``."""
 
@@ -107,6 +119,9 @@ class ScalarHeadModel(nn.Module):
         super().__init__()
         self.model = model  # a *ForSequenceClassification model (possibly a peft wrapper of one)
         self.trained_max_len: int | None = None  # step 2's --max_seq_len, where a trained one was loaded
+        head = getattr(self.hf_model, "score", None)
+        if type(head) is nn.Linear:  # the class only: the module keeps its parameters, and any hook on them
+            head.__class__ = Fp32ScoreHead
 
     @property
     def hf_model(self) -> nn.Module:

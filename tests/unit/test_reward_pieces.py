@@ -392,3 +392,27 @@ def test_reward_model_source_standardises_its_scores():
     assert RewardModelSource(engine).score([], [], ids, mask).tolist() == [9.0, 5.0]
     norm = ScoreNormalization(mean=5.0, std=2.0, source="eval_pairs", n=2.0)
     assert RewardModelSource(engine, norm).score([], [], ids, mask).tolist() == [2.0, 0.0]
+
+
+def test_a_16_bit_reward_models_scores_are_not_rounded_to_16_bits(tmp_path):
+    """The head reads bf16 hidden states and bf16 weights and computes in fp32: bf16 scores (8 bits of
+    mantissa, steps of 2**-7 at 1) tied 3 of 500 HH test pairs that fp32 told apart, each counted wrong."""
+    from transformers import LlamaForCausalLM
+
+    from dschat.models.builtin import build_config
+    from dschat.models.reward import load_reward_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(build_config("micro-llama", vocab_size=300)).save_pretrained(tmp_path)
+    rm = load_reward_model(str(tmp_path)).to(torch.bfloat16).eval()
+    torch.nn.init.normal_(rm.hf_model.score.weight, std=1.0)  # scores of order 10: bf16 steps of 2**-4
+    ids = torch.randint(3, 300, (4, 12))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = rm.hidden(ids, mask)  # (4, 12, H) bf16
+        exact = (hidden.float() @ rm.hf_model.score.weight.float().T).squeeze(-1)  # (4, 12)
+        values = rm(ids, mask)
+    assert values.dtype == torch.float32
+    assert torch.allclose(values, exact, rtol=1e-6, atol=1e-6)
+    assert (exact.bfloat16().float() - exact).abs().max() > 1e-3  # what the bf16 head returned
+    assert torch.equal(rm.score(ids, mask), values[:, -1])
