@@ -6,9 +6,9 @@ Layout of ``root`` (``OUTPUT_DIR/checkpoints``)::
     step400/
     latest          "step400", replaced atomically after step400/ is complete
 
-A save goes to ``.tmp-stepN/`` first; only when every rank has finished does rank 0 rename it and
-then update ``latest``. A run killed mid-save therefore leaves ``latest`` naming the previous,
-complete checkpoint. With ``--node_local_storage`` every node keeps this layout on its own disk (its
+A save goes to ``.tmp-stepN/`` first; only when every rank has finished and flushed its files to the disk
+does rank 0 rename it and then update ``latest``. A run killed mid-save (or a power loss) therefore leaves
+``latest`` naming the previous, complete checkpoint. With ``--node_local_storage`` every node keeps this layout on its own disk (its
 ranks' shards, written by DeepSpeed by local rank), managed by the node's local rank 0.
 """
 
@@ -27,7 +27,14 @@ import torch
 
 from dschat.utils import dist
 from dschat.utils.errors import UserError
-from dschat.utils.io import INCOMPLETE_EXPORT, atomic_save_tensors, atomic_write_text, replace_dir, usual_mode
+from dschat.utils.io import (
+    INCOMPLETE_EXPORT,
+    atomic_save_tensors,
+    atomic_write_text,
+    fsync_tree,
+    replace_dir,
+    usual_mode,
+)
 
 LOG = logging.getLogger("dschat")
 TAG_RE = re.compile(r"^step(\d+)$")
@@ -65,6 +72,9 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
     torch.save(rng, root / tmp_tag / f"rng_rank{dist.rank()}.pt")
+    # DeepSpeed and torch.save write without fsync: every rank flushes what its node holds (on shared storage
+    # another node's writes are in that node's cache) before ``latest`` may name the checkpoint
+    fsync_tree(root / tmp_tag)
     dist.barrier()
     if dist.is_node_writer():
         replace_dir(root / tmp_tag, root / tag)

@@ -30,6 +30,31 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)  # the rename itself: without it a power loss can bring the old file back
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename into it, a new file) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """Flush every file under ``path`` and then every directory, deepest first, to the disk: what another
+    writer (DeepSpeed's checkpoint shards, ``torch.save``) wrote without ``fsync``."""
+    walked = list(os.walk(path))
+    for dirpath, _, files in walked:
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for dirpath, _, _ in reversed(walked):
+        fsync_dir(dirpath)
 
 
 def usual_mode(path: str | os.PathLike) -> None:
@@ -72,6 +97,8 @@ def replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Non
 
     ``os.replace`` cannot swap non-empty directories atomically, so the old one is first renamed aside
     and deleted only once the new one is in place: at every instant one complete copy exists on disk.
+    The rename reaches the disk before this returns (the files must have: :func:`fsync_tree`), so a file
+    written next (a checkpoint's ``latest``) never names a directory a power loss can take back.
     """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     old = final_dir.with_name(f".{final_dir.name}.old")
@@ -80,6 +107,7 @@ def replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Non
     if final_dir.exists():
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
 

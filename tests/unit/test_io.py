@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,32 @@ def test_atomic_writes_get_the_mode_a_plain_open_would(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "report.md").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
+    """A power loss after ``latest`` moved must not leave it naming torn files: every file of the new
+    checkpoint (DeepSpeed's shards are plain writes, never flushed) and the directory's rename reach the
+    disk before ``latest`` is replaced, and ``latest``'s own rename after it."""
+    from dschat.engine.checkpoint import save_checkpoint
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))  # fmt: skip
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b)))
+    root = tmp_path / "checkpoints"
+
+    class Engine:  # what save_checkpoint asks of an engine: DeepSpeed writes its shards without fsync
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            (Path(save_dir) / tag).mkdir(parents=True)
+            (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+
+    save_checkpoint(Engine(), root, 4, {})
+    assert (root / "latest").read_text() == "step4\n"
+    shard = str(root / ".tmp-step4" / "mp_rank_00_model_states.pt")
+    latest = next(i for i, e in enumerate(events) if e == ("replace", str(root / "latest")))
+    moved = events.index(("replace", str(root / "step4")))
+    assert events.index(("fsync", shard)) < moved  # the files, before the directory is renamed
+    # the rename itself (the parent directory's entry) before latest, and latest's after its replace
+    assert any(e == ("fsync", str(root)) for e in events[moved:latest])
+    assert ("fsync", str(root)) in events[latest:]
