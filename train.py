@@ -321,7 +321,9 @@ def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], pres
     chosen = plan.chosen
     unit = "GPU" if hw.on_gpu else "process"
     flags = P.choice_flags(n, chosen.choice, argv)
-    if len(plan.fixed) == 3 or (plan.fixed.get("zero_stage") == 0 and "gradient_checkpointing" in plan.fixed):
+    if "zero_stage" in plan.fixed and (
+        len(plan.fixed) == 3 or (plan.fixed["zero_stage"] == 0 and "gradient_checkpointing" in plan.fixed)
+    ):
         how = "set by your flags"
     else:
         how = "picked" + (f" (adds {' '.join(flags)})" if flags else "")

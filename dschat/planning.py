@@ -70,14 +70,17 @@ def fixed_choice(step: int, argv: list[str]) -> dict[str, Any]:
     Step 3 plans actor and critic with one choice; where its flags set them apart (``--actor_zero_stage 3
     --critic_zero_stage 0``, checkpointing for one of them), the estimate takes the setting that needs more
     memory for both (the lower stage, no checkpointing): an estimate above the need, never one below it.
+    Where they set one model's stage alone, the other's is the plan's, at most that one
+    (``zero_stage_at_most``); one model's checkpointing on leaves the other's to the plan (off still fixes
+    both): a flag for one model is not imposed on the other.
     """
     fixed: dict[str, Any] = {}
     stages = [int(s) for s in (given(argv, f) for f in STAGE_FLAGS[step]) if s is not None]
     if stages:
-        fixed["zero_stage"] = min(stages)
+        fixed["zero_stage" if len(stages) == len(STAGE_FLAGS[step]) else "zero_stage_at_most"] = min(stages)
     for name, flags in (("offload", OFFLOAD_FLAGS[step]), ("gradient_checkpointing", CKPT_FLAGS[step])):
         values = [v for v in (switch(argv, f) for f in flags) if v is not None]
-        if values:
+        if values and (len(values) == len(flags) or not all(values)):
             fixed[name] = all(values)
     return fixed
 
@@ -107,7 +110,9 @@ def ordered_choices(fixed: dict[str, Any], on_gpu: bool, devices: int = 2) -> li
     rank = {c: i for i, c in enumerate(M.CANDIDATES)}
     order = {c: rank.get(c, len(rank) + i) for i, c in enumerate(grid)}
     grid.sort(key=order.__getitem__)
-    out = [c for c in grid if all(getattr(c, k) == v for k, v in fixed.items())]
+    at_most = fixed.get("zero_stage_at_most", 3)
+    exact = {k: v for k, v in fixed.items() if k != "zero_stage_at_most"}
+    out = [c for c in grid if c.zero_stage <= at_most and all(getattr(c, k) == v for k, v in exact.items())]
     if not on_gpu and not fixed.get("offload"):
         out = [c for c in out if not c.offload]
     return out

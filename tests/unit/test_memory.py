@@ -303,7 +303,10 @@ def test_choice_flags_leave_explicit_flags_alone():
         "--actor_zero_stage", "3", "--offload", "--offload_reference_model", "--offload_reward_model",
         "--actor_gradient_checkpointing", "--critic_gradient_checkpointing",
     ]  # fmt: skip
-    assert P.fixed_choice(3, ["--actor_zero_stage=2", "--offload"]) == {"zero_stage": 2, "offload": True}
+    assert P.fixed_choice(3, ["--actor_zero_stage=2", "--offload"]) == {
+        "zero_stage_at_most": 2,
+        "offload": True,
+    }
     # actor and critic set apart: planned with what needs more memory (was the actor's ZeRO-3 for both,
     # an estimate of 70 GiB for a 6.7B pair that needs about 190 GiB with the critic at ZeRO-0)
     apart = ["--actor_zero_stage", "3", "--critic_zero_stage", "0", "--actor_gradient_checkpointing",
@@ -315,6 +318,25 @@ def test_choice_flags_leave_explicit_flags_alone():
     assert P.fixed_choice(1, off) == {"gradient_checkpointing": False}
     assert P.choice_flags(1, c, off) == ["--zero_stage", "3", "--offload"]
     assert P.fixed_choice(1, ["--no_offload", "--offload"]) == {"offload": True}  # the last one wins
+
+
+def test_one_models_stage_in_step_3_leaves_the_others_to_the_plan():
+    """``train.py --reward-zero-stage 3`` gives step 3 ``--critic_zero_stage 3`` alone: the plan took it as
+    the stage of both and added ``--actor_zero_stage 3``, so one GPU generated under ZeRO-3 for nothing. The
+    actor's stage is the plan's, at most the critic's (the estimate covers both at the lower stage, never
+    below the need); a critic's checkpointing on leaves the actor's to the plan too."""
+    fixed = P.fixed_choice(3, ["--critic_zero_stage", "3", "--critic_gradient_checkpointing"])
+    assert "zero_stage" not in fixed and "gradient_checkpointing" not in fixed
+    one_gpu = P.ordered_choices(fixed, on_gpu=True, devices=1)
+    assert one_gpu[0] == M.Choice(0, False, False)  # the fastest, as without the critic's flags
+    assert P.choice_flags(3, one_gpu[0], ["--critic_zero_stage", "3"]) == []
+    # the actor never above the critic's stage; set apart the other way, the lower one is kept for both
+    assert {
+        c.zero_stage for c in P.ordered_choices(P.fixed_choice(3, ["--critic_zero_stage", "1"]), True)
+    } == {0, 1}
+    assert P.fixed_choice(3, ["--actor_zero_stage", "0"]) == {"zero_stage_at_most": 0}
+    # a model's checkpointing off still fixes both (without it needs more memory)
+    assert P.fixed_choice(3, ["--no_critic_gradient_checkpointing"]) == {"gradient_checkpointing": False}
 
 
 OPT = {"model_type": "opt", "vocab_size": 100, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2,
