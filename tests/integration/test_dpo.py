@@ -217,7 +217,7 @@ def test_train_py_runs_dpo_as_step_two_with_policy_negatives(tmp_path):
     # builtin tasks: an untrained policy's distinct wrong answers become rejected sides
     proc = train_py("--preset", "none", "--algorithm", "dpo", "--step", "2", "--actor-model", "builtin:micro-llama",
                     "--output-dir", str(out), "--", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                    "--max_eval_samples", "16", "--eval_generation_samples", "0", "--eval_interval", "0",
+                    "--max_eval_samples", "16", "--eval_generation_samples", "4", "--eval_interval", "0",
                     "--policy_negatives_from", "builtin:micro-llama", "--policy_negatives_max_prompts", "16",
                     "--policy_negatives_per_prompt", "2", "--policy_negatives_max_new_tokens", "6")  # fmt: skip
     assert_ok(proc)
@@ -238,6 +238,11 @@ def test_train_py_runs_dpo_as_step_two_with_policy_negatives(tmp_path):
     assert 0.0 <= s["implicit_reward_accuracy_policy_negatives_end"] <= 1.0
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
     assert all("policy_negatives_accuracy" in r for r in evals), evals
+    # the verifier's accuracy is logged as true_accuracy (step 3's name): it overwrote the implicit-reward
+    # accuracy of the first and last rows, one curve of two metrics
+    assert evals[0]["accuracy"] == s["implicit_reward_accuracy_start"] == 0.0, evals
+    assert evals[-1]["accuracy"] == s["implicit_reward_accuracy_end"], evals
+    assert evals[0]["true_accuracy"] == s["true_accuracy_start"] and "true_accuracy" in evals[-1], evals
 
 
 def test_online_dpo_trains_on_pairs_a_reward_model_labels(pairs, tmp_path):

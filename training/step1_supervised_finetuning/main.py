@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         """Eval-set perplexity, and (at start and end) the verifier's true accuracy of greedy answers."""
         acc = T.true_accuracy(engine, setup, data.eval_prompts, run, ds_args.zero_stage == 3, sw) if with_accuracy else None  # fmt: skip
         ev = evaluate_perplexity(engine, evals)
-        metrics.log({"loss": ev["loss"], "perplexity": ev["perplexity"], **(acc or {})}, step=step, split="eval")  # fmt: skip
+        metrics.log({"loss": ev["loss"], "perplexity": ev["perplexity"], **T.true_accuracy_columns(acc)}, step=step, split="eval")  # fmt: skip
         log.info("eval at step %d: loss %.4f, perplexity %.3f%s", step, ev["loss"], ev["perplexity"],
                  f", true {fmt_acc(acc)}" if acc else "")  # fmt: skip
         return ev, acc

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             if policy_evals:  # held-out pairs whose rejected answer the starting policy itself wrote
                 ev["policy_negatives_accuracy"] = evaluate_pairs(engine, policy_evals, ref_policy, hp,
                                                                  engine.device)["accuracy"]  # fmt: skip
-        metrics.log({**ev, **(acc or {})}, step=step, split="eval")
+        metrics.log({**ev, **T.true_accuracy_columns(acc)}, step=step, split="eval")
         own = f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else ""
         log.info("eval at step %d: implicit-reward accuracy %.4f%s, margin %.4f, loss %.4f%s", step, ev["accuracy"],
                  own, ev["margin"], ev["loss"], f", true accuracy {acc['accuracy']:.3f}" if acc else "")  # fmt: skip
