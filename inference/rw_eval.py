@@ -119,10 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to(where.device, dtype)
     dist.note_shared_cpu(where.device)
 
-    def score(prompts: list[str], responses: list[str]) -> torch.Tensor:
-        return score_texts(
-            model, tokenizer, prompts, responses, batch_size=args.batch_size, device=where.device, fmt=fmt
-        )
+    def score(prompts: list[str], responses: list[str], partners: list[str] | None = None) -> torch.Tensor:
+        return score_texts(model, tokenizer, prompts, responses, batch_size=args.batch_size, device=where.device,
+                           fmt=fmt, partners=partners)  # fmt: skip
 
     if pairs:
         return report_pairs(pairs, score, args, fmt)
@@ -144,9 +143,12 @@ def report_pairs(samples, score, args, fmt) -> int:
     samples, dropped = comparable_pairs(samples)  # as step 2 evaluates them
     if not samples:
         raise UserError(f"{args.file}: no pair with two different, non-empty answers ({json.dumps(dropped)})")
-    prompts = [s.prompt for s in samples]
-    chosen = score(prompts, [s.chosen for s in samples])
-    rejected = score(prompts, [s.rejected for s in samples])
+    # each pair's prompt cut once, for the longer answer, as step 2 cuts it: both answers read the same one
+    answers = [s.chosen for s in samples] + [s.rejected for s in samples]
+    scores = score(
+        [s.prompt for s in samples] * 2, answers, answers[len(samples) :] + answers[: len(samples)]
+    )
+    chosen, rejected = scores[: len(samples)], scores[len(samples) :]
     lc, lr = (torch.tensor([len(ids) for ids in fmt.encode_responses([getattr(s, side) for s in samples])])
               for side in ("chosen", "rejected"))  # fmt: skip
     metrics = ranking_metrics(ranking_sums(chosen, rejected, lc, lr, torch.ones(len(samples))))

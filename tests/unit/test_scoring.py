@@ -91,3 +91,27 @@ def test_a_trained_reward_model_is_scored_on_rows_cut_as_step_2_cut_its_training
     model.trained_max_len = 24
     assert torch.equal(score_texts(model, tok, [prompt], [response]), cut)
     assert not torch.allclose(whole, cut)
+
+
+def test_a_pair_is_scored_on_the_prompt_step_2_kept_for_both_answers():
+    """Step 2 cuts a long pair's prompt once, to leave room for the longer answer, and both answers read
+    that prompt; rw_eval.py cut it for each answer alone, so the shorter answer was scored with more of
+    the dialogue than in training (and than its rival): a bias tied to length in the held-out accuracy."""
+    from dschat.data.pipeline import tokenize_pairs
+    from dschat.data.prompt_format import prompt_format
+    from dschat.data.schema import Sample
+    from dschat.scoring import score_with
+
+    tok = build_tokenizer()
+    fmt = prompt_format(tok)
+    rows: list[list[int]] = []
+
+    def score_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        rows.extend(ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask))
+        return torch.zeros(len(input_ids))
+
+    prompt, chosen, rejected = "the long question text " * 6 + "end?", " yes", " no, and a much longer answer"
+    (pair,), stats = tokenize_pairs([Sample(prompt, chosen, rejected)], fmt, 110)
+    assert stats["prompt_truncated"] == 1
+    score_with(score_fn, tok, [prompt] * 2, [chosen, rejected], partners=[rejected, chosen], max_len=110)
+    assert sorted(rows) == sorted([pair["chosen"], pair["rejected"]])
