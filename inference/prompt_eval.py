@@ -164,8 +164,10 @@ def rewards(questions: list[str], replies: dict[str, list[str]], args) -> dict[s
     where = args.inference
     tokenizer = load_tokenizer(path, trust_remote_code=where.trust_remote_code, flag="--reward_model")
     model = load_reward_model(path, tokenizer=tokenizer, trust_remote_code=where.trust_remote_code,
-                              require_trained_head=True, flag="--reward_model").to(where.device)  # fmt: skip
-    fmt = model_format(tokenizer, path, from_namespace(FormatArgs, args).chat_template)
+                              require_trained_head=True, flag="--reward_model")  # fmt: skip
+    model = model.to(where.device, inference_dtype(where.dtype, where.device))  # as rw_eval.py scores
+    # the format the reward model trained in: --chat_template says how to prompt the two policies
+    fmt = model_format(tokenizer, path)
     prompts = [as_dialogue(q) for q in questions]
     out = {side: score_texts(model, tokenizer, prompts, replies[side], batch_size=args.batch_size,
                              device=where.device, fmt=fmt).tolist() for side in SIDES}  # fmt: skip
