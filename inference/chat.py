@@ -34,6 +34,7 @@ from dschat.generation.streaming import ReplyStream
 from dschat.models.loading import count_parameters, inference_dtype, load_for_generation, open_for_generation
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
+from dschat.utils.io import is_text
 
 RESET = {"clear", "/clear", "/reset"}
 QUIT = {"quit", "exit", "/quit", "/exit"}
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.inference = from_namespace(InferenceArgs, args)
     if args.prompt is not None and not args.prompt.strip():
         p.error("--prompt: the message is empty")
+    if args.prompt is not None and not is_text(args.prompt):
+        p.error("--prompt: not valid UTF-8 text")
     decode_options(args, DECODING)  # bad decoding flags fail before the model loads
     return args
 
@@ -125,6 +128,9 @@ class Chat:
     def handle(self, line: str, label: str = "") -> bool:
         """Act on one line of input; False when the user asked to leave."""
         text = line.strip()
+        if not is_text(text):
+            self.note("the message is not valid UTF-8 text and was not sent")
+            return True
         if text.lower() in QUIT:
             return False
         if text.lower() in RESET:
@@ -174,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                                            trust_remote_code=where.trust_remote_code)  # fmt: skip
     dist.note_shared_cpu(where.device)
     chat = Chat(model, tokenizer, args, path=src.path)
+    # a line that is not UTF-8 is one note (Chat.handle), not a UnicodeDecodeError ending the chat
+    if reconfigure := getattr(sys.stdin, "reconfigure", None):  # a text stream (not a test's stand-in)
+        reconfigure(errors="surrogateescape")
     tty = sys.stdin.isatty() and args.prompt is None
     if tty:
         print(f"{args.path}: {type(model).__name__}, {count_parameters(model) / 1e6:.1f}M parameters, "
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(loaded in {time.perf_counter() - start:.1f} s)")  # fmt: skip
         interactive(chat)
     elif args.prompt is not None:
-        chat.say(args.prompt)
+        chat.say(args.prompt.strip())  # as a typed message: "$(cat file)" keeps the file's last newline
     else:
         try:
             for line in sys.stdin:

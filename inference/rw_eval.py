@@ -32,6 +32,7 @@ from dschat.ranking import ranking_metrics, ranking_sums
 from dschat.scoring import score_texts
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
+from dschat.utils.io import is_text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give either --prompt with --response, or --file")
     if args.prompt and not args.response:
         p.error("--prompt needs at least one --response")
+    for flag, texts in (("--prompt", [args.prompt or ""]), ("--response", args.response)):
+        if not all(is_text(t) for t in texts):
+            p.error(f"{flag}: not valid UTF-8 text")
     if any(not r.strip() for r in args.response):  # step 2 leaves such answers out: its score means nothing
         p.error("--response: an empty answer (step 2 never trains on one, so its score means nothing)")
     # "\n\nHuman: ..." typed in a shell arrives as backslash-n: a newline, as prompt_eval.py's text files read it

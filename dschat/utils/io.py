@@ -33,6 +33,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)  # the rename itself: without it a power loss can bring the old file back
 
 
+def is_text(message: str) -> bool:
+    """Whether ``message`` is text: bytes that are not UTF-8 arrive as surrogate escapes (Python reads argv,
+    and chat.py its stdin, with ``surrogateescape``), which no tokenizer takes."""
+    try:
+        message.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Flush a directory's entries (a rename into it, a new file) to the disk."""
     fd = os.open(path, os.O_RDONLY)

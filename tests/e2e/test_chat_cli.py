@@ -231,3 +231,26 @@ def test_a_reply_cut_at_max_new_tokens_says_so(tiny, chat_main, capsys):
     assert capsys.readouterr().out == f"{ENDLESS[:5].strip()} [cut off at --max_new_tokens 5]\n"
     assert chat_main(["--path", str(tiny.right), "--prompt", "hi", "--greedy", "--max_new_tokens", "5"]) == 0
     assert capsys.readouterr().out == "579\n"  # ended by the model within the budget
+
+
+def test_a_message_that_is_not_utf8_is_one_note_and_the_chat_goes_on(tiny):
+    """Bytes that are not UTF-8 on stdin (or typed) ended chat.py with a traceback from the tokenizer; the
+    message is now left out with one note, and the next one is answered."""
+    proc = subprocess.run([sys.executable, CHAT, "--path", str(tiny.right), "--greedy"],
+                          input=b"hi \xff\xfe there\nWhat is 500 + 79?\n", capture_output=True, timeout=120,
+                          cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.decode().splitlines() == ["579"]
+    assert b"not valid UTF-8" in proc.stderr
+
+
+def test_the_prompt_flag_is_refused_when_not_utf8_and_sent_stripped(tiny, chat_main, capsys, monkeypatch):
+    """--prompt "$(cat file)" keeps the file's newline: the message is stripped as a typed one is (its token
+    ids then match training's); a --prompt of undecodable bytes (surrogate escapes) is one line."""
+    with pytest.raises(SystemExit) as exc:
+        chat_main(["--path", str(tiny.right), "--prompt", "hi \udcff there"])
+    assert exc.value.code == 2 and "--prompt: not valid UTF-8 text" in capsys.readouterr().err
+    sent = []
+    monkeypatch.setattr(sys.modules["dschat_chat_cli"].Chat, "say", lambda self, m, label="": sent.append(m))
+    assert chat_main(["--path", str(tiny.right), "--prompt", "What is 500 + 79?\n "]) == 0
+    assert sent == ["What is 500 + 79?"]

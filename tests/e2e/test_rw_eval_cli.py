@@ -73,3 +73,15 @@ def test_an_empty_response_is_refused(tiny, rw_main, capsys):
     with pytest.raises(SystemExit):
         rw_main(["--model", str(tiny.reward), "--prompt", "Q", "--response", " 9", "--response", "  "])
     assert "--response: an empty answer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prompt", "--response"])
+def test_a_prompt_or_response_that_is_not_utf8_is_one_line(tmp_path, flag, capsys):
+    """Undecodable bytes in an argument (surrogate escapes) were a traceback from the tokenizer."""
+    from inference.rw_eval import parse_args
+
+    argv = {"--prompt": "hi", "--response": " yes"}
+    argv[flag] += " \udcff"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", str(tmp_path), "--prompt", argv["--prompt"], "--response", argv["--response"]])
+    assert exc.value.code == 2 and f"{flag}: not valid UTF-8 text" in capsys.readouterr().err
