@@ -292,7 +292,8 @@ def write_reports(args, models: dict, opts: DecodeOptions, summary: dict, rows: 
     settings = {"baseline": models["baseline"], "fine-tuned": models["finetune"],
                 "prompts": args.prompts_file or f"built-in held-out ({args.num_prompts})",
                 "decoding": opts.strategy, "max_new_tokens": opts.max_new_tokens,
-                "reward model": args.reward_model or "none", "seed": args.seed}  # fmt: skip
+                "repetition_penalty": opts.repetition_penalty, "reward model": args.reward_model or "none",
+                "seed": args.seed}  # fmt: skip
     if opts.strategy == "sample":
         settings.update(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k)
     elif opts.strategy == "beam":

@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give either --prompt with --response, or --file")
     if args.prompt and not args.response:
         p.error("--prompt needs at least one --response")
+    if args.file and args.response:
+        p.error("--response belongs with --prompt; --file holds its own responses")
     for flag, texts in (("--prompt", [args.prompt or ""]), ("--response", args.response)):
         if not all(is_text(t) for t in texts):
             p.error(f"{flag}: not valid UTF-8 text")

@@ -49,6 +49,7 @@ def test_side_by_side_reports_and_win_rate(tiny, tmp_path):
     assert table[2].startswith("| 1 | What is 500 + 79? | 578 | 579 | wrong | right | -8.0000 | 8.0000 |")
     assert "with a pipe" in table[4] and "\\|" in table[4]
     assert "| win_rate | 1.0000 |" in md
+    assert "- repetition_penalty: `1.0`" in md  # a setting every strategy reads: a report says it
     assert not list(out.parent.glob(".*.tmp"))  # written through temporary files, none left behind
 
 

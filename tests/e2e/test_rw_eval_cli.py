@@ -85,3 +85,12 @@ def test_a_prompt_or_response_that_is_not_utf8_is_one_line(tmp_path, flag, capsy
     with pytest.raises(SystemExit) as exc:
         parse_args(["--model", str(tmp_path), "--prompt", argv["--prompt"], "--response", argv["--response"]])
     assert exc.value.code == 2 and f"{flag}: not valid UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_response_beside_a_file_is_refused(tmp_path, capsys):
+    """--response belongs with --prompt: beside --file it was read by nothing."""
+    from inference.rw_eval import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", str(tmp_path), "--file", str(tmp_path / "pairs.jsonl"), "--response", " yes"])
+    assert exc.value.code == 2 and "--response belongs with --prompt" in capsys.readouterr().err
