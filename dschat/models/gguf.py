@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,7 +210,12 @@ def _load_plain(path: Path, flag: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    where, name = str(path.parent), path.name
+    # transformers reads a tokenizer.json (and other files) beside the GGUF in preference to the file's own
+    # tokenizer; the entry is keyed by the file's content alone, so the file is read from a directory that
+    # holds nothing else
+    alone = tempfile.TemporaryDirectory(prefix="dschat-gguf-")
+    (Path(alone.name) / path.name).symlink_to(path)
+    where, name = alone.name, path.name
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the per-tensor dequantization bar is noise in a training log
     try:
@@ -226,6 +232,7 @@ def _load_plain(path: Path, flag: str):
                 f"{flag} {path}: transformers cannot load the GGUF weights ({_first(exc)})"
             ) from None
     finally:
+        alone.cleanup()
         if bars:
             hf_logging.enable_progress_bar()
     config = loaded.config

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from dschat.models import gguf
 from dschat.models.builtin import materialize
@@ -71,6 +72,23 @@ def test_a_changed_file_is_a_new_cache_entry(cache, micro_gguf, tmp_path):
     with open(other, "ab") as f:
         f.write(b"\0" * 32)  # GGUF readers ignore trailing bytes; the hash does not
     assert resolve(str(other)) != first
+
+
+def test_tokenizer_files_beside_a_gguf_file_are_not_its_tokenizer(cache, micro_gguf, tmp_path):
+    """transformers builds a GGUF's tokenizer from a tokenizer.json in the same directory when there is
+    one: the cache entry, keyed by the GGUF's content alone, then held another tokenizer, and every copy
+    of that file anywhere got it. The file's own tokenizer is converted."""
+    beside = tmp_path / "beside" / "micro.gguf"
+    beside.parent.mkdir()
+    shutil.copy(micro_gguf, beside)
+    other = AutoTokenizer.from_pretrained(materialize("builtin:micro-llama"))
+    other.add_tokens(["<extra-1>", "<extra-2>"])
+    other.save_pretrained(beside.parent)
+    path = resolve(str(beside))
+    assert "<extra-1>" not in load_tokenizer(path).get_vocab()
+    assert len(load_tokenizer(path)) == len(
+        AutoTokenizer.from_pretrained(micro_gguf.parent, gguf_file="micro.gguf")
+    )
 
 
 def _bad(tmp_path: Path, name: str, data: bytes) -> Path:
