@@ -91,6 +91,26 @@ def test_tokenizer_files_beside_a_gguf_file_are_not_its_tokenizer(cache, micro_g
     )
 
 
+def test_a_gguf_file_is_hashed_once_per_process_while_it_is_unchanged(
+    cache, micro_gguf, tmp_path, monkeypatch
+):
+    """prompt_eval.py resolved each model twice and DPO the policy and its reference apart, and each
+    resolve read and hashed the whole file again (seconds per pass for a file of several GB). An
+    unchanged file (same size, mtime and inode) is hashed once; a changed one again."""
+    hashed = []
+    real = gguf.file_sha256
+    monkeypatch.setattr(gguf, "file_sha256", lambda path: (hashed.append(path), real(path))[1])
+    copy = tmp_path / "hashed" / "micro.gguf"
+    copy.parent.mkdir()
+    shutil.copy(micro_gguf, copy)
+    first = resolve(str(copy))
+    assert resolve(str(copy)) == resolve(str(copy.parent)) == first
+    assert len(hashed) == 1
+    with open(copy, "ab") as f:
+        f.write(b"\0" * 32)
+    assert resolve(str(copy)) != first and len(hashed) == 2
+
+
 def _bad(tmp_path: Path, name: str, data: bytes) -> Path:
     p = tmp_path / "bad" / name
     p.parent.mkdir(parents=True, exist_ok=True)
