@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dschat.utils.errors import UserError
-from dschat.utils.io import cache_root, usual_mode
+from dschat.utils.io import cache_root, fsync_dir, fsync_tree, usual_mode
 
 LOG = logging.getLogger("dschat")
 COMPLETE = ".dschat-complete"  # written last into an entry: its presence means the entry is whole
@@ -79,7 +80,7 @@ def build_once(entry: Path, build: Callable[[Path], dict | None]) -> Path:
             shutil.rmtree(entry)
         # Builds of this entry that died (a killed process) left their temporary copies; none is running
         # while this process holds the lock, so every one is stale.
-        for stale in entry.parent.glob(f".{entry.name}.*.tmp"):
+        for stale in entry.parent.glob(f".{glob.escape(entry.name)}.*.tmp"):  # a GGUF stem may hold '['
             shutil.rmtree(stale, ignore_errors=True)
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         tmp.mkdir()
@@ -87,7 +88,9 @@ def build_once(entry: Path, build: Callable[[Path], dict | None]) -> Path:
             info = build(tmp) or {}
             mark = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "format": FORMAT, **info}
             (tmp / COMPLETE).write_text(json.dumps(mark, indent=2, sort_keys=True, default=str) + "\n")
+            fsync_tree(tmp)  # on the disk before the rename makes it complete (a power loss: no torn entry)
             os.replace(tmp, entry)
+            fsync_dir(entry.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -162,6 +162,35 @@ def test_a_build_killed_midway_leaves_a_copy_that_the_next_build_removes(tmp_pat
     assert cache.is_complete(entry) and not dead.exists()
 
 
+def test_a_stale_copy_of_an_entry_whose_name_holds_glob_characters_is_removed(tmp_path):
+    """The stale copies were found with a glob built from the entry's name (a GGUF file's stem): a name
+    holding '[' matched nothing, or other entries' copies."""
+    entry = tmp_path / "gguf-model[v2]-0123"
+    dead = tmp_path / ".gguf-model[v2]-0123.999999.tmp"
+    dead.mkdir()
+    cache.build_once(entry, lambda tmp: (tmp / "model.safetensors").write_bytes(b"y") and None)
+    assert cache.is_complete(entry) and not dead.exists()
+
+
+def test_an_entry_is_on_disk_before_it_is_complete(tmp_path, monkeypatch):
+    """A power loss after the rename could leave an entry with its completion mark beside empty weights:
+    the built files and the mark reach the disk before the rename, and the rename itself after it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
+    )
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b)))
+    entry = tmp_path / "thing"
+    cache.build_once(entry, lambda tmp: (tmp / "model.safetensors").write_bytes(b"y") and None)
+    moved = events.index(("replace", str(entry)))
+    before = [e for e in events[:moved] if isinstance(e, str)]
+    assert any(e.endswith("model.safetensors") for e in before) and any(
+        e.endswith(cache.COMPLETE) for e in before
+    )
+    assert str(tmp_path) in events[moved:]
+
+
 def test_a_cache_that_cannot_be_written_is_one_line_naming_dschat_cache(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
