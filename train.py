@@ -272,20 +272,18 @@ def planning_models(
     return models
 
 
-def resumed_choice(n: int, args: argparse.Namespace):
-    """On --resume, the choice the interrupted run made (its dschat_config.json), so it resumes alike."""
+def resumed_flags(n: int, args: argparse.Namespace, argv: list[str]) -> list[str] | None:
+    """On --resume, the flags that place the step's models as the interrupted run did (its
+    dschat_config.json, :func:`dschat.planning.resumed_flags`); None where it saved none."""
     import json
 
-    from dschat.memory import Choice
+    from dschat import planning as P
 
     try:
         cfg = json.loads(
             (Path(args.output_dir) / step_of(n, args).dir_name / "dschat_config.json").read_text()
         )
-        if n == 3:
-            actor = cfg["actor"]  # step 3 keeps each model's options under its name
-            return Choice(actor["zero_stage"], actor["offload"], actor["gradient_checkpointing"])
-        return Choice(cfg["zero_stage"], cfg["offload"], cfg["gradient_checkpointing"])
+        return P.resumed_flags(n, cfg, argv)
     except (OSError, ValueError, KeyError):
         return None
 
@@ -313,10 +311,9 @@ def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], pres
     if full:
         print(P.format_plan(plan, full=True), flush=True)
         return []
-    if args.resume and (saved := resumed_choice(n, args)) is not None:
-        flags = P.choice_flags(n, saved, argv)
-        print(f"==> memory plan, step {n}: resuming with the interrupted run's {saved.describe()}"
-              + (f" (adds {' '.join(flags)})" if flags else ""), flush=True)  # fmt: skip
+    if args.resume and (flags := resumed_flags(n, args, argv)) is not None:
+        print(f"==> memory plan, step {n}: resuming with the interrupted run's ZeRO stage, offload and "
+              "checkpointing" + (f" (adds {' '.join(flags)})" if flags else ""), flush=True)  # fmt: skip
         return flags
     chosen = plan.chosen
     unit = "GPU" if hw.on_gpu else "process"

@@ -185,7 +185,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int, 
     else:
         body = kept * layer
     final_norm = 2 * dtype_bytes * batch * seq * shape.hidden_size
-    head_bytes = logits_bytes(shape, batch, seq, dtype_bytes) if head == "lm" else 4 * batch * seq
+    if head == "lm":
+        head_bytes = logits_bytes(shape, batch, seq, dtype_bytes)
+    else:  # the fp32 scores; in 16 bits the head keeps the fp32 copy of its input (Fp32ScoreHead)
+        head_bytes = 4 * batch * seq * (1 + (shape.hidden_size if dtype_bytes < 4 else 0))
     return body + final_norm + head_bytes
 
 

@@ -99,6 +99,28 @@ def choice_flags(step: int, choice: M.Choice, argv: list[str]) -> list[str]:
     return out + [f for f in switches if switch(argv, f) is None]
 
 
+def resumed_flags(step: int, saved: dict[str, Any], argv: list[str]) -> list[str]:
+    """The flags that make a resumed step place its models as the interrupted run did (``saved``: its
+    ``dschat_config.json``), those ``argv`` leaves out: each model's ZeRO stage, checkpointing and offload
+    from its own section in step 3 (``actor``, ``critic``), where the two may differ (a critic's ZeRO-0
+    checkpoint does not load into a ZeRO-3 engine)."""
+    out: list[str] = []
+    for key, flags in (("zero_stage", STAGE_FLAGS[step]), ("gradient_checkpointing", CKPT_FLAGS[step]),
+                       ("offload", OFFLOAD_FLAGS[step] + ZERO3_OFFLOAD_EXTRA.get(step, ()))):  # fmt: skip
+        for flag in flags:
+            name = flag[2:]
+            model = name.split("_", 1)[0] if step == 3 and name.startswith(("actor_", "critic_")) else None
+            if model:  # step 3 keeps each model's options under its name
+                value = saved[model][name.removeprefix(f"{model}_")]
+            else:  # one step's own, step 3's shared --offload (in each section) or an engine switch
+                value = saved[name] if name in saved else saved["actor"][name]
+            if key == "zero_stage":
+                out += [flag, str(value)] if given(argv, flag) is None else []
+            elif value and switch(argv, flag) is None:
+                out.append(flag)
+    return out
+
+
 def ordered_choices(fixed: dict[str, Any], on_gpu: bool, devices: int = 2) -> list[M.Choice]:
     """The choices to weigh, fastest first: :data:`dschat.memory.CANDIDATES`, or with some fields fixed
     by flags every combination that has them. Offload is left out on CPU-only machines unless asked for;

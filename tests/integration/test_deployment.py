@@ -106,5 +106,5 @@ def test_all_three_steps_on_two_ranks_through_train_py(tmp_path):
     # train.py --resume reads back the stage this run chose (each model's options under its name)
     import train
 
-    choice = train.resumed_choice(3, argparse.Namespace(output_dir=str(run)))
-    assert (choice.zero_stage, choice.offload, choice.gradient_checkpointing) == (3, False, False)
+    ns = argparse.Namespace(output_dir=str(run))
+    assert train.resumed_flags(3, ns, []) == ["--actor_zero_stage", "3", "--critic_zero_stage", "2"]

@@ -90,13 +90,14 @@ def test_train_estimate_adds_its_parts(small):
     e = M.estimate_train(work, M.Choice(0, False, False), hw)
     assert e.parts == {"model states": 20 * 2792, "activations": 9072, "runtime": M.GPU_RUNTIME_BYTES}
     assert e.device == sum(e.parts.values())
-    # a reward model sees chosen and rejected together: activations of 2b sequences, no vocabulary logits
+    # a reward model sees chosen and rejected together: activations of 2b sequences, no vocabulary logits;
+    # its head computes in fp32 from a kept fp32 copy of the last hidden states (4 bytes x 4 x 3 x 8)
     rm = M.estimate_train(
         M.TrainWorkload(small, 2, 3, 2, head="score", pairs=True), M.Choice(0, False, False), hw
     )
     assert (
         rm.parts["activations"]
-        == 2 * M.layer_activation_bytes(small, 4, 3, 2) + 2 * 2 * 4 * 3 * 8 + 4 * 4 * 3
+        == 2 * M.layer_activation_bytes(small, 4, 3, 2) + 2 * 2 * 4 * 3 * 8 + 4 * 4 * 3 + 4 * 4 * 3 * 8
     )
 
 
@@ -337,6 +338,22 @@ def test_one_models_stage_in_step_3_leaves_the_others_to_the_plan():
     assert P.fixed_choice(3, ["--actor_zero_stage", "0"]) == {"zero_stage_at_most": 0}
     # a model's checkpointing off still fixes both (without it needs more memory)
     assert P.fixed_choice(3, ["--no_critic_gradient_checkpointing"]) == {"gradient_checkpointing": False}
+
+
+def test_a_resumed_step_places_each_model_as_the_interrupted_run_did():
+    """The plan may set actor and critic apart (the actor's stage given, the critic's picked); --resume
+    took the actor's choice for both, and so put a ZeRO-0 critic's checkpoint into a ZeRO-3 engine. Each
+    model's stage and checkpointing come from its own section; the flags given stay as given."""
+    section = {"zero_stage": 0, "offload": False, "gradient_checkpointing": False}
+    saved = {"actor": {**section, "zero_stage": 3, "gradient_checkpointing": True}, "critic": section,
+             "offload_reference_model": False, "offload_reward_model": False}  # fmt: skip
+    assert P.resumed_flags(3, saved, ["--actor_zero_stage", "3"]) == [
+        "--critic_zero_stage", "0", "--actor_gradient_checkpointing"]  # fmt: skip
+    offloaded = {**saved, "actor": {**saved["actor"], "offload": True}, "offload_reference_model": True}
+    assert P.resumed_flags(3, offloaded, ["--no_actor_gradient_checkpointing"]) == [
+        "--actor_zero_stage", "3", "--critic_zero_stage", "0", "--offload", "--offload_reference_model"]  # fmt: skip
+    one = {"zero_stage": 2, "offload": True, "gradient_checkpointing": False}
+    assert P.resumed_flags(1, one, []) == ["--zero_stage", "2", "--offload"]
 
 
 OPT = {"model_type": "opt", "vocab_size": 100, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2,
