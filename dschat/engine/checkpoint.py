@@ -72,9 +72,12 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict[str,
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
     torch.save(rng, root / tmp_tag / f"rng_rank{dist.rank()}.pt")
-    # DeepSpeed and torch.save write without fsync: every rank flushes what its node holds (on shared storage
-    # another node's writes are in that node's cache) before ``latest`` may name the checkpoint
-    fsync_tree(root / tmp_tag)
+    # DeepSpeed and torch.save write without fsync: each node's first rank flushes the files before ``latest``
+    # may name the checkpoint (on shared storage another node's writes sit in that node's cache, so one
+    # per node; one per rank would be ranks x files round trips to a parallel filesystem's server)
+    dist.barrier()  # every rank's files written
+    if dist.local_rank() == 0:
+        fsync_tree(root / tmp_tag)
     dist.barrier()
     if dist.is_node_writer():
         replace_dir(root / tmp_tag, root / tag)

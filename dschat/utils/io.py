@@ -3,6 +3,7 @@ where dschat keeps what it builds once (the model and data caches)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -43,11 +44,24 @@ def is_text(message: str) -> bool:
     return True
 
 
+# What a filesystem answers where it cannot fsync a directory (some network and FUSE mounts) or open one to
+# read: durability is then best effort, as SQLite and git take it, not a crash of every write.
+NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM})
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
-    """Flush a directory's entries (a rename into it, a new file) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a directory's entries (a rename into it, a new file) to the disk, where the filesystem can."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in NO_DIR_FSYNC:
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in NO_DIR_FSYNC:
+            raise
     finally:
         os.close(fd)
 

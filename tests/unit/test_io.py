@@ -130,3 +130,29 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     # the rename itself (the parent directory's entry) before latest, and latest's after its replace
     assert any(e == ("fsync", str(root)) for e in events[moved:latest])
     assert ("fsync", str(root)) in events[latest:]
+
+
+def test_a_filesystem_that_cannot_fsync_a_directory_still_takes_atomic_writes(tmp_path, monkeypatch):
+    """Some network and FUSE filesystems refuse fsync on a directory (EINVAL) or opening one to read
+    (EACCES): every atomic write (a run's config at start, its summary at the end) then crashed the run.
+    Durability is best effort there, as SQLite and git do."""
+    import errno
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write_text(tmp_path / "a.txt", "hello")
+    assert (tmp_path / "a.txt").read_text() == "hello"
+    src = tmp_path / "tmp"
+    src.mkdir()
+    (src / "f").write_text("x")
+    from dschat.utils.io import fsync_tree
+
+    fsync_tree(src)
+    replace_dir(src, tmp_path / "final")
+    assert (tmp_path / "final" / "f").read_text() == "x"
