@@ -461,13 +461,6 @@ def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_s
     }
 
 
-def true_accuracy_columns(acc: dict[str, float] | None) -> dict[str, float]:
-    """A task-accuracy result (``accuracy``, ``accuracy/<task>``) as an evaluation row logs it:
-    ``true_accuracy``, ``true_accuracy/<task>``, step 3's names (DPO's own ``accuracy`` is the implicit
-    reward's, and the verifier's overwrote it in the rows that measured both)."""
-    return {f"true_{k}": v for k, v in (acc or {}).items()}
-
-
 def accuracy_summary(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float]:
     """``true_accuracy_start`` / ``_end`` and ``true_accuracy_<task>_end`` from two task-accuracy
     results (``accuracy`` and ``accuracy/<task>`` keys); empty unless both were measured."""

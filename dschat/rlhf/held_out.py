@@ -19,7 +19,7 @@ from dschat.data.collate import pad_right
 from dschat.data.prompt_format import PromptFormat
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.texts import generate_text_replies, greedy_and_sampled_texts
-from dschat.tasks.accuracy import rank_slice, verifier_accuracy
+from dschat.tasks.accuracy import rank_slice, true_accuracy_columns, verifier_accuracy
 from dschat.utils import dist
 
 LOG = logging.getLogger("dschat")
@@ -68,10 +68,7 @@ class HeldOutEval:
                                                                     generator=gen, **kw)  # fmt: skip
                     acc = verifier_accuracy(mine, answers, weights)
                     drawn = verifier_accuracy(mine, sampled, weights)
-                    out.update({f"true_{k}": v for k, v in acc.items()})
-                    out.update(
-                        {f"true_{k.replace('accuracy', 'accuracy_sampled')}": v for k, v in drawn.items()}
-                    )
+                    out.update({**true_accuracy_columns(acc), **true_accuracy_columns(drawn, "_sampled")})
                 else:
                     answers = generate_text_replies(actor.module, tok, mine, max_new_tokens=self.sampling.max_new_tokens,
                                                     generator=gen, **kw).texts  # fmt: skip

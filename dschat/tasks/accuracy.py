@@ -49,6 +49,13 @@ def verifier_accuracy(
     return result
 
 
+def true_accuracy_columns(acc: dict[str, float] | None, drawn: str = "") -> dict[str, float]:
+    """A :func:`verifier_accuracy` result (``accuracy``, ``accuracy/<task>``) as an evaluation row logs it:
+    ``true_accuracy``, ``true_accuracy/<task>`` (``drawn="_sampled"``: ``true_accuracy_sampled...``), the
+    names of every step (DPO's own ``accuracy`` is the implicit reward's)."""
+    return {f"true_{k.replace('accuracy', 'accuracy' + drawn, 1)}": v for k, v in (acc or {}).items()}
+
+
 def task_accuracy(
     model: torch.nn.Module,
     tokenizer,

@@ -30,6 +30,7 @@ from dschat.data.pipeline import prepare_sft_data
 from dschat.inputs import check_inputs
 from dschat.lm import evaluate_perplexity, sft_loss, target_count
 from dschat.models.loading import load_causal_lm
+from dschat.tasks.accuracy import true_accuracy_columns
 from dschat.utils.errors import run_cli
 from dschat.utils.run import (
     Stopwatch,
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         """Eval-set perplexity, and (at start and end) the verifier's true accuracy of greedy answers."""
         acc = T.true_accuracy(engine, setup, data.eval_prompts, run, ds_args.zero_stage == 3, sw) if with_accuracy else None  # fmt: skip
         ev = evaluate_perplexity(engine, evals)
-        metrics.log({"loss": ev["loss"], "perplexity": ev["perplexity"], **T.true_accuracy_columns(acc)}, step=step, split="eval")  # fmt: skip
+        metrics.log({"loss": ev["loss"], "perplexity": ev["perplexity"], **true_accuracy_columns(acc)}, step=step, split="eval")  # fmt: skip
         log.info("eval at step %d: loss %.4f, perplexity %.3f%s", step, ev["loss"], ev["perplexity"],
                  f", true {fmt_acc(acc)}" if acc else "")  # fmt: skip
         return ev, acc

@@ -54,6 +54,7 @@ from dschat.models.loading import (
 )
 from dschat.models.reward import require_reward_model
 from dschat.policy_pairs import mine_step_pairs
+from dschat.tasks.accuracy import true_accuracy_columns
 from dschat.utils import dist
 from dschat.utils.errors import UserError, run_cli
 from dschat.utils.run import Stopwatch, write_summary
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             if policy_evals:  # held-out pairs whose rejected answer the starting policy itself wrote
                 ev["policy_negatives_accuracy"] = evaluate_pairs(engine, policy_evals, ref_policy, hp,
                                                                  engine.device)["accuracy"]  # fmt: skip
-        metrics.log({**ev, **T.true_accuracy_columns(acc)}, step=step, split="eval")
+        metrics.log({**ev, **true_accuracy_columns(acc)}, step=step, split="eval")
         own = f", on the policy's own mistakes {ev['policy_negatives_accuracy']:.4f}" if policy_evals else ""
         log.info("eval at step %d: implicit-reward accuracy %.4f%s, margin %.4f, loss %.4f%s", step, ev["accuracy"],
                  own, ev["margin"], ev["loss"], f", true accuracy {acc['accuracy']:.3f}" if acc else "")  # fmt: skip
