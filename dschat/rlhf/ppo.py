@@ -472,9 +472,11 @@ class PPOTrainer:
                 )
 
             # equal answers to one prompt get one score (their mean): 16-bit rounding apart, a group baseline
-            # (group_norm's division by the std above all) would read the rounding as a preference
+            # (group_norm's division by the std above all) would read the rounding as a preference. Equal as
+            # the reward model reads them: up to their end token, whichever stop it was
+            read = sequences.masked_fill(reward_mask == 0, -1)
             scores = M.share_scores_of_identical_answers(
-                scored("reward", self.reward_source), sequences, h.n_samples_per_prompt
+                scored("reward", self.reward_source), read, h.n_samples_per_prompt
             )
             judged = scored("judge", self.judge) if self.judge is not None else None
 
