@@ -84,9 +84,11 @@ def test_rw_eval_splits_pairs_by_length_in_tokens(capsys):
 
     fmt = prompt_format(build_tokenizer(), "off")
     pair = Sample(prompt="\n\nHuman: hi\n\nAssistant:", chosen=" ééé", rejected=" abcde")
-    scores = iter([torch.tensor([1.0]), torch.tensor([0.0])])  # chosen, then rejected
-    report_pairs(
-        [pair], lambda prompts, responses: next(scores), argparse.Namespace(json=True, model="m"), fmt
+    report_pairs(  # one call: the chosen answers' scores, then the rejected ones'
+        [pair],
+        lambda prompts, responses, partners: torch.tensor([1.0, 0.0]),
+        argparse.Namespace(json=True, model="m"),
+        fmt,
     )
     got = json.loads(capsys.readouterr().out)
     assert got["longer_response_baseline"] == 1.0 and got["accuracy_chosen_longer"] == 1.0
