@@ -219,7 +219,8 @@ def convert(spec: str, flag: str = "--model_name_or_path") -> str:
 
 def _load_plain(path: Path, flag: str):
     """(plain fp32 causal LM, tokenizer) from a GGUF file: transformers dequantizes the weights; they are
-    moved into a model built from the same config without ``quantization_config`` so it can be saved."""
+    moved into a model built from the same config without ``quantization_config`` so it can be saved
+    (transformers refuses to save the model it loaded from a GGUF file)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -253,11 +254,18 @@ def _load_plain(path: Path, flag: str):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = ""
-    # from_config draws initial weights (then overwritten): the run's seeded generator must not see whether
-    # this run converted the file or found it converted
-    with torch.random.fork_rng(devices=[]):
+    # Built on the meta device and given the loaded tensors themselves: no second fp32 copy of the model and
+    # no random initialisation (for a 7B file, 28 GB and about a minute on a CPU). The run's seeded generator
+    # must not see whether this run converted the file or found it converted: forked, should an
+    # initialiser draw anyway.
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    computed = dict(loaded.named_buffers())
+    for name, buf in plain.named_buffers():  # what no checkpoint holds (rotary frequencies): the loaded one's
+        if buf.is_meta:
+            module, _, leaf = name.rpartition(".")
+            plain.get_submodule(module)._buffers[leaf] = computed[name]
     plain.tie_weights()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
