@@ -66,7 +66,9 @@ def response_logps(model, batch: dict[str, torch.Tensor], device) -> ResponseLog
             batch["packed_position_ids"].to(device), batch["target_group"], batch["target_source"],
             batch["target_tokens"],
         )  # fmt: skip
-        nll, n = -(logp * valid).sum(1), valid.sum(1).float()  # (2B,), (2B,)
+        # the slots a pair does not have left out, not multiplied by 0: a padded slot reads token 0, and a
+        # -inf log-prob there (a masked vocabulary entry) times 0 is NaN
+        nll, n = -logp.masked_fill(valid == 0, 0.0).sum(1), valid.sum(1).float()  # (2B,), (2B,)
     else:
         logits, labels = target_logits(
             model,

@@ -383,3 +383,22 @@ def test_the_sft_term_is_a_mean_over_the_optimizer_steps_chosen_tokens():
     labels = torch.tensor([[x, 5, 6, 9], [x, x, 7, 9], [x, 8, 9, x], [x, 8, 8, 9]])
     assert chosen_targets({"labels": labels}) == 5
     assert chosen_targets({"target_valid": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])}) == 3
+
+
+def test_a_minus_infinite_log_prob_at_a_padded_target_slot_is_not_a_nan(monkeypatch):
+    """Packed pairs read a padded target slot as token 0; a model that gives it -inf (a masked vocabulary
+    entry) made ``logp * valid`` NaN (-inf x 0) and the step's loss and gradient with it. The slots a pair
+    does not have are left out, not multiplied by zero (as token_nll does with ignore_index)."""
+    from dschat import dpo
+
+    logp = torch.tensor(
+        [[-1.0, -2.0], [-0.5, float("-inf")]], requires_grad=True
+    )  # (2B, A); row 1 has 1 target
+    monkeypatch.setattr(dpo, "packed_token_logprobs", lambda *a, **k: (logp, None))
+    batch = {"target_valid": torch.tensor([[1, 1], [1, 0]]), "packed_input_ids": torch.zeros(1, 3, dtype=torch.long),
+             "packed_segments": torch.zeros(1, 3), "packed_position_ids": torch.zeros(1, 3), "target_group": None,
+             "target_source": None, "target_tokens": None}  # fmt: skip
+    out = dpo.response_logps(None, batch, "cpu")
+    assert out.chosen.tolist() == [-3.0] and out.rejected.tolist() == [-0.5]
+    (out.chosen + out.rejected).sum().backward()
+    assert torch.isfinite(logp.grad).all()
