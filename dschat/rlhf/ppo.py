@@ -348,7 +348,10 @@ class PPOTrainer:
                                               pr.group, pr.source, sequences[:, prompt_len:], self.hyper.temperature,
                                               entropy=entropy)  # fmt: skip
         pad = (prompt_len - 1, 0)
-        return F.pad(logprobs * valid, pad), (F.pad(ent * valid, pad) if entropy else None)
+        # actions past a row's response left out, not multiplied by 0: they read a pad token, whose -inf
+        # log-prob (a masked vocabulary entry) times 0 is NaN
+        return (F.pad(logprobs.masked_fill(~valid, 0.0), pad),
+                F.pad(ent.masked_fill(~valid, 0.0), pad) if entropy else None)  # fmt: skip
 
     def _check_packing(self, sequences, attention_mask, prompt_len, packed, logprobs, action_mask) -> None:
         """Once, on the first experience batch: the actor's log-probs from packed rows against separate

@@ -701,3 +701,19 @@ def test_identical_answers_to_a_prompt_share_one_score_so_group_norm_sees_no_sig
     assert stats["uniform_group_rows"] == 4.0
     assert exp.advantages.abs().max() == 0.0  # the KL is a loss term here: advantages are the scores' alone
     assert stats["score_sum"] == pytest.approx(sum(scores))  # each pair's mean, twice
+
+
+def test_packed_rollouts_leave_out_the_actions_a_row_does_not_have(tokenizer, monkeypatch):
+    """As DPO's packed pairs: an action past a row's response reads a pad token, and a -inf log-prob there
+    (a masked vocabulary entry) made ``logprobs * valid`` NaN in the stored log-probs."""
+    import dschat.rlhf.ppo as ppo_module
+    from dschat.data.packing import Packed, PackedRollouts
+
+    logp = torch.tensor([[-1.0, float("-inf")]])  # (R=1, A=2): the row's one action, then past its end
+    monkeypatch.setattr(ppo_module, "packed_token_logprobs", lambda *a, **k: (logp, logp.clone()))
+    t = trainer(Engine(micro_llama(len(tokenizer))), Engine(micro_llama(len(tokenizer))), tokenizer, 1.0)
+    z = torch.zeros(1, 3, dtype=torch.long)
+    packed = PackedRollouts(Packed(z, z, z, [2], [[2]]), torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+                            torch.tensor([[True, False]]), torch.zeros(1, dtype=torch.long))  # fmt: skip
+    lp, ent = t._packed_action_logprobs(None, torch.zeros(1, 4, dtype=torch.long), 2, packed, entropy=True)
+    assert lp.tolist() == [[0.0, -1.0, 0.0]] and torch.isfinite(ent).all()
