@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from dschat import tasks
-from dschat.data.prompt_format import TURN_START, dialogue_of
+from dschat.data.prompt_format import TURN_START, as_dialogue, dialogue_of
 from dschat.data.schema import Sample
 from dschat.utils.errors import UserError
-from dschat.utils.io import data_lines, read_data_text
+from dschat.utils.io import data_lines, is_text, read_data_text
 
 BUILTIN_TRAIN_PER_TASK = 10000
 BUILTIN_EVAL_PER_TASK = 200
@@ -135,10 +135,18 @@ def _row_to_sample(row: Any, where: str) -> Sample:
         if isinstance(rejected, dict) and rejected.get("role") == "assistant":
             rejected = _turn_text(rejected.get("content"), where, len(turns))
         elif isinstance(rejected, list) and rejected and isinstance(rejected[-1], dict):
+            # a whole conversation (TRL's conversational rows) answers this one's dialogue, or it is the answer
+            if rejected[-1].get("role") != "assistant":
+                raise UserError(f"{where}: field 'rejected': must end with an assistant turn")
+            if len(rejected) > 1 and [(m.get("role"), m.get("content")) if isinstance(m, dict) else m
+                                      for m in rejected[:-1]] != [(m.get("role"), m.get("content"))
+                                                                  for m in msgs[:-1]]:  # fmt: skip
+                raise UserError(f"{where}: field 'rejected': its turns before the answer are not those of "
+                                "'messages' (a pair answers one dialogue)")  # fmt: skip
             rejected = _turn_text(rejected[-1].get("content"), where, len(turns))
         _require_text(where, (("rejected", rejected),))
-        return Sample(prompt, " " + turns[-1]["content"].strip(),
-                      None if rejected is None else " " + rejected.strip(), where)  # fmt: skip
+        return _text_sample(prompt, " " + turns[-1]["content"].strip(),
+                            None if rejected is None else " " + rejected.strip(), where)  # fmt: skip
     if "prompt" not in row:
         raise UserError(
             f"{where}: missing field 'prompt' (need prompt + chosen [+ rejected], prompt + response, or messages)"
@@ -153,7 +161,17 @@ def _row_to_sample(row: Any, where: str) -> Sample:
         )
     rejected = row.get("rejected")
     _require_text(where, (("prompt", row["prompt"]), ("chosen/response", response), ("rejected", rejected)))
-    return Sample(row["prompt"], response, rejected, where)
+    return _text_sample(row["prompt"], response, rejected, where)
+
+
+def _text_sample(prompt: str, response: str, rejected: str | None, where: str) -> Sample:
+    """The row's sample, its every field text a tokenizer takes: JSON's escapes can spell a lone surrogate
+    ("\\ud83d", text cut inside a character), which loads and then fails in the tokenizer, unnamed."""
+    for name, text in (("prompt", prompt), ("chosen/response", response), ("rejected", rejected or "")):
+        if not is_text(text):
+            raise UserError(f"{where}: field '{name}' is not valid Unicode text (a lone surrogate escape such as "
+                            "\\ud83d: text cut inside a character)")  # fmt: skip
+    return Sample(prompt, response, rejected, where)
 
 
 def _require_text(where: str, fields: tuple[tuple[str, Any], ...]) -> None:
@@ -201,7 +219,9 @@ def _carve_eval(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sa
         return samples, []
     groups: dict[str, list[int]] = {}
     for i, s in enumerate(samples):
-        groups.setdefault(tasks.problem_key(s.prompt) if s.prompt.strip() else f"\0row {i}", []).append(i)
+        # a prompt as it renders: "Q", "Q " and "\n\nHuman: Q\n\nAssistant:" are one question, whatever spacing
+        same = " ".join(tasks.problem_key(as_dialogue(s.prompt)).split())
+        groups.setdefault(same if s.prompt.strip() else f"\0row {i}", []).append(i)
     keys = sorted(groups)
     random.Random(f"eval:{seed}").shuffle(keys)
     n_eval = max(1, round(len(samples) * EVAL_FRACTION))
@@ -355,9 +375,13 @@ def fingerprint(spec: str) -> str:
     kind = source_kind(spec)
     if kind == "local":
         p = Path(spec).expanduser()
-        files = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
-        # "split 2": val*/dev* files became held-out (2026-11-28); a cache of the old split must not serve
-        return spec + "|split 2|" + ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+        # the files the source reads (a directory's own .json/.jsonl, not a cache or notes kept beside them);
+        # the change time too: a same-size edit whose mtime was put back (rsync -t, a restore) changes it
+        files = [p] if p.is_file() else local_files(p)
+        # "split 2": val*/dev* files became held-out (2026-11-28); "split 3": the carve groups prompts as they
+        # render (2026-11-29); a cache of an older split must not serve
+        return spec + "|split 3|" + ";".join(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+                                             for f in files for st in [f.stat()])  # fmt: skip
     if kind == "builtin":
         return (
             f"{spec}|{BUILTIN_TRAIN_PER_TASK}|{BUILTIN_EVAL_PER_TASK}|{BUILTIN_SEED}|v{tasks.TASKS_VERSION}"

@@ -483,6 +483,83 @@ def test_fingerprint_of_builtin_and_hub(monkeypatch, tmp_path):
     assert fingerprint("Dahoas/rm-static") != plain
 
 
+def test_a_cache_or_notes_inside_a_data_directory_do_not_change_its_fingerprint(tmp_path):
+    """The directory's fingerprint walked every file under it, its subdirectories too: a tokenized-data
+    cache kept inside it (--data_output_path DATA/cache) changed the key with every file it wrote, so it
+    never hit. The key is the files the source reads (its own .json/.jsonl files)."""
+    write_jsonl(tmp_path / "train.jsonl", qa_rows(2))
+    before = fingerprint(str(tmp_path))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "abc.pt").write_bytes(b"tokens")
+    (tmp_path / "README.md").write_text("notes")
+    assert fingerprint(str(tmp_path)) == before
+
+
+def test_a_file_edited_in_place_with_its_mtime_restored_changes_the_fingerprint(tmp_path):
+    """Size and mtime alone missed a same-size edit whose mtime was put back (rsync -t, a restore): the
+    inode's change time is in the key too."""
+    import os
+
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "chosen": " a", "rejected": " b"}])
+    st = p.stat()
+    before = fingerprint(str(p))
+    write_jsonl(p, [{"prompt": "q", "chosen": " b", "rejected": " a"}])
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fingerprint(str(p)) != before
+
+
+def test_text_cut_inside_a_character_is_one_line_naming_the_row(tmp_path):
+    """An escaped lone surrogate ("\\ud83d", text cut inside an emoji) loaded, and tokenizing it was a
+    traceback naming neither file nor line."""
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "ok", "response": " ok"}\n{"prompt": "q \\ud83d", "response": " a"}\n')
+    with pytest.raises(UserError, match=re.escape(f"{p}:2: field 'prompt' is not valid Unicode text")):
+        read_json_file(p)
+    m = tmp_path / "m.jsonl"
+    m.write_text(
+        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a \\udc00"}]}\n'
+    )
+    with pytest.raises(
+        UserError, match=re.escape(f"{m}:1: field 'chosen/response' is not valid Unicode text")
+    ):
+        read_json_file(m)
+
+
+def test_a_rejected_conversation_must_answer_the_same_dialogue(tmp_path):
+    """A ``messages`` row's rejected side given as a whole conversation was read by its last turn alone:
+    another question's answer, or a user turn, became the rejected answer to this one."""
+    user = {"role": "user", "content": "Capital of France?"}
+    row = {"messages": [user, {"role": "assistant", "content": "Paris"}],
+           "rejected": [{"role": "user", "content": "Capital of Spain?"}, {"role": "assistant", "content": "Madrid"}]}  # fmt: skip
+    p = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(UserError, match=re.escape(f"{p}:1: field 'rejected': its turns before the answer")):
+        read_json_file(p)
+    row["rejected"] = [user, {"role": "user", "content": "Madrid"}]
+    write_jsonl(p, [row])
+    with pytest.raises(
+        UserError, match=re.escape(f"{p}:1: field 'rejected': must end with an assistant turn")
+    ):
+        read_json_file(p)
+    row["rejected"] = [user, {"role": "assistant", "content": "Lyon"}]
+    write_jsonl(p, [row])
+    assert read_json_file(p)[0].rejected == " Lyon"
+    row["rejected"] = [{"role": "assistant", "content": "Nice"}]  # the answer alone: as before
+    write_jsonl(p, [row])
+    assert read_json_file(p)[0].rejected == " Nice"
+
+
+def test_the_held_out_carve_groups_prompts_that_render_alike(tmp_path):
+    """Rows were grouped by the raw prompt string: "Q", "Q " and its dialogue form
+    "\\n\\nHuman: Q\\n\\nAssistant:" render to the same tokens, yet could fall on both sides of the split."""
+    rows = []
+    for i in range(60):
+        rows += [{"prompt": f"Question {i}", "response": " a"}, {"prompt": f"Question {i} ", "response": " b"},
+                 {"prompt": f"\n\nHuman: Question  {i}\n\nAssistant:", "response": " c"}]  # fmt: skip
+    src = load_source(str(write_jsonl(tmp_path / "d.jsonl", rows)), seed=3)
+    key = lambda prompt: " ".join(prompt.replace("Human:", "").replace("Assistant:", "").split())  # noqa: E731
+    assert src.eval and not {key(s.prompt) for s in src.train} & {key(s.prompt) for s in src.eval}
+
+
 @pytest.mark.parametrize("raw", ["\u2028", "\u0085", "\x0c", "\u2029"])
 def test_a_jsonl_row_holding_a_unicode_line_break_is_one_row(tmp_path, raw):
     """json.dumps(ensure_ascii=False) writes U+2028 and friends raw; str.splitlines would cut the row."""
