@@ -24,7 +24,7 @@ from dschat.data.sources import fingerprint, load_source
 from dschat.data.split import phase_share
 from dschat.utils import dist
 from dschat.utils.errors import UserError
-from dschat.utils.io import cache_root
+from dschat.utils.io import cache_root, usual_mode
 
 LOG = logging.getLogger("dschat")
 # 4: prompts rendered by PromptFormat; prompt data carries its dialogue text; 5: pairs carry prompt_len;
@@ -345,6 +345,7 @@ def _write_cache(path: Path, data: PreparedData) -> None:
              "eval_prompts": data.eval_prompts},
             tmp,
         )  # fmt: skip
+        usual_mode(tmp)  # mkstemp's 0600 would keep the other users of a shared cache out
         os.replace(tmp, path)
     except (OSError, RuntimeError, OverflowError) as exc:  # a full disk, or a column torch cannot store
         LOG.warning("could not write the tokenized data cache %s (%s); continuing without it", path, exc)

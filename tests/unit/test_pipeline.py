@@ -164,6 +164,19 @@ def test_second_call_is_a_cache_hit(data_dir, tmp_path, tokenizer, monkeypatch):
     assert prepare_sft_data(args, build_tokenizer()).cache_hit is True
 
 
+def test_a_cache_file_gets_the_mode_a_plain_open_would(data_dir, tmp_path, tokenizer):
+    """mkstemp makes its file owner-only (0600): in a cache shared by several users the others rebuilt it
+    every time (or, on a sticky directory, a rank of theirs found it unreadable)."""
+    import os
+
+    args = make_args(data_dir, tmp_path)
+    prepare_sft_data(args, tokenizer)
+    mask = os.umask(0)
+    os.umask(mask)
+    files = [p for p in Path(args.data_output_path).rglob("*.pt")]
+    assert files and all(p.stat().st_mode & 0o777 == 0o666 & ~mask for p in files)
+
+
 def test_max_seq_len_changes_the_cache_key(data_dir, tmp_path, tokenizer):
     args = make_args(data_dir, tmp_path)
     prepare_sft_data(args, tokenizer)
