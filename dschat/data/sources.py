@@ -370,6 +370,11 @@ def load_source(spec: str, *, seed: int) -> SourceData:
     return _load_hub(spec, seed)
 
 
+def _stat_key(files: list[Path]) -> str:
+    """Each file's path, size, modification and change time: what identifies data files' content cheaply."""
+    return ";".join(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}" for f in files for st in [f.stat()])
+
+
 def fingerprint(spec: str) -> str:
     """What identifies a source's content for the tokenization cache (file sizes and mtimes for local data)."""
     kind = source_kind(spec)
@@ -380,10 +385,12 @@ def fingerprint(spec: str) -> str:
         files = [p] if p.is_file() else local_files(p)
         # "split 2": val*/dev* files became held-out (2026-11-28); "split 3": the carve groups prompts as they
         # render (2026-11-29); a cache of an older split must not serve
-        return spec + "|split 3|" + ";".join(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-                                             for f in files for st in [f.stat()])  # fmt: skip
+        return spec + "|split 3|" + _stat_key(files)
     if kind == "builtin":
         return (
             f"{spec}|{BUILTIN_TRAIN_PER_TASK}|{BUILTIN_EVAL_PER_TASK}|{BUILTIN_SEED}|v{tasks.TASKS_VERSION}"
         )
-    return spec + "|" + os.environ.get("DSCHAT_HUB_MIRROR", "")
+    mirror = os.environ.get("DSCHAT_HUB_MIRROR", "")
+    # a mirror's copy is read like a local directory: its files' sizes and times are the content's key
+    held = sorted(p for p in Path(mirror, spec).rglob("*") if p.is_file()) if mirror else []
+    return spec + "|" + mirror + "|" + _stat_key(held)

@@ -560,6 +560,17 @@ def test_the_held_out_carve_groups_prompts_that_render_alike(tmp_path):
     assert src.eval and not {key(s.prompt) for s in src.train} & {key(s.prompt) for s in src.eval}
 
 
+def test_a_hub_mirrors_changed_data_changes_the_fingerprint(monkeypatch, tmp_path):
+    """With DSCHAT_HUB_MIRROR the key was the name and the mirror's path: new rows in the mirror served the
+    old tokens. The mirror's files of that data set are in the key, as a local directory's are."""
+    mirror = tmp_path / "mirror"
+    write_jsonl(mirror / "Dahoas" / "rm-static" / "train.jsonl", qa_rows(2))
+    monkeypatch.setenv("DSCHAT_HUB_MIRROR", str(mirror))
+    before = fingerprint("Dahoas/rm-static")
+    write_jsonl(mirror / "Dahoas" / "rm-static" / "train.jsonl", qa_rows(5))
+    assert fingerprint("Dahoas/rm-static") != before
+
+
 @pytest.mark.parametrize("raw", ["\u2028", "\u0085", "\x0c", "\u2029"])
 def test_a_jsonl_row_holding_a_unicode_line_break_is_one_row(tmp_path, raw):
     """json.dumps(ensure_ascii=False) writes U+2028 and friends raw; str.splitlines would cut the row."""
