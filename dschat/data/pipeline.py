@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,8 +33,9 @@ LOG = logging.getLogger("dschat")
 # surrounding whitespace is stripped; 12: a Human/Assistant dialogue prompt ends at "Assistant:" (no
 # trailing space before the answer's own); 13: a pair's prompt over the budget loses its oldest turns, then
 # the start of its question, inside the format's headers (it kept BOS and its last tokens); 14: that cut
-# never starts inside a multi-byte character
-CACHE_VERSION = 14
+# never starts inside a multi-byte character; 15: the evaluation cap and the held-out prompts follow one
+# hash order (step 1 and step 3 ask the same prompts)
+CACHE_VERSION = 15
 
 
 @dataclass
@@ -106,8 +106,16 @@ def gather_samples(args: DataArgs, phase: int) -> tuple[list[Sample], list[Sampl
             train.extend(src.train)
             evals.extend(src.eval)
     if args.max_eval_samples and len(evals) > args.max_eval_samples:
-        evals = random.Random(f"evalcap:{seed}").sample(evals, args.max_eval_samples)
+        evals = sorted(evals, key=lambda s: eval_rank(s.prompt, seed))[: args.max_eval_samples]
     return train, evals
+
+
+def eval_rank(prompt: str, seed: int) -> bytes:
+    """A held-out prompt's place in the one evaluation order of the data seed (a hash: any subset keeps the
+    order). The cap of ``--max_eval_samples`` and the prompts generation is evaluated on both follow it, so
+    step 1's capped set and step 3's first ``--eval_prompts`` are the same prompts (a random sample and
+    a shuffle of the whole set shared 107 of 200 on the main job)."""
+    return hashlib.sha256(f"eval:{seed}:{prompt}".encode()).digest()
 
 
 def tokenize_sft(
@@ -238,10 +246,11 @@ def held_out_prompts(
     """The held-out prompts that generation-based metrics (true accuracy, held-out reward) answer: those
     whose rendered ids fit ``limit`` tokens, as the training prompts must (a longer one would be evaluated
     on another distribution than the step trains on, and pad every batch beyond what the memory planner
-    counted), shuffled so that any prefix mixes every task; with their counts."""
+    counted), in the data seed's evaluation order (:func:`eval_rank`: any prefix mixes every task, and every
+    step's prefix of one length is the same prompts); with their counts."""
     ids = fmt.encode_prompts([s.prompt for s in eval_s])
-    prompts = [s.prompt for s, p in zip(eval_s, ids, strict=True) if len(p) <= limit]
-    random.Random(f"eval-prompts:{seed}").shuffle(prompts)
+    prompts = sorted((s.prompt for s, p in zip(eval_s, ids, strict=True) if len(p) <= limit),
+                     key=lambda prompt: eval_rank(prompt, seed))  # fmt: skip
     return prompts, {"samples": len(ids), "kept": len(prompts), "dropped_too_long": len(ids) - len(prompts)}
 
 

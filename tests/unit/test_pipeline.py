@@ -398,3 +398,24 @@ def test_pairs_none_of_which_differ_are_not_blamed_on_max_seq_len(tmp_path, toke
     with pytest.raises(UserError, match="no usable preference pairs") as err:
         prepare_pair_data(args, tokenizer, phase=2)
     assert "max_seq_len" not in str(err.value) and '"dropped_identical": ' in str(err.value)
+
+
+def test_step_1_and_step_3_ask_the_same_held_out_prompts(tmp_path):
+    """Step 1 capped its evaluation set by a random sample (--max_eval_samples) and step 3 took the first
+    --eval_prompts of the whole set: the two evaluated other prompts (107 of 200 in common on the main
+    job), so step 1's final accuracy and step 3's first could not be compared. One order, a hash of the
+    prompt under the data seed, serves the cap and the held-out prompts alike: a prefix is a prefix."""
+    write_jsonl(
+        tmp_path / "d" / "test.jsonl", [{"prompt": f"Question {i}?", "response": f" {i}"} for i in range(400)]
+    )
+    write_jsonl(
+        tmp_path / "d" / "train.jsonl", [{"prompt": f"Train {i}?", "response": f" {i}"} for i in range(40)]
+    )
+    fmt = prompt_format(build_tokenizer())
+    common = {"data_path": [str(tmp_path / "d")], "data_split": "1,1,1", "data_seed": 7}
+    _, capped = gather_samples(DataArgs(**common, max_eval_samples=200), 1)
+    _, whole = gather_samples(DataArgs(**common, max_eval_samples=0), 3)
+    step1, _ = pipeline.held_out_prompts(capped, fmt, 10**6, 7)
+    step3, _ = pipeline.held_out_prompts(whole, fmt, 10**6, 7)
+    assert len(step1) == 200 and len(step3) == 400
+    assert step3[:200] == step1
