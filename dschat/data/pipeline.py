@@ -34,8 +34,9 @@ LOG = logging.getLogger("dschat")
 # trailing space before the answer's own); 13: a pair's prompt over the budget loses its oldest turns, then
 # the start of its question, inside the format's headers (it kept BOS and its last tokens); 14: that cut
 # never starts inside a multi-byte character; 15: the evaluation cap and the held-out prompts follow one
-# hash order (step 1 and step 3 ask the same prompts)
-CACHE_VERSION = 15
+# hash order (step 1 and step 3 ask the same prompts); 16: text before a dialogue's first turn leads its
+# first user turn in a chat template (it was dropped)
+CACHE_VERSION = 16
 
 
 @dataclass

@@ -58,6 +58,17 @@ def test_parse_dialogue_inverts_rendering():
         parse_dialogue("\n\nAssistant: only me")
 
 
+def test_text_before_the_first_turn_is_kept_in_the_first_question(chatml):
+    """A dialogue with a preamble ("Passage: ...\\n\\nHuman: When is the meeting?") rendered into a chat
+    template lost the passage silently (the Human/Assistant form keeps it): it leads the first user turn."""
+    text = "Passage: The meeting is on Tuesday.\n\nHuman: When is the meeting?\n\nAssistant:"
+    assert parse_dialogue(text) == [
+        {"role": "user", "content": "Passage: The meeting is on Tuesday.\n\nWhen is the meeting?"}
+    ]
+    assert "Tuesday" in prompt_format(chatml, "on").render(parse_dialogue(text))
+    assert parse_dialogue("  \n\nHuman: x\n\nAssistant:") == [{"role": "user", "content": "x"}]
+
+
 def test_the_end_of_turn_token_ends_responses_and_generation(chatml):
     fmt = prompt_format(chatml)
     im_end = chatml.convert_tokens_to_ids("<|im_end|>")
