@@ -250,9 +250,11 @@ def held_out_prompts(
     counted), in the data seed's evaluation order (:func:`eval_rank`: any prefix mixes every task, and every
     step's prefix of one length is the same prompts); with their counts."""
     ids = fmt.encode_prompts([s.prompt for s in eval_s])
-    prompts = sorted((s.prompt for s, p in zip(eval_s, ids, strict=True) if len(p) <= limit),
-                     key=lambda prompt: eval_rank(prompt, seed))  # fmt: skip
-    return prompts, {"samples": len(ids), "kept": len(prompts), "dropped_too_long": len(ids) - len(prompts)}
+    fits = [s.prompt for s, p in zip(eval_s, ids, strict=True) if len(p) <= limit]
+    # each prompt once: a prompt's rows (several pairs of one question) share its rank and would sit together,
+    # so a prefix of N held few distinct questions
+    prompts = sorted(dict.fromkeys(fits), key=lambda prompt: eval_rank(prompt, seed))
+    return prompts, {"samples": len(ids), "kept": len(fits), "dropped_too_long": len(ids) - len(fits)}
 
 
 def _build_pairs(args: DataArgs, phase: int, fmt: PromptFormat) -> PreparedData:

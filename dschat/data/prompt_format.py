@@ -79,13 +79,13 @@ def render_human_assistant(messages: list[Message]) -> str:
     return "".join(parts) + ASSISTANT
 
 
-def parse_dialogue(text: str) -> list[Message]:
+def parse_dialogue(text: str, keep_preamble: bool = True) -> list[Message]:
     """Dialogue text -> messages, the inverse of :func:`render_human_assistant`.
 
     Turns start at ``Human:``, ``Assistant:`` or ``System:`` at the start of the text or after a blank
     line (as in the HH-RLHF data); text before the first turn (a passage the question is about) leads the
-    first user turn, as it leads the Human/Assistant text; the final ``Assistant:`` cue (the turn to be
-    written) is not a message.
+    first user turn, as it leads the Human/Assistant text (``keep_preamble=False``: the turns alone, the
+    question a task recognises); the final ``Assistant:`` cue (the turn to be written) is not a message.
     """
     body = text.rstrip()
     if body.endswith("Assistant:"):
@@ -97,7 +97,7 @@ def parse_dialogue(text: str) -> list[Message]:
     ]
     if not any(m["role"] == "user" for m in messages):
         raise ValueError("no 'Human:' turn")
-    if preamble := pieces[0].strip():  # dropped until 2026-11-29: a chat template lost the passage silently
+    if keep_preamble and (preamble := pieces[0].strip()):  # dropped until 2026-11-29: lost in chat templates
         first = next(m for m in messages if m["role"] == "user")
         first["content"] = f"{preamble}\n\n{first['content']}" if first["content"] else preamble
     return messages

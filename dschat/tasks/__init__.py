@@ -209,7 +209,10 @@ def last_question(prompt: str) -> str:
     them, so "Human:" inside a turn's text is text); a prompt that is not a dialogue is the question."""
     if not is_dialogue(prompt):
         return prompt.strip()
-    return next(m["content"] for m in reversed(parse_dialogue(prompt)) if m["role"] == "user")
+    # without text before the first turn (an instruction or passage): the question is the turn's own
+    return next(
+        m["content"] for m in reversed(parse_dialogue(prompt, keep_preamble=False)) if m["role"] == "user"
+    )
 
 
 def resolve_tasks(names: list[str] | None) -> list[Task]:

@@ -419,3 +419,12 @@ def test_step_1_and_step_3_ask_the_same_held_out_prompts(tmp_path):
     step3, _ = pipeline.held_out_prompts(whole, fmt, 10**6, 7)
     assert len(step1) == 200 and len(step3) == 400
     assert step3[:200] == step1
+
+
+def test_a_question_with_several_pairs_is_asked_once_among_the_held_out_prompts():
+    """Every row of a prompt has its rank in the evaluation order, so its rows sat together: 200 questions
+    of 3 pairs each gave 22 distinct questions among the first 64 held-out prompts."""
+    fmt = prompt_format(build_tokenizer())
+    rows = [Sample(f"Question {i}?", f" {j}", f" no {j}") for i in range(200) for j in range(3)]
+    prompts, stats = pipeline.held_out_prompts(rows, fmt, 10**6, 7)
+    assert len(prompts) == len(set(prompts)) == 200 and stats["kept"] == 600

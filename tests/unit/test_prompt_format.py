@@ -67,6 +67,11 @@ def test_text_before_the_first_turn_is_kept_in_the_first_question(chatml):
     ]
     assert "Tuesday" in prompt_format(chatml, "on").render(parse_dialogue(text))
     assert parse_dialogue("  \n\nHuman: x\n\nAssistant:") == [{"role": "user", "content": "x"}]
+    # a task still recognises its question under an instruction (the question is the turn's own text)
+    from dschat import tasks
+
+    prompt = "Answer with the words only.\n\nHuman: Sort: owl cat dog\n\nAssistant:"
+    assert tasks.task_of(prompt) == "sort" and tasks.verify(prompt, " cat dog owl")
 
 
 def test_the_end_of_turn_token_ends_responses_and_generation(chatml):
