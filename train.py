@@ -297,6 +297,11 @@ def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], pres
 
     full, n, argv = args.estimate_memory, line.step.number, line.argv
     dpo = line.step is DPO_STEP
+    # a resumed step places its models as the interrupted run did, whether or not a plan can be made now
+    if not full and args.resume and (flags := resumed_flags(n, args, argv)) is not None:
+        print(f"==> memory plan, step {n}: resuming with the interrupted run's ZeRO stage, offload and "
+              "checkpointing" + (f" (adds {' '.join(flags)})" if flags else ""), flush=True)  # fmt: skip
+        return flags
     try:
         gpn, nodes = processes(args)
         hw = P.detect_hardware(gpn, nodes, args.device_memory, args.cpu_memory)
@@ -311,10 +316,6 @@ def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], pres
     if full:
         print(P.format_plan(plan, full=True), flush=True)
         return []
-    if args.resume and (flags := resumed_flags(n, args, argv)) is not None:
-        print(f"==> memory plan, step {n}: resuming with the interrupted run's ZeRO stage, offload and "
-              "checkpointing" + (f" (adds {' '.join(flags)})" if flags else ""), flush=True)  # fmt: skip
-        return flags
     chosen = plan.chosen
     unit = "GPU" if hw.on_gpu else "process"
     flags = P.choice_flags(n, chosen.choice, argv)

@@ -56,3 +56,29 @@ def test_data_path_given_twice_is_a_conflict():
     ):
         check_conflicts(ns(data_path=["builtin:sort"]), ["--data_path", "builtin:reverse_words"], [1])
     check_conflicts(ns(data_path=None), ["--data_path", "builtin:reverse_words"], [1])  # one of them: fine
+
+
+def test_a_resumed_step_keeps_its_placement_when_no_plan_can_be_made(tmp_path, monkeypatch, capsys):
+    """--resume took the interrupted run's ZeRO stages only after a plan was made: where planning failed (a
+    model config not readable offline) the step started on its own defaults, a ZeRO-3 checkpoint in a
+    ZeRO-0 engine. The interrupted run's placement comes first."""
+    import argparse
+    import json
+
+    import train
+    from dschat import planning as P
+    from dschat.launch.steps import STEPS
+
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step1" / "dschat_config.json").write_text(
+        json.dumps({"zero_stage": 3, "offload": False, "gradient_checkpointing": True})
+    )
+
+    def no_plan(*a, **k):
+        raise train.UserError("no config for that model offline")
+
+    monkeypatch.setattr(P, "make_plan", no_plan)
+    line = argparse.Namespace(step=STEPS[1], argv=[], groups=())
+    args = argparse.Namespace(estimate_memory=False, resume=True, output_dir=str(tmp_path), algorithm="ppo")
+    assert train.memory_plan(line, args, [], {}) == ["--zero_stage", "3", "--gradient_checkpointing"]
+    assert "resuming with the interrupted run's" in capsys.readouterr().out
