@@ -392,5 +392,8 @@ def fingerprint(spec: str) -> str:
         )
     mirror = os.environ.get("DSCHAT_HUB_MIRROR", "")
     # a mirror's copy is read like a local directory: its files' sizes and times are the content's key
-    held = sorted(p for p in Path(mirror, spec).rglob("*") if p.is_file()) if mirror else []
+    # (not a clone's .git/ or a download's .cache/, which change without the data changing)
+    base = Path(mirror, spec)
+    held = sorted(p for p in base.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(base).parts)) if mirror else []  # fmt: skip
     return spec + "|" + mirror + "|" + _stat_key(held)

@@ -569,6 +569,10 @@ def test_a_hub_mirrors_changed_data_changes_the_fingerprint(monkeypatch, tmp_pat
     before = fingerprint("Dahoas/rm-static")
     write_jsonl(mirror / "Dahoas" / "rm-static" / "train.jsonl", qa_rows(5))
     assert fingerprint("Dahoas/rm-static") != before
+    after = fingerprint("Dahoas/rm-static")
+    (mirror / "Dahoas" / "rm-static" / ".git").mkdir()
+    (mirror / "Dahoas" / "rm-static" / ".git" / "FETCH_HEAD").write_text("abc")  # a clone's bookkeeping
+    assert fingerprint("Dahoas/rm-static") == after
 
 
 @pytest.mark.parametrize("raw", ["\u2028", "\u0085", "\x0c", "\u2029"])
