@@ -59,6 +59,10 @@ def test_reward_model_learns_to_rank(trained_rm):
         assert s[key] > 0
     rows = [json.loads(x) for x in (trained_rm / "metrics.jsonl").read_text().splitlines()]
     assert {r["split"] for r in rows} == {"train", "eval"}
+    # the scoring rate of the first evaluation: a later one may reuse the frozen layers' cached states
+    # (--trainable_layers), a shortcut new answers never get
+    first = next(r for r in rows if r["split"] == "eval")
+    assert first["step"] == 0 and s["scoring_samples_per_sec"] == first["scoring_samples_per_sec"]
 
 
 def test_score_normalization_is_saved_with_the_model(trained_rm):
