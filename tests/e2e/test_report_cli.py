@@ -86,3 +86,19 @@ def test_bad_flags_are_refused_before_anything_is_written(tiny, tmp_path):
 
 def test_no_finished_step_is_one_line(tmp_path):
     error_line(run_cmd([REPORT, str(tmp_path)]), f"{tmp_path}: no finished step there")
+
+
+def test_an_unfinished_step_3_is_said_so_not_reported_as_before_and_after(tiny, tmp_path):
+    """A step 3 stopped midway (metrics.jsonl, no summary.json) was reported as finished: its last logged
+    evaluation filled the 'before and after step 3' table. And a DPO run's true accuracy was left out."""
+    fake_run(tmp_path, tiny)
+    (tmp_path / "step3" / "summary.json").unlink()
+    shutil.move(tmp_path / "step2", tmp_path / "step2_dpo")
+    (tmp_path / "step2_dpo" / "summary.json").write_text(json.dumps({
+        "implicit_reward_accuracy_start": 0.0, "implicit_reward_accuracy_end": 0.97, "true_accuracy_start": 0.71,
+        "true_accuracy_end": 0.82, "wall_seconds": 300.0}))  # fmt: skip
+    assert_ok(run_cmd([REPORT, str(tmp_path), "--num_prompts", "0"]))
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "step 3 did not finish" in md
+    assert "before and after step 3" not in md and "(round 1, last)" not in md
+    assert "| step2_dpo | true accuracy (greedy) | 0.710 | 0.820 | 5.0 |" in md
