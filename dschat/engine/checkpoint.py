@@ -6,10 +6,11 @@ Layout of ``root`` (``OUTPUT_DIR/checkpoints``)::
     step400/
     latest          "step400", replaced atomically after step400/ is complete
 
-A save goes to ``.tmp-stepN/`` first; only when every rank has finished and flushed its files to the disk
-does rank 0 rename it and then update ``latest``. A run killed mid-save (or a power loss) therefore leaves
-``latest`` naming the previous, complete checkpoint. With ``--node_local_storage`` every node keeps this layout on its own disk (its
-ranks' shards, written by DeepSpeed by local rank), managed by the node's local rank 0.
+A save goes to ``.tmp-stepN/`` first; only when every rank has finished and its files are on the disk
+does rank 0 rename it and then update ``latest``. A run killed mid-save (or a power loss) therefore
+leaves ``latest`` naming the previous, complete checkpoint. With ``--node_local_storage`` every node
+keeps this layout on its own disk (its ranks' shards, written by DeepSpeed by local rank), managed by the
+node's local rank 0.
 """
 
 from __future__ import annotations
