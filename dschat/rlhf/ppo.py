@@ -120,6 +120,9 @@ class PPOTrainer:
         # run after each optimizer step of the actor, never after a skipped one (the EMA: an average per
         # step, as --ema_decay says)
         self.after_actor_step = after_actor_step
+        # the rate each trained model's last optimizer step used (the log's, as steps 1 and 2 log it: after the
+        # step the scheduler has moved on); None before the first step
+        self.used_lr: dict[str, float | None] = {"actor": None, "critic": None}
         self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
         self.generated_tokens = 0.0
         self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
@@ -159,10 +162,10 @@ class PPOTrainer:
             "response_length": w["length_sum"] / rows, "truncated_fraction": w["truncated_rows"] / rows,
             "uniform_group_fraction": w["uniform_group_rows"] / rows,
             "clipped_score_fraction": w["clipped_score_rows"] / rows,
-            **{f"{k}_seconds": v for k, v in self.timing.items()}, "actor_lr": self.actor.get_lr()[0],
+            **{f"{k}_seconds": v for k, v in self.timing.items()}, "actor_lr": self._lr("actor", self.actor),
         }  # fmt: skip
         if self.critic is not None:
-            row["critic_lr"] = self.critic.get_lr()[0]
+            row["critic_lr"] = self._lr("critic", self.critic)
         if w.get("updates"):
             u, ua = w["updates"], max(w.get("actor_updates", 0.0), 1.0)
             row.update(
@@ -571,6 +574,7 @@ class PPOTrainer:
             v_loss, v_stats = M.value_loss(values, exp.values, exp.returns, exp.action_mask, h.cliprange_value,
                                            all_reduce=dist.all_reduce_sum)  # fmt: skip
             self.critic.backward(v_loss)
+            self.used_lr["critic"] = self.critic.get_lr()[0]
             self.critic.step()
         out.update(
             {
@@ -579,6 +583,12 @@ class PPOTrainer:
             }
         )
         return out
+
+    def _lr(self, name: str, engine) -> float:
+        """The rate ``name``'s last optimizer step used; before its first (the critic-only rounds of
+        --freezing_actor_steps), the rate its first will use."""
+        used = self.used_lr[name]
+        return engine.get_lr()[0] if used is None else used
 
     def _actor_has_work(self, exp: Experience, unsup_batch: dict[str, torch.Tensor] | None) -> bool:
         """Whether the actor's update has anything to learn from on some rank: a minibatch whose rows all
@@ -624,6 +634,7 @@ class PPOTrainer:
             actor_loss = actor_loss + h.unsup_coef * ptx * (n * ranks / max(total, 1.0))
             out["ptx_loss"] = float(ptx.detach())
         self.actor.backward(actor_loss)
+        self.used_lr["actor"] = self.actor.get_lr()[0]
         self.actor.step()
         if self.after_actor_step is not None:
             self.after_actor_step()

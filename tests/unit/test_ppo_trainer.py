@@ -45,6 +45,9 @@ class Engine(torch.nn.Module):
         self.optimizer.step()
         self.optimizer.zero_grad()
 
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
 
 class Scores:
     """A reward source: a fixed score per row."""
@@ -490,9 +493,6 @@ class AdamEngine(Engine):
         super().step()
         self.lr_scheduler.step()
 
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
 
 def test_a_minibatch_whose_rows_all_left_the_update_takes_no_optimizer_step(tokenizer):
     """--filter_uniform_groups: when every group of a minibatch scores alike, no row keeps an action and
@@ -717,3 +717,19 @@ def test_packed_rollouts_leave_out_the_actions_a_row_does_not_have(tokenizer, mo
                             torch.tensor([[True, False]]), torch.zeros(1, dtype=torch.long))  # fmt: skip
     lp, ent = t._packed_action_logprobs(None, torch.zeros(1, 4, dtype=torch.long), 2, packed, entropy=True)
     assert lp.tolist() == [[0.0, -1.0, 0.0]] and torch.isfinite(ent).all()
+
+
+def test_the_logged_learning_rate_is_the_one_the_rounds_update_used(tokenizer):
+    """Steps 1 and 2 log the rate a step used; step 3 read it after the round's updates, one scheduler step
+    ahead (row 1 of the main job showed 1.4e-05 where its updates ran at 0 and 7e-06)."""
+    engine = AdamEngine(micro_llama(len(tokenizer), seed=0))
+    ppo = trainer(engine, Engine(micro_llama(len(tokenizer), seed=1)), tokenizer, temperature=1.0,
+                  scores=FixedScores([1.0, 0.0, 3.0, 2.0]))  # fmt: skip
+    torch.manual_seed(5)
+    exp, _ = ppo.make_experience(*prompts(tokenizer))
+    ppo.train(exp)
+    row = ppo.log_row({"rows": 4.0, "score_sum": 6.0, "score_sq_sum": 14.0, "reward_sum": 6.0, "kl_sum": 0.0,
+                       "entropy_sum": 0.0, "length_sum": 8.0, "truncated_rows": 0.0, "uniform_group_rows": 0.0,
+                       "clipped_score_rows": 0.0})  # fmt: skip
+    assert row["actor_lr"] == pytest.approx(1e-2)  # the first step's rate; the schedule is now at 7.5e-3
+    assert engine.get_lr() == [pytest.approx(7.5e-3)]
