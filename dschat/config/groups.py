@@ -257,7 +257,11 @@ class RunArgs:
     overwrite: bool = opt(False, "replace a finished run in OUTPUT_DIR", resumable=True)
     enable_tensorboard: bool = opt(False, "write TensorBoard scalars", resumable=True)
     tensorboard_path: str | None = opt(
-        None, "TensorBoard directory (default OUTPUT_DIR/tensorboard)", type=str, resumable=True
+        None,
+        "TensorBoard directory: the step writes under PATH/<its output directory's name> (default "
+        "OUTPUT_DIR/tensorboard)",
+        type=str,
+        resumable=True,
     )
     enable_wandb: bool = opt(
         False, "log to Weights & Biases (WANDB_MODE=offline works without network)", resumable=True

@@ -105,9 +105,14 @@ class MetricsLogger:
 
             # a resumed run: the interrupted run's points after the checkpoint go (as its jsonl rows do)
             purge = keep_through + 1 if append and keep_through is not None else None
-            self._tb = SummaryWriter(
-                tensorboard_path or str(Path(output_dir) / "tensorboard"), purge_step=purge
+            # a --tensorboard_path several steps share (train.py passes it to each): one run per step there,
+            # named as the step's output directory (as DeepSpeed-Chat names each step's job)
+            where = (
+                Path(tensorboard_path) / Path(output_dir).name
+                if tensorboard_path
+                else Path(output_dir) / "tensorboard"
             )
+            self._tb = SummaryWriter(str(where), purge_step=purge)
         if enable_wandb:
             import wandb
 

@@ -46,3 +46,20 @@ def test_a_resume_drops_tensorboards_points_logged_after_its_checkpoint(tmp_path
     events.Reload()
     got = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert got == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0), (8, 108.0)]
+
+
+def test_steps_sharing_one_tensorboard_path_write_apart(tmp_path):
+    """train.py passes `-- --enable_tensorboard --tensorboard_path tb` to every step: all three wrote into one
+    directory, steps 1 and 2 both as train/loss, and a resumed step's purge hid the others' points. Each step
+    writes under its own name there (DeepSpeed-Chat names each step's job), a run TensorBoard lists apart."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for step, loss in (("step1", 1.0), ("step2", 2.0)):
+        m = MetricsLogger(str(tmp_path / "out" / step), config={}, enable_tensorboard=True,
+                          tensorboard_path=str(tmp_path / "tb"))  # fmt: skip
+        m.log({"loss": loss}, step=1, split="train")
+        m.close()
+    for step, loss in (("step1", 1.0), ("step2", 2.0)):
+        events = EventAccumulator(str(tmp_path / "tb" / step))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, loss)]
