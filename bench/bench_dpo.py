@@ -105,12 +105,8 @@ def verifiable(args: argparse.Namespace, out: Path) -> dict:
 
 
 def by_task(s: dict) -> dict:
-    """Per-task true accuracy at the end (``true_accuracy_<task>_end``)."""
-    return {
-        k: v
-        for k, v in s.items()
-        if k.startswith("true_accuracy_") and k.endswith("_end") and k != "true_accuracy_end"
-    }
+    """Per-task true accuracy at the end (``true_accuracy/<task>_end``)."""
+    return {k: v for k, v in s.items() if k.startswith("true_accuracy/") and k.endswith("_end")}
 
 
 def hh(args: argparse.Namespace, out: Path) -> dict:

@@ -36,7 +36,7 @@ from dschat.engine.checkpoint import (
 from dschat.models.layers import freeze_below, top_block_names
 from dschat.models.loading import count_parameters
 from dschat.models.lora import inject_lora
-from dschat.tasks.accuracy import task_accuracy
+from dschat.tasks.accuracy import task_accuracy, true_accuracy_columns
 from dschat.utils import dist
 from dschat.utils.errors import UserError
 from dschat.utils.metrics import MetricsLogger, new_wandb_run_id
@@ -462,12 +462,13 @@ def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_s
 
 
 def accuracy_summary(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float]:
-    """``true_accuracy_start`` / ``_end`` and ``true_accuracy_<task>_end`` from two task-accuracy
-    results (``accuracy`` and ``accuracy/<task>`` keys); empty unless both were measured."""
+    """``true_accuracy_start`` / ``_end`` and ``true_accuracy/<task>_start`` / ``_end`` (step 3's names, those
+    of the metrics) from two task-accuracy results (``accuracy`` and ``accuracy/<task>`` keys); empty unless
+    both were measured."""
     if not (start and end):
         return {}
-    return {"true_accuracy_start": start["accuracy"], "true_accuracy_end": end["accuracy"],
-            **{f"true_accuracy_{k.split('/')[1]}_end": v for k, v in end.items() if "/" in k}}  # fmt: skip
+    return {f"{k}_{when}": v for when, r in (("start", start), ("end", end))
+            for k, v in true_accuracy_columns(r).items()}  # fmt: skip
 
 
 def should_log(step: int, interval: int, total: int) -> bool:

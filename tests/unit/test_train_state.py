@@ -42,3 +42,17 @@ def test_a_loop_that_saves_only_every_g_steps_still_saves_about_every_save_steps
 def test_checkpoint_due_every_save_steps_but_not_at_the_end():
     run = RunArgs(save_steps=5)
     assert [s for s in range(1, 21) if checkpoint_due(run, s, 20)] == [5, 10, 15]
+
+
+def test_every_step_names_its_true_accuracy_per_task_alike_at_start_and_end():
+    """Steps 1 and DPO wrote true_accuracy_sort_end and step 3 true_accuracy/sort_end, and none wrote a
+    task's start: summaries of one job could not be read with one key. One name, step 3's (the metrics'),
+    at start and at end."""
+    from dschat.trainer import accuracy_summary
+
+    start, end = {"accuracy": 0.5, "accuracy/sort": 0.25}, {"accuracy": 0.75, "accuracy/sort": 0.5}
+    assert accuracy_summary(start, end) == {
+        "true_accuracy_start": 0.5, "true_accuracy/sort_start": 0.25,
+        "true_accuracy_end": 0.75, "true_accuracy/sort_end": 0.5,
+    }  # fmt: skip
+    assert accuracy_summary(None, end) == {}

@@ -226,9 +226,10 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
              "clipped_score_fraction": "clipped_score_fraction"}  # fmt: skip
     held_out = ("held_out_reward", "held_out_judge_score", "true_accuracy", "true_accuracy_sampled")
     (generated,) = dist.all_reduce_sum([trainer.generated_tokens])  # collective: every rank summarizes
-    per_task = {
-        f"{k}_end": v
-        for k, v in eval_end.items()
+    per_task = {  # each task's, at start and end (the names steps 1 and DPO write too)
+        f"{k}_{when}": v
+        for when, r in (("start", eval_start), ("end", eval_end))
+        for k, v in r.items()
         if k.startswith(("true_accuracy/", "true_accuracy_sampled/"))
     }
     return {
