@@ -209,6 +209,8 @@ class StepLine:
     @classmethod
     def of(cls, n: int, args: argparse.Namespace, extra: list[str], preset: dict) -> StepLine:
         step, base = step_of(n, args), step_args(n, args, [], preset)
+        if n == 3:
+            base = without_a_critic(step, base, extra)
         return cls(step, base, list(extra), parse_step(step, [*base, *extra]))
 
     @property
@@ -218,6 +220,30 @@ class StepLine:
     def command(self, planned: list[str]) -> list[str]:
         """The step's argv with the memory plan's flags (only flags no one set) before the user's."""
         return [*self.base, *planned, *self.user]
+
+
+def without_a_critic(step: Step, base: list[str], user: list[str]) -> list[str]:
+    """Step 3's preset flags less the critic's where the user's (after --) pick a critic-free estimator:
+    the preset's critic settings (builtin-tiny's --critic_learning_rate, --freezing_actor_steps) would be
+    refused as read by nothing, and the user's choice wins over the preset's. The user's own critic flags
+    still are refused."""
+    from dschat.planning import given
+
+    estimator = given([*base, *user], "--advantage_estimator")
+    if estimator in (None, "gae"):
+        return base
+    only = importlib.import_module(step.module).critic_only_flags()
+    kept, dropped, i = [], [], 0
+    while i < len(base):
+        flag = base[i].split("=", 1)[0]
+        value = i + 1 < len(base) and "=" not in base[i] and not base[i + 1].startswith("--")
+        name = "--" + flag.removeprefix("--no_") if flag.startswith("--no_") else flag
+        (dropped if name in only else kept).extend(base[i : i + 1 + value])
+        i += 1 + value
+    if dropped:
+        print(f"==> step 3: --advantage_estimator {estimator} trains no critic: the preset's "
+              f"{' '.join(dropped)} left out", flush=True)  # fmt: skip
+    return kept
 
 
 def reads_step_2(line: StepLine) -> bool:

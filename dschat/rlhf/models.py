@@ -98,10 +98,6 @@ def check_options(o: RLHFOptions) -> None:
     only_lora = o.actor_lora.only_optimize_lora
     if only_lora and not (o.actor_lora.lora_dim or o.critic_lora.lora_dim):
         raise UserError("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
-    if not o.use_critic and o.critic_lora.lora_dim:
-        raise UserError(
-            f"--critic_lora_dim needs a critic, and --advantage_estimator {o.ppo.advantage_estimator} has none"
-        )
     if o.ppo.normalize_reward and not o.held.reward_model:
         raise UserError(f"--normalize_reward standardises a reward model's scores, and --reward_fn {o.ppo.reward_fn} "
                         "--reward_fn_mode replace uses none: drop one of them")  # fmt: skip

@@ -426,3 +426,21 @@ def test_step_3_without_a_critic_or_reward_model_does_not_need_step_2(tmp_path):
     common = ["--preset", "none", "--step", "3", "--dry-run", "--output-dir", str(out)]
     assert_ok(train_py(*common, "--", *rlvr))
     error_line(train_py(*common), "--step 3 needs a finished step 2")
+
+
+def test_a_critic_free_estimator_over_a_preset_with_a_critic(tmp_path):
+    """builtin-tiny's step 3 trains a critic (--critic_learning_rate, --freezing_actor_steps): a user's
+    `-- --advantage_estimator rloo` was refused for the preset's --freezing_actor_steps. The preset's critic
+    flags are left out, saying so; the user's own critic flag is refused, naming it."""
+    out = tmp_path / "out"
+    for step in ("step1", "step2"):
+        (out / step).mkdir(parents=True)
+        (out / step / "summary.json").write_text("{}")
+    common = ["--preset", "builtin-tiny", "--step", "3", "--dry-run", "--output-dir", str(out), "--",
+              "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4"]  # fmt: skip
+    proc = train_py(*common)
+    assert_ok(proc)
+    assert "the preset's --critic_learning_rate 0.0001 --freezing_actor_steps 10 left out" in proc.stdout
+    launch = next(line for line in proc.stdout.splitlines() if line.startswith("==> step 3 ("))
+    assert "--critic_learning_rate" not in launch and "--freezing_actor_steps" not in launch
+    error_line(train_py(*common, "--lam", "0.9"), "--lam is the critic's, and --advantage_estimator rloo")

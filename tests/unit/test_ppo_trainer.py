@@ -8,6 +8,7 @@ are about the maths of one round, not DeepSpeed, which tests/integration/test_st
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -733,3 +734,18 @@ def test_the_logged_learning_rate_is_the_one_the_rounds_update_used(tokenizer):
                        "clipped_score_rows": 0.0})  # fmt: skip
     assert row["actor_lr"] == pytest.approx(1e-2)  # the first step's rate; the schedule is now at 7.5e-3
     assert engine.get_lr() == [pytest.approx(7.5e-3)]
+
+
+@pytest.mark.parametrize("flag, value", [("--critic_learning_rate", "1e-4"), ("--lam", "0.9"),
+                                         ("--critic_trainable_layers", "2"), ("--critic_lora_dim", "8")])  # fmt: skip
+def test_a_critic_option_without_a_critic_is_refused(flag, value):
+    """A critic-free estimator builds no critic: its learning rate, LoRA, layers and GAE's lambda were
+    accepted and read by nothing. The critic's ZeRO stage (the reward model's too) and its model (the
+    reward model's default) stay accepted."""
+    from dschat.utils.errors import UserError
+
+    rloo = ("--advantage_estimator", "rloo", "--n_samples_per_prompt", "4")
+    with pytest.raises(UserError, match=re.escape(f"{flag} is the critic's, and --advantage_estimator rloo")):
+        step3_groups(*rloo, flag, value)
+    step3_groups(*rloo, "--critic_zero_stage", "2", "--critic_model_name_or_path", "builtin:micro-llama")
+    step3_groups(flag, value)  # gae: a critic reads it

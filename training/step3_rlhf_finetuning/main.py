@@ -21,6 +21,7 @@ the last round, evaluates again and saves.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from dschat import config as C
 from dschat import step_setup as S
 from dschat import trainer as T
+from dschat.config.fields import flag_name
 from dschat.data.collate import PromptCollator, SFTCollator
 from dschat.data.pipeline import prepare_prompt_data, prepare_sft_data
 from dschat.engine import core as engine_core
@@ -280,10 +282,36 @@ def export(m: Models, tokenizer, out: Path) -> None:
         m.ema.export(m.actor.module, tokenizer, out / "actor_ema")
 
 
+def critic_only_flags() -> frozenset[str]:
+    """The flags only a trained critic reads (``--advantage_estimator gae``): its model options but its
+    path (the reward model's default) and the shared ones, its LoRA, learning rate and weight decay,
+    GAE's lambda, the value clip and the critic-alone warm-up. Its ZeRO stage is the reward model's too."""
+    out = {"--lam", "--cliprange_value", "--freezing_actor_steps"}
+    for spec in GROUPS:
+        if isinstance(spec, tuple) and spec[1] == "critic_" and spec[0] is not C.DeepSpeedArgs:
+            cls, prefix, shared = spec
+            out |= {flag_name(f.name, prefix, frozenset(shared)) for f in dataclasses.fields(cls)
+                    if f.name not in shared and f.name != "model_name_or_path"}  # fmt: skip
+    return frozenset(out)
+
+
 def check_groups(groups: tuple) -> None:
     """The rules across this step's option groups (:func:`check_options`): train.py runs them on the step's
-    command line before a job's first step, so a three-step job does not fail after steps 1 and 2."""
-    check_options(RLHFOptions(*groups))
+    command line before a job's first step, so a three-step job does not fail after steps 1 and 2. A
+    critic-free estimator refuses the critic's options (given, they would be read by nothing)."""
+    o = RLHFOptions(*groups)
+    check_options(o)
+    if o.use_critic:
+        return
+    defaults = C.parse_groups("step3_rlhf_finetuning", "", GROUPS, [], STEP_DEFAULTS)
+    only = critic_only_flags()
+    for spec, group, default in zip(GROUPS, groups, defaults, strict=True):
+        _, prefix, shared = (spec, "", ()) if isinstance(spec, type) else spec
+        for f in dataclasses.fields(group):
+            flag = flag_name(f.name, prefix, frozenset(shared))
+            if flag in only and getattr(group, f.name) != getattr(default, f.name):
+                raise UserError(f"{flag} is the critic's, and --advantage_estimator {o.ppo.advantage_estimator} "
+                                "trains none (only gae has a critic)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
