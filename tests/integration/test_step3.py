@@ -5,6 +5,7 @@ on two ranks in tests/integration/test_deployment.py.)"""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -175,11 +176,15 @@ def test_generation_batches_2_runs_to_the_end_and_the_schedules_end_at_the_last_
         cfg["actor"]["learning_rate"],
         cfg["critic"]["learning_rate"],
     )  # each model's options under its name
-    # the learning rate after each round: no update in rounds 1 and 3; the critic's 3 of 6 steps after
-    # round 2 (cosine at half way: half the peak), the actor's none; both at 0 after the last update
-    assert [r["actor_lr"] for r in rows] == pytest.approx([a, a, a, 0.0], abs=1e-15)
-    assert [r["critic_lr"] for r in rows] == pytest.approx([c, c / 2, c / 2, 0.0], abs=1e-15)
-    assert rows[-1]["actor_lr"] == 0.0 and rows[-1]["critic_lr"] == 0.0
+    # the rate each model's last update used (before its first, the rate its first will use): no update
+    # in rounds 1 and 3; after round 2 the critic's 3rd of 6 cosine steps (k = 2 of 0..5), the actor's
+    # none; after round 4 the last step of each schedule, k = N - 1: a schedule as long as the model's real
+    # optimizer steps ends there at (1 + cos(pi (N - 1) / N)) / 2 of the peak (one step longer, it would not)
+    cosine = lambda k, n: (1 + math.cos(math.pi * k / n)) / 2  # noqa: E731
+    assert [r["actor_lr"] for r in rows] == pytest.approx([a, a, a, a * cosine(2, 3)], rel=1e-6)
+    assert [r["critic_lr"] for r in rows] == pytest.approx(
+        [c, c * cosine(2, 6), c * cosine(2, 6), c * cosine(5, 6)], rel=1e-6
+    )
     assert "policy_loss" in rows[-1] and "value_loss" in rows[-1] and "policy_loss" not in rows[1]
 
 
