@@ -298,7 +298,14 @@ def planning_models(
     return models
 
 
-def resumed_flags(n: int, args: argparse.Namespace, argv: list[str]) -> list[str] | None:
+def trains_critic(line: StepLine) -> bool:
+    """Whether the step trains a critic beside its model (step 3 with gae): the plan's critic flags."""
+    from dschat.rlhf.models import RLHFOptions
+
+    return line.step.number == 3 and RLHFOptions(*line.groups).use_critic
+
+
+def resumed_flags(n: int, args: argparse.Namespace, argv: list[str], critic: bool = True) -> list[str] | None:
     """On --resume, the flags that place the step's models as the interrupted run did (its
     dschat_config.json, :func:`dschat.planning.resumed_flags`); None where it saved none."""
     import json
@@ -309,7 +316,7 @@ def resumed_flags(n: int, args: argparse.Namespace, argv: list[str]) -> list[str
         cfg = json.loads(
             (Path(args.output_dir) / step_of(n, args).dir_name / "dschat_config.json").read_text()
         )
-        return P.resumed_flags(n, cfg, argv)
+        return P.resumed_flags(n, cfg, argv, critic)
     except (OSError, ValueError, KeyError):
         return None
 
@@ -324,7 +331,8 @@ def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], pres
     full, n, argv = args.estimate_memory, line.step.number, line.argv
     dpo = line.step is DPO_STEP
     # a resumed step places its models as the interrupted run did, whether or not a plan can be made now
-    if not full and args.resume and (flags := resumed_flags(n, args, argv)) is not None:
+    critic = trains_critic(line)
+    if not full and args.resume and (flags := resumed_flags(n, args, argv, critic)) is not None:
         print(f"==> memory plan, step {n}: resuming with the interrupted run's ZeRO stage, offload and "
               "checkpointing" + (f" (adds {' '.join(flags)})" if flags else ""), flush=True)  # fmt: skip
         return flags
@@ -344,7 +352,7 @@ def memory_plan(line: StepLine, args: argparse.Namespace, extra: list[str], pres
         return []
     chosen = plan.chosen
     unit = "GPU" if hw.on_gpu else "process"
-    flags = P.choice_flags(n, chosen.choice, argv)
+    flags = P.choice_flags(n, chosen.choice, argv, critic)
     if "zero_stage" in plan.fixed and (
         len(plan.fixed) == 3 or (plan.fixed["zero_stage"] == 0 and "gradient_checkpointing" in plan.fixed)
     ):

@@ -85,8 +85,15 @@ def fixed_choice(step: int, argv: list[str]) -> dict[str, Any]:
     return fixed
 
 
-def choice_flags(step: int, choice: M.Choice, argv: list[str]) -> list[str]:
-    """Flags that make the step run ``choice``, leaving out what ``argv`` already says."""
+def ckpt_flags(step: int, critic: bool = True) -> tuple[str, ...]:
+    """The step's gradient-checkpointing switches: step 3 without a critic (a critic-free estimator) has
+    the actor's alone (it refuses the critic's, which nothing would read)."""
+    return tuple(f for f in CKPT_FLAGS[step] if critic or not f.startswith("--critic_"))
+
+
+def choice_flags(step: int, choice: M.Choice, argv: list[str], critic: bool = True) -> list[str]:
+    """Flags that make the step run ``choice``, leaving out what ``argv`` already says (``critic``: whether
+    step 3 trains one)."""
     out: list[str] = []
     for flag in STAGE_FLAGS[step]:
         if given(argv, flag) is None and choice.zero_stage != 0:
@@ -95,17 +102,17 @@ def choice_flags(step: int, choice: M.Choice, argv: list[str]) -> list[str]:
     if choice.offload and choice.zero_stage == 3:
         switches += ZERO3_OFFLOAD_EXTRA.get(step, ())
     if choice.gradient_checkpointing:
-        switches += CKPT_FLAGS[step]
+        switches += ckpt_flags(step, critic)
     return out + [f for f in switches if switch(argv, f) is None]
 
 
-def resumed_flags(step: int, saved: dict[str, Any], argv: list[str]) -> list[str]:
+def resumed_flags(step: int, saved: dict[str, Any], argv: list[str], critic: bool = True) -> list[str]:
     """The flags that make a resumed step place its models as the interrupted run did (``saved``: its
     ``dschat_config.json``), those ``argv`` leaves out: each model's ZeRO stage, checkpointing and offload
     from its own section in step 3 (``actor``, ``critic``), where the two may differ (a critic's ZeRO-0
     checkpoint does not load into a ZeRO-3 engine)."""
     out: list[str] = []
-    for key, flags in (("zero_stage", STAGE_FLAGS[step]), ("gradient_checkpointing", CKPT_FLAGS[step]),
+    for key, flags in (("zero_stage", STAGE_FLAGS[step]), ("gradient_checkpointing", ckpt_flags(step, critic)),
                        ("offload", OFFLOAD_FLAGS[step] + ZERO3_OFFLOAD_EXTRA.get(step, ()))):  # fmt: skip
         for flag in flags:
             name = flag[2:]

@@ -444,3 +444,16 @@ def test_a_critic_free_estimator_over_a_preset_with_a_critic(tmp_path):
     launch = next(line for line in proc.stdout.splitlines() if line.startswith("==> step 3 ("))
     assert "--critic_learning_rate" not in launch and "--freezing_actor_steps" not in launch
     error_line(train_py(*common, "--lam", "0.9"), "--lam is the critic's, and --advantage_estimator rloo")
+
+
+def test_a_plan_with_checkpointing_for_a_critic_free_step_3_sets_the_actors_only(tmp_path):
+    """The main job's step 3 (RLOO) planned for a 4 GiB GPU picks checkpointing; the plan added the critic's
+    switch too, which a critic-free step 3 refuses: the planned step would not have started."""
+    out = tmp_path / "out"
+    for step in ("step1", "step2"):
+        (out / step).mkdir(parents=True)
+        (out / step / "summary.json").write_text("{}")
+    proc = train_py("--step", "3", "--dry-run", "--output-dir", str(out), "--device-memory", "4")
+    assert_ok(proc)
+    launch = next(line for line in proc.stdout.splitlines() if line.startswith("==> step 3 ("))
+    assert "--actor_gradient_checkpointing" in launch and "--critic_gradient_checkpointing" not in launch

@@ -356,6 +356,20 @@ def test_a_resumed_step_places_each_model_as_the_interrupted_run_did():
     assert P.resumed_flags(1, one, []) == ["--zero_stage", "2", "--offload"]
 
 
+def test_a_plan_for_step_3_without_a_critic_sets_no_critic_switch():
+    """A critic-free step 3 refuses the critic's options; the plan's checkpointing added
+    --critic_gradient_checkpointing beside the actor's, and the step refused its own plan at start-up. Its
+    ZeRO stage stays (the reward model follows it)."""
+    c = M.Choice(3, False, True)
+    assert P.choice_flags(3, c, [], critic=False) == ["--actor_zero_stage", "3", "--critic_zero_stage", "3",
+                                                     "--actor_gradient_checkpointing"]  # fmt: skip
+    saved = {"actor": {"zero_stage": 3, "offload": False, "gradient_checkpointing": True},
+             "critic": {"zero_stage": 3, "offload": False, "gradient_checkpointing": True},
+             "offload_reference_model": False, "offload_reward_model": False}  # fmt: skip
+    assert "--critic_gradient_checkpointing" not in P.resumed_flags(3, saved, [], critic=False)
+    assert "--critic_gradient_checkpointing" in P.choice_flags(3, c, [])
+
+
 OPT = {"model_type": "opt", "vocab_size": 100, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2,
        "num_attention_heads": 2, "max_position_embeddings": 32}  # fmt: skip
 
