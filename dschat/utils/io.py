@@ -49,21 +49,26 @@ def is_text(message: str) -> bool:
 NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM})
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Flush a directory's entries (a rename into it, a new file) to the disk, where the filesystem can."""
+def _fsync(path: str | os.PathLike, tolerated: frozenset[int] = frozenset()) -> None:
+    """Flush one file's or directory's data to the disk; the errors ``tolerated`` mean it cannot be done there."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        if exc.errno in NO_DIR_FSYNC:
+        if exc.errno in tolerated:
             return
         raise
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno not in NO_DIR_FSYNC:
+        if exc.errno not in tolerated:
             raise
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename into it, a new file) to the disk, where the filesystem can."""
+    _fsync(path, NO_DIR_FSYNC)
 
 
 def fsync_tree(path: str | os.PathLike) -> None:
@@ -72,11 +77,7 @@ def fsync_tree(path: str | os.PathLike) -> None:
     walked = list(os.walk(path))
     for dirpath, _, files in walked:
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(dirpath, name))
     for dirpath, _, _ in reversed(walked):
         fsync_dir(dirpath)
 
