@@ -370,18 +370,20 @@ def clock() -> float:
 
 
 def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: OptimArgs, run: RunArgs,
-               total_steps: int, metrics: MetricsLogger, timer, evaluate: Callable[[int], Any]) -> None:  # fmt: skip
+               total_steps: int, metrics: MetricsLogger, timer, evaluate: Callable[[int], Any]) -> int:  # fmt: skip
     """The loop steps 1 and 2 share: micro-batches from where ``state`` stands, an optimizer step every
     ``--gradient_accumulation_steps`` of them (DeepSpeed scales and steps at the boundary), a log row every
     ``--log_interval`` steps (``loss`` averaged over micro-batches and ranks, or over tokens with
     :attr:`LoopSpec.targets`, the step's columns, ``lr``,
     real ``tokens_per_sec``, ``epoch``, ``tokens``), evaluation every ``--eval_interval`` steps and a
-    checkpoint every ``--save_steps``, until ``total_steps``."""
+    checkpoint every ``--save_steps``, until ``total_steps``. Returns the optimizer steps DeepSpeed skipped
+    (:class:`dschat.engine.core.SkippedSteps`, which stops a run that skips step after step)."""
     world = dist.world_size()
     window = MetricWindow()
     bar = tqdm(total=total_steps, initial=state.step, disable=not dist.is_main(), desc=spec.desc,
                dynamic_ncols=True, mininterval=1.0 if sys.stdout.isatty() else 30.0)  # fmt: skip
     engine.train()
+    skipped = engine_core.SkippedSteps(engine, "model")
     for group in optimizer_steps(micro_batches(loader, state, optim.num_train_epochs), state,
                                  optim.gradient_accumulation_steps):  # fmt: skip
         t0 = clock()
@@ -395,6 +397,7 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
             window.add(micro=1, seconds=clock() - t0, **sums)
             t0 = clock()
         state.step += 1
+        skipped.check()
         bar.update(1)
         if should_log(state.step, run.log_interval, total_steps):
             w = window.reduce()
@@ -415,6 +418,7 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
         if state.step >= total_steps:
             break
     bar.close()
+    return skipped.count
 
 
 def take_in(state: TrainState, window_sums: dict[str, float], world: int) -> None:
@@ -441,7 +445,7 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, timer) 
 
 
 def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_stage: int, lora_dim: int,
-                run: RunArgs, start_step: int) -> dict[str, Any]:  # fmt: skip
+                run: RunArgs, start_step: int, skipped_steps: int) -> dict[str, Any]:  # fmt: skip
     """The summary.json entries every step of :func:`train_loop` writes: throughput in real tokens,
     padding, time and how the run was set up."""
     return {
@@ -458,6 +462,8 @@ def run_summary(state: TrainState, timer, *, parameters: int, dtype: str, zero_s
         "zero_stage": zero_stage,
         "lora_dim": lora_dim,
         "resumed_from_step": start_step if run.resume else None,
+        # optimizer steps DeepSpeed skipped (inf/NaN gradients; in fp16 also the loss scale's search)
+        "skipped_steps": skipped_steps,
     }
 
 

@@ -294,3 +294,52 @@ def initialize_engine(
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config
     )
     return engine
+
+
+class SkippedSteps:
+    """The optimizer steps DeepSpeed skipped for one engine (``engine.skipped_steps``), watched after each
+    ``engine.step()``.
+
+    DeepSpeed skips a step whose gradients hold inf or NaN, and the learning-rate schedule with it. In fp16
+    that is how the dynamic loss scale finds its level (DeepSpeed logs each one) and is left alone here. In
+    bf16 and fp32 there is no loss scale to lower: a skip is a non-finite gradient and the batch taught
+    nothing, yet DeepSpeed says nothing and the run goes on with finite losses (attention kernels that
+    return NaN gradients for fully masked rows have done this). Each such skip is a warning naming the
+    optimizer step, and ``limit`` in a row stop the run with one line: a run whose every step is skipped
+    does not learn.
+    """
+
+    def __init__(self, engine, name: str, limit: int = 8) -> None:
+        self.engine, self.name, self.limit = engine, name, limit
+        self.seen = self.count  # a resumed engine brings its count from the checkpoint
+        self.steps = self._steps()
+        self.in_a_row = 0
+
+    @property
+    def count(self) -> int:
+        return int(getattr(self.engine, "skipped_steps", 0))
+
+    def _steps(self) -> int:  # optimizer steps taken or skipped (DeepSpeed counts both)
+        return int(getattr(self.engine, "global_steps", 0))
+
+    def check(self) -> None:
+        """After ``engine.step()``; a call between gradient-accumulation boundaries sees no new step."""
+        steps, now = self._steps(), self.count
+        if steps == self.steps:
+            return
+        self.steps = steps
+        if now == self.seen:
+            self.in_a_row = 0
+            return
+        self.in_a_row += now - self.seen
+        self.seen = now
+        if self.engine.fp16_enabled():
+            return
+        LOG.warning("optimizer step %d: DeepSpeed skipped the %s's update (its gradients hold inf or NaN); "
+                    "%d skipped so far", steps, self.name, now)  # fmt: skip
+        if self.in_a_row >= self.limit:
+            raise UserError(
+                f"optimizer step {steps}: the {self.name}'s last {self.in_a_row} updates were all skipped "
+                "(gradients with inf or NaN, and outside fp16 no loss scale to lower): it has stopped "
+                "learning; lower --learning_rate, or look for inf/NaN in the model's outputs"
+            )

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dschat.data.packing import PackedRollouts, pack_rollouts, read_at
+from dschat.engine.core import SkippedSteps
 from dschat.generation.kv_decode import position_ids_from_mask
 from dschat.generation.stops import is_stop, truncated_rows
 from dschat.lm import packed_token_logprobs, sft_loss, within_rounding
@@ -123,6 +124,10 @@ class PPOTrainer:
         # the rate each trained model's last optimizer step used (the log's, as steps 1 and 2 log it: after the
         # step the scheduler has moved on); None before the first step
         self.used_lr: dict[str, float | None] = {"actor": None, "critic": None}
+        # optimizer steps DeepSpeed skipped (inf/NaN gradients): a warning each, a stop after many in a row
+        self.skipped = {
+            name: SkippedSteps(e, name) for name, e in (("actor", actor), ("critic", critic)) if e is not None
+        }
         self.timing: dict[str, float] = {"generation": 0.0, "experience": 0.0, "train": 0.0}
         self.generated_tokens = 0.0
         self.share_prompt = hyper.share_prompt  # False once the first batch shows packing does not hold
@@ -576,6 +581,7 @@ class PPOTrainer:
             self.critic.backward(v_loss)
             self.used_lr["critic"] = self.critic.get_lr()[0]
             self.critic.step()
+            self.skipped["critic"].check()
         out.update(
             {
                 "value_loss": float(v_loss.detach()),
@@ -636,6 +642,7 @@ class PPOTrainer:
         self.actor.backward(actor_loss)
         self.used_lr["actor"] = self.actor.get_lr()[0]
         self.actor.step()
+        self.skipped["actor"].check()
         if self.after_actor_step is not None:
             self.after_actor_step()
         out.update(

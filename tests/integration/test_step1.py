@@ -338,7 +338,7 @@ def test_lora_zero3_exports_a_plain_merged_model(tmp_path):
     # Default dtype (bf16 where the CPU has it): LoRA matrices created after zero.Init must be aligned.
     assert_ok(step1(out, *FAST, "--max_steps", "20", "--zero_stage", "3", "--lora_dim", "4"))
     s = summary(out)
-    assert s["lora_dim"] == 4 and s["zero_stage"] == 3
+    assert s["lora_dim"] == 4 and s["zero_stage"] == 3 and s["skipped_steps"] == 0
     assert s["eval_loss_end"] < s["eval_loss_start"] - 0.3, s
 
     weights = load_file(str(out / "model.safetensors"))
@@ -384,6 +384,28 @@ def test_zero2_offload_trains(tmp_path):
     s = summary(out)
     assert resolved_config(out)["offload"] is True
     assert s["steps"] == 10 and s["eval_loss_end"] < s["eval_loss_start"], s
+
+
+# ---------------------------------------------------------------- 7b. updates DeepSpeed skips
+def test_a_run_whose_every_update_is_skipped_warns_and_stops_with_one_line(tmp_path):
+    """A learning rate of 1e30: the first update throws the weights to about 1e30, bf16's matmuls then
+    overflow, every later gradient is NaN and DeepSpeed skips every later step (and the schedule), silently
+    in bf16, where no loss scale falls. Each skip is a warning naming the optimizer step; 8 in a row stop
+    the run with one line, not a run that "finishes" having learned nothing."""
+    from dschat.engine.core import bf16_supported
+
+    if not bf16_supported():
+        pytest.skip("bf16 not supported on this CPU")
+    proc = step1(tmp_path / "run", *FAST, "--dtype", "bf16", "--learning_rate", "1e30", "--max_steps", "30",
+                 "--log_interval", "1")  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if "error:" in x]  # the progress bar shares stderr
+    assert (
+        "optimizer step 9: the model's last 8 updates were all skipped" in line and "--learning_rate" in line
+    )
+    logs = proc.stdout + proc.stderr
+    assert "optimizer step 2: DeepSpeed skipped the model's update" in logs
+    assert "1 skipped so far" in logs and "8 skipped so far" in logs
 
 
 # ---------------------------------------------------------------- 8. train.py end to end

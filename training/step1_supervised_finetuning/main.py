@@ -91,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     shown = (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("tokens/s", "tokens_per_sec", ".0f"))
     spec = T.LoopSpec("step 1 (SFT)", partial(sft_micro_step, engine), columns=sft_columns, shown=shown,
                       targets=step_targets)  # fmt: skip
-    T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
+    skipped = T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end, acc_end = evaluate(state.step, with_accuracy=True)
     T.export_model(engine.module, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
-                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
+                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step,
+                             skipped_steps=skipped)  # fmt: skip
     summary = {
         "step": 1,
         "steps": state.step,

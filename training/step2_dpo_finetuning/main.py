@@ -154,14 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "margin", ".4f"), ("lr", "lr", ".2e"))  # fmt: skip
     spec = T.LoopSpec("step 2 (DPO)", partial(dpo_micro_step, engine, ref_train, hp), dpo_columns, shown,
                       targets=chosen_targets if hp.sft_coef else None)  # fmt: skip
-    T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
+    skipped = T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
     # ---------------------------------------------------------------- 6. final evaluation and save
     eval_end, acc_end = evaluate(state.step, with_accuracy=True)
     T.export_model(engine.module, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
-                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
+                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step,
+                             skipped_steps=skipped)  # fmt: skip
     summary = summarize(hp, state, eval_start, eval_end, ref_path, mined, run_info)
     summary.update(T.accuracy_summary(acc_start, acc_end))
     summary["share_prompt"] = collate.share_prompt  # what ran: off where the start-up check fell back

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("lr", "lr", ".2e"),
              ("samples/s", "samples_per_sec", ".1f"))  # fmt: skip
     spec = T.LoopSpec("step 2 (reward)", partial(ranking_micro_step, engine, reward, length_w), pair_columns, shown)  # fmt: skip
-    T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
+    skipped = T.train_loop(engine, loader, state, spec, optim=optim, run=run, total_steps=total_steps, metrics=metrics,
                  timer=sw, evaluate=evaluate)  # fmt: skip
 
     # ---------------------------------------------------------------- 6. final evaluation and save
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     norm = save_score_normalization(engine.module.hf_model.config, eval_end)
     T.export_model(engine.module.model, tokenizer, run.output_dir, sw)
     run_info = T.run_summary(state, sw, parameters=n_params, dtype=dtype, zero_stage=ds_args.zero_stage,
-                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step)  # fmt: skip
+                             lora_dim=lora_args.lora_dim, run=run, start_step=start_step,
+                             skipped_steps=skipped)  # fmt: skip
     train_pairs = state.step * global_batch  # the whole run's, as state.train_seconds (kept by a resume)
     summary = summarize(
         eval_start, eval_end, state, mined, length_w, length_w_accuracy, train_pairs, run_info

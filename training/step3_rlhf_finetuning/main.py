@@ -243,6 +243,8 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
         "seconds_by_phase": {**sw.totals, **timing}, "dtype": dtype, "world_size": dist.world_size(),
         "actor_zero_stage": o.actor_ds.zero_stage, "critic_zero_stage": o.critic_ds.zero_stage,
         "kl_coef_end": trainer.kl_ctl.value, "resumed_from_step": start_step if o.run.resume else None,
+        # optimizer steps DeepSpeed skipped (inf/NaN gradients; in fp16 also the loss scale's search)
+        **{f"{name}_skipped_steps": watch.count for name, watch in trainer.skipped.items()},
         **trainer.generator.stats(),  # hybrid engine: switches, memory, generation/training log-prob check
     }  # fmt: skip
 
