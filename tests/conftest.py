@@ -221,10 +221,12 @@ def run_entry(
 def cpu_ranks_env(ranks: int = 2) -> dict[str, str]:
     """Environment for a test that starts ``ranks`` processes on this machine: CPU ranks (gloo) unless
     there is a GPU for each. The multi-rank tests compare against one CPU rank; on a one-GPU machine
-    two ranks would share a device, which train.py refuses and a bare launcher fails on."""
+    two ranks would share a device, which train.py refuses and a bare launcher fails on. DS_ACCELERATOR=cpu
+    keeps them hidden from ranks that DeepSpeed's launcher starts (it shows them again: dschat/__init__.py)."""
     import torch
 
-    return {"CUDA_VISIBLE_DEVICES": ""} if 0 < torch.cuda.device_count() < ranks else {}
+    hidden = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    return hidden if 0 < torch.cuda.device_count() < ranks else {}
 
 
 def build_deepspeed_shared_memory_op() -> None:

@@ -5,7 +5,8 @@ Every model the steps load uses it in place of ``sdpa`` (:func:`use_fast_attenti
 in bf16 is about 2x slower than in fp32 at decoding shapes (one query row, with the fp32 cache) and up to
 1.7x slower forward and backward at short training shapes, while the matmuls stay faster in bf16
 (:func:`_in_fp32` has the measurements, and where bf16 would win). Elsewhere (fp32 tensors, a GPU) it is
-``sdpa`` itself, so the switch changes nothing there. The mask is SDPA's.
+``sdpa`` itself, so the switch changes little there: on CUDA, cuDNN's kernel is left out where a mask is
+given (:func:`sdpa_backends`: its backward returns NaN for fully masked rows). The mask is SDPA's.
 """
 
 from __future__ import annotations
@@ -31,10 +32,28 @@ def _in_fp32(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
+def sdpa_backends(device_type: str, masked: bool) -> list | None:
+    """The SDPA kernels allowed for a call on ``device_type`` with a mask (``masked``) or without: on CUDA
+    with a mask, every one but cuDNN's; otherwise None (PyTorch's own choice).
+
+    cuDNN's SDPA backward (PyTorch 2.11 to 2.13, H100/H200, where it is the default kernel) returns NaN
+    query gradients when a mask is given and a row's log-sum-exp is below about -88.7, which a fully
+    masked row (a left-padding position) always is; the forward stays right (pytorch/pytorch#196678,
+    huggingface/trl#7181). Every gradient of the model is then NaN and DeepSpeed skips every step in
+    silence: on an H200 on 2026-11-29 step 3's schedules never moved. The memory-efficient kernel takes
+    the same masks and returns 0 for a fully masked row."""
+    if device_type != "cuda" or not masked:
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _fast_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                **kwargs):  # fmt: skip
     """SDPA, computed in fp32 for bf16/fp16 tensors on CPU (:func:`_in_fp32`; the matmuls around it stay
-    in 16 bits); otherwise transformers' SDPA as it is."""
+    in 16 bits); otherwise transformers' SDPA, without cuDNN's kernel where a mask is given
+    (:func:`sdpa_backends`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if _in_fp32(query):
@@ -43,7 +62,13 @@ def _fast_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
                                               **kwargs)  # fmt: skip
         return out.to(query.dtype), weights
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    backends = sdpa_backends(query.device.type, attention_mask is not None)
+    if backends is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backends):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 _FP32_CACHE: type | None = None

@@ -120,3 +120,31 @@ def test_fp32_for_16_bit_tensors_on_cpu_only():
 
     assert _in_fp32(q(torch.bfloat16)) and _in_fp32(q(torch.float16))
     assert not _in_fp32(q(torch.float32))
+
+
+def test_cuda_with_a_mask_leaves_out_cudnn_and_nothing_else_is_restricted():
+    from torch.nn.attention import SDPBackend
+
+    from dschat.models.attention import sdpa_backends
+
+    allowed = sdpa_backends("cuda", masked=True)
+    assert SDPBackend.CUDNN_ATTENTION not in allowed
+    assert {SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH} <= set(allowed)
+    assert sdpa_backends("cuda", masked=False) is None and sdpa_backends("cpu", masked=True) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_left_padded_bf16_backward_on_cuda_has_finite_gradients():
+    """cuDNN's SDPA backward (the default kernel on H100/H200 with PyTorch 2.11-2.13) returned NaN query
+    gradients for masks with fully masked rows at lengths of 64 mod 128: left padding at 64 positions.
+    With dschat_sdpa every gradient is finite and close to the fp32 model's."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (4, 64), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :20], mask[1, :5] = 0, 0
+    want_logits, want_grad = _forward_and_grads(micro_llama(64, seed=1).train().cuda(), ids, mask)
+    model = use_fast_attention(micro_llama(64, seed=1).train().cuda().to(torch.bfloat16))
+    logits, grad = _forward_and_grads(model, ids, mask)
+    assert all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
+    assert ((grad - want_grad).norm() / want_grad.norm()).item() < 0.05
+    assert (logits - want_logits).abs().max().item() < 0.1

@@ -80,12 +80,30 @@ def test_torchrun_cpu_ranks_split_the_cores_instead_of_one_thread_each(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("dschat.launch.launcher.cpu_cores", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert launcher_env(torchrun_args(num_gpus=4)) == {"OMP_NUM_THREADS": "4"}
-    assert launcher_env(torchrun_args()) == {"OMP_NUM_THREADS": "1"}  # one rank per core
-    assert launcher_env(torchrun_args(num_gpus=1)) == {}  # one rank: torchrun sets nothing, torch decides
-    assert launcher_env(args()) == {}  # the DeepSpeed launcher: the ranks split the cores themselves
+    cpu = {"DS_ACCELERATOR": "cpu"}
+    assert launcher_env(torchrun_args(num_gpus=4)) == {**cpu, "OMP_NUM_THREADS": "4"}
+    assert launcher_env(torchrun_args()) == {**cpu, "OMP_NUM_THREADS": "1"}  # one rank per core
+    assert launcher_env(torchrun_args(num_gpus=1)) == cpu  # one rank: torchrun sets nothing, torch decides
+    assert launcher_env(args()) == cpu  # the DeepSpeed launcher: the ranks split the cores themselves
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-    assert launcher_env(torchrun_args(num_gpus=4)) == {}
+    assert launcher_env(torchrun_args(num_gpus=4)) == cpu
+
+
+def test_gpu_ranks_get_no_variables(four_gpus):
+    assert launcher_env(args()) == {} and launcher_env(torchrun_args(num_gpus=4)) == {}
+
+
+@pytest.mark.parametrize(("accelerator", "want"), [("cpu", ""), (None, "0,1")])
+def test_cpu_ranks_hide_the_gpus_the_deepspeed_launcher_shows_them(accelerator, want):
+    """DeepSpeed's launcher gives CPU ranks CUDA_VISIBLE_DEVICES=0,1; with DS_ACCELERATOR=cpu (train.py's
+    launcher_env) importing dschat hides them again, before torch is asked for CUDA."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["CUDA_VISIBLE_DEVICES"] = "0,1"
+    if accelerator:
+        env["DS_ACCELERATOR"] = accelerator
+    code = "import dschat, os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == repr(want), out.stderr
 
 
 def test_ranks_on_one_machine_split_its_cores_evenly(monkeypatch):
