@@ -61,10 +61,10 @@ def test_the_padding_fraction_is_the_share_of_run_positions_that_were_padding():
 
     packed = TrainState(tokens=13.0, computed=10.0, positions=12.0, train_seconds=1.0)
     s = run_summary(packed, Timer(), parameters=1, dtype="fp32", zero_stage=0, lora_dim=0,
-                    run=C.RunArgs(output_dir="x"), start_step=0)  # fmt: skip
+                    run=C.RunArgs(output_dir="x"), start_step=0, skipped_steps=0)  # fmt: skip
     assert s["padding_fraction"] == pytest.approx(2 / 12)
     s = run_summary(TrainState(tokens=13.0, positions=20.0, train_seconds=1.0), Timer(), parameters=1,
-                    dtype="fp32", zero_stage=0, lora_dim=0, run=C.RunArgs(output_dir="x"), start_step=0)  # fmt: skip
+                    dtype="fp32", zero_stage=0, lora_dim=0, run=C.RunArgs(output_dir="x"), start_step=0, skipped_steps=0)  # fmt: skip
     assert s["padding_fraction"] == pytest.approx(7 / 20)  # a checkpoint without "computed": its tokens ran
 
 
