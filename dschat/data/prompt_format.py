@@ -309,6 +309,23 @@ def _template_end_id(tokenizer) -> int | None:
     return next((i for i in ids if i in special), visible[0] if visible else tokenizer.eos_token_id)
 
 
+def _template_turn_start_id(tokenizer, end: int | None) -> int | None:
+    """The special token the template opens a turn with after an answer (ChatML's ``<|im_start|>``, Llama
+    3's ``<|start_header_id|>``), or None: a model that skips its end of turn and goes on into a turn of
+    its own writes it first, and generation stops there instead of inventing the user's next message."""
+    marks = ("\u2063dschat-answer\u2063", "\u2063dschat-next\u2063")
+    try:
+        text = apply_template(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": marks[0]},
+                                          {"role": "user", "content": marks[1]}])  # fmt: skip
+    except UserError:  # a template that takes no second user turn: no header to find
+        return None
+    if marks[0] not in text or marks[1] not in text:
+        return None
+    between = text.split(marks[0], 1)[1].split(marks[1], 1)[0]
+    special = set(tokenizer.all_special_ids) - {end, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return next((i for i in tokenizer(between, add_special_tokens=False)["input_ids"] if i in special), None)
+
+
 def model_format(
     tokenizer, model_path: str | None, choice: str = "auto", flag: str = "--chat_template"
 ) -> PromptFormat:
@@ -337,7 +354,8 @@ def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template"
     eos = tokenizer.eos_token_id
     if choice == "on" or (choice == "auto" and has_template):
         end = _template_end_id(tokenizer)
-        stops = tuple(dict.fromkeys(i for i in (end, eos) if i is not None))
+        start = _template_turn_start_id(tokenizer, end)
+        stops = tuple(dict.fromkeys(i for i in (end, eos, start) if i is not None))
         return PromptFormat(
             CHAT_TEMPLATE,
             tokenizer,
