@@ -211,7 +211,8 @@ class StepLine:
         step, base = step_of(n, args), step_args(n, args, [], preset)
         if n == 3:
             base = without_a_critic(step, base, extra)
-        return cls(step, base, list(extra), parse_step(step, [*base, *extra]))
+        user = list(extra) if n == 1 else without_step1_only(n, extra)
+        return cls(step, base, user, parse_step(step, [*base, *user]))
 
     @property
     def argv(self) -> list[str]:
@@ -232,17 +233,40 @@ def without_a_critic(step: Step, base: list[str], user: list[str]) -> list[str]:
     estimator = given([*base, *user], "--advantage_estimator")
     if estimator in (None, "gae"):
         return base
-    only = importlib.import_module(step.module).critic_only_flags()
-    kept, dropped, i = [], [], 0
-    while i < len(base):
-        flag = base[i].split("=", 1)[0]
-        value = i + 1 < len(base) and "=" not in base[i] and not base[i + 1].startswith("--")
-        name = "--" + flag.removeprefix("--no_") if flag.startswith("--no_") else flag
-        (dropped if name in only else kept).extend(base[i : i + 1 + value])
-        i += 1 + value
+    kept, dropped = drop_flags(base, importlib.import_module(step.module).critic_only_flags())
     if dropped:
         print(f"==> step 3: --advantage_estimator {estimator} trains no critic: the preset's "
               f"{' '.join(dropped)} left out", flush=True)  # fmt: skip
+    return kept
+
+
+def drop_flags(argv: list[str], names: frozenset[str] | set[str]) -> tuple[list[str], list[str]]:
+    """``argv`` (a step's flags, no positionals) split into (kept, dropped): the flags in ``names``, or
+    their ``--no_`` forms, with their values (every word up to the next flag) are dropped."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    i = 0
+    while i < len(argv):
+        j = i + 1
+        if "=" not in argv[i]:
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+        flag = argv[i].split("=", 1)[0]
+        name = "--" + flag.removeprefix("--no_") if flag.startswith("--no_") else flag
+        (dropped if name in names else kept).extend(argv[i:j])
+        i = j
+    return kept, dropped
+
+
+def without_step1_only(n: int, user: list[str]) -> list[str]:
+    """The user's flags (after --) for step ``n`` > 1, less those only step 1 reads
+    (:attr:`dschat.config.DataArgs.STEP1_ONLY`): they reach step 1 alone, where a later step would refuse
+    them as read by nothing."""
+    from dschat.config import DataArgs
+
+    kept, dropped = drop_flags(user, {f"--{f}" for f in DataArgs.STEP1_ONLY})
+    if dropped:
+        print(f"==> step {n}: {' '.join(dropped)} read by step 1 only: left out here", flush=True)
     return kept
 
 

@@ -21,7 +21,8 @@ them: ``judge_win_rate`` (ties half, target 0.60) and ``length_ratio`` (mean ans
 over step 1; target at most 1.2). With ``--labeller DIR`` (reward model A, trained on half a), DPO learns
 from on-policy pairs instead (online DPO): SmolLM2 samples ``--samples_per_prompt`` answers to
 ``--on_policy_prompts`` of half a's prompts, A's favourite that ended is chosen and its least favourite
-rejected, and DPO trains on those pairs alone for ``--epochs``; the HH test pairs still give the
+rejected, and DPO trains on those pairs alone for ``--epochs`` (with ``--offline_pairs``, on them and
+half a's human-labelled pairs together); the HH test pairs still give the
 implicit-reward accuracy. ``--start DIR`` runs a later round of iterative DPO: the policy of an earlier
 round writes the answers and is both the starting point and the reference (the judge still compares
 with SmolLM2).
@@ -124,7 +125,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
     start = args.start or MODEL
     if args.labeller:  # online: pairs of SmolLM2's own answers, labelled by A, one epoch of them per --epochs
         length = ["--num_train_epochs", str(args.epochs), "--policy_negatives_from", start,
-                  "--policy_negatives_reward_model", args.labeller, "--policy_negatives_only",
+                  "--policy_negatives_reward_model", args.labeller,
+                  *([] if args.offline_pairs else ["--policy_negatives_only"]),
                   "--policy_negatives_max_prompts", str(args.on_policy_prompts), "--policy_negatives_per_prompt",
                   str(args.samples_per_prompt), "--policy_negatives_max_new_tokens", str(args.max_new_tokens),
                   "--policy_negatives_temperature", str(args.temperature)]  # fmt: skip
@@ -144,9 +146,8 @@ def hh(args: argparse.Namespace, out: Path) -> dict:
         "longer_response_baseline": s.get("longer_response_baseline"),
         "eval_margin": s["eval_margin_end"],
         # the pairs that train: those of the data that fit --max_seq_len, not identical or empty
-        "train_pairs": int(s["policy_negatives"]["train"]["pairs"])
-        if args.labeller
-        else resolved["data"]["train"]["kept"],
+        "train_pairs": (int(s["policy_negatives"]["train"]["pairs"]) if args.labeller else 0)
+        + (resolved["data"]["train"]["kept"] if not args.labeller or args.offline_pairs else 0),
         "on_policy_pairs": s["policy_negatives"]["train"] if args.labeller else None,
         "train_pairs_read": s["steps"] * resolved["global_batch_size"],
         "steps": s["steps"],
@@ -187,6 +188,7 @@ def main() -> None:
         "epochs": 2,
         "temperature": 1.0,
         "start": None,
+        "offline_pairs": False,
     }
     p.add_argument("--on_policy_prompts", type=int, help="hh --labeller: prompts of half a sampled (384)")
     p.add_argument("--samples_per_prompt", type=int, help="hh --labeller: answers sampled per prompt (4)")
@@ -196,6 +198,12 @@ def main() -> None:
     )
     p.add_argument(
         "--start", help="hh --labeller: a policy of an earlier round (iterative DPO; default SmolLM2)"
+    )
+    p.add_argument(
+        "--offline_pairs",
+        action="store_true",
+        default=None,
+        help="hh --labeller: train on half a's human-labelled pairs as well as the on-policy ones",
     )
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-5")
     p.add_argument("--beta", type=float, default=0.1)

@@ -119,6 +119,22 @@ class DataArgs(FormatArgs):
         "the same for every step of a job (--seed, the training order's, may differ per step)",
     )
 
+    # what only step 1 (SFT) reads: the later steps refuse them given (:meth:`step1_only_given`), and
+    # train.py passes them to step 1 alone
+    STEP1_ONLY = ("sft_only_data_path", "train_on_prompt")
+
+    def step1_only_given(self) -> list[str]:
+        """The flags of :attr:`STEP1_ONLY` set away from their defaults (read by nothing outside step 1)."""
+        defaults = DataArgs()
+        return [f"--{f}" for f in self.STEP1_ONLY if getattr(self, f) != getattr(defaults, f)]
+
+    def refuse_step1_only(self, step: str) -> None:
+        """One line where ``step`` (not step 1) was given a flag only step 1 reads."""
+        if given := self.step1_only_given():
+            raise UserError(f"{', '.join(given)}: only step 1 (SFT) reads {'it' if len(given) == 1 else 'them'}, "
+                            f"not {step}; drop {'it' if len(given) == 1 else 'them'} here (train.py gives such "
+                            "flags to step 1 alone)")  # fmt: skip
+
     def validate(self, prefix: str = "", shared: frozenset[str] = frozenset()) -> None:
         parse_data_split(self.data_split, flag=f"--{prefix}data_split")
         from dschat.data.sources import check_named_once  # the data layer knows what a source spec names

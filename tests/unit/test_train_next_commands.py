@@ -338,3 +338,38 @@ def test_an_empty_model_or_output_dir_is_one_line(train, flag):
     args, _ = train.parse_args([flag, ""])
     with pytest.raises(UserError, match=rf"^{flag} is empty$"):
         train.check_models(args)
+
+
+def test_flags_only_step_1_reads_reach_step_1_alone(train, tmp_path, capsys):
+    """--train_on_prompt and --sft_only_data_path after -- (which goes to every step) reach step 1; the
+    later steps, which refuse them as read by nothing, get the rest of the user's flags."""
+    args, extra = train.parse_args(["--step", "1", "2", "3", "--output-dir", str(tmp_path), "--", "--train_on_prompt",
+                                    "--sft_only_data_path", "extra.jsonl", "--seed", "7"])  # fmt: skip
+    one = train.StepLine.of(1, args, extra, {})
+    (data,) = [g for g in one.groups if hasattr(g, "train_on_prompt")]
+    assert data.train_on_prompt and data.sft_only_data_path == ["extra.jsonl"]
+    for n in (2, 3):
+        line = train.StepLine.of(n, args, extra, {})
+        assert line.user == ["--seed", "7"], line.user
+    out = capsys.readouterr().out
+    assert "==> step 2: --train_on_prompt --sft_only_data_path extra.jsonl read by step 1 only" in out
+
+
+def test_dropped_flags_take_all_their_values_and_their_no_forms(train):
+    names = {"--sft_only_data_path", "--train_on_prompt"}
+    argv = ["--a", "1", "--sft_only_data_path", "x", "y", "--no_train_on_prompt", "--b=-2", "--train_on_prompt",
+            "--c", "-1"]  # fmt: skip
+    kept, dropped = train.drop_flags(argv, names)
+    assert kept == ["--a", "1", "--b=-2", "--c", "-1"]
+    assert dropped == ["--sft_only_data_path", "x", "y", "--no_train_on_prompt", "--train_on_prompt"]
+
+
+@pytest.mark.parametrize("flags", [["--train_on_prompt"], ["--sft_only_data_path", "extra.jsonl"]])
+def test_later_steps_refuse_what_only_step_1_reads(flags):
+    from dschat import config as C
+    from dschat.utils.errors import UserError
+
+    data = C.parse_groups("p", "d", (C.DataArgs,), flags)[0]
+    with pytest.raises(UserError, match=rf"^{flags[0]}: only step 1 \(SFT\) reads it, not step 3"):
+        data.refuse_step1_only("step 3")
+    C.parse_groups("p", "d", (C.DataArgs,), [])[0].refuse_step1_only("step 3")  # defaults: nothing given

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_dpo_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)
     check_inputs(GROUPS, args)  # models and data named, before any slow start-up
     model_args, data_args, lora_args, optim, ds_args, run, hp, pairs_args = args
+    data_args.refuse_step1_only("DPO")
 
     # ---------------------------------------------------------------- 1. setup (the reference is checked
     # before any slow work: it must read text as the policy does)

@@ -78,6 +78,7 @@ STEP_DEFAULTS = {
 def main(argv: list[str] | None = None) -> int:
     args = C.parse_groups("step2_reward_model_finetuning", __doc__.split("\n\n")[0], GROUPS, argv, STEP_DEFAULTS)  # fmt: skip
     model_args, data_args, lora_args, optim, ds_args, run, reward, pairs_args = args
+    data_args.refuse_step1_only("step 2")
     if pairs_args.policy_negatives_reward_model:  # before any slow work
         raise UserError("--policy_negatives_reward_model is for DPO (--algorithm dpo): a reward model trained "
                         "on another reward model's labels would only copy it")  # fmt: skip

@@ -303,6 +303,7 @@ def check_groups(groups: tuple) -> None:
     critic-free estimator refuses the critic's options (given, they would be read by nothing)."""
     o = RLHFOptions(*groups)
     check_options(o)
+    o.data.refuse_step1_only("step 3")
     if o.use_critic:
         return
     defaults = C.parse_groups("step3_rlhf_finetuning", "", GROUPS, [], STEP_DEFAULTS)
