@@ -24,6 +24,7 @@ import difflib
 import importlib
 import math
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -242,14 +243,19 @@ def without_a_critic(step: Step, base: list[str], user: list[str]) -> list[str]:
 
 def drop_flags(argv: list[str], names: frozenset[str] | set[str]) -> tuple[list[str], list[str]]:
     """``argv`` (a step's flags, no positionals) split into (kept, dropped): the flags in ``names``, or
-    their ``--no_`` forms, with their values (every word up to the next flag) are dropped."""
+    their ``--no_`` forms, with their values (the words up to the next option; a negative number is a
+    value) are dropped."""
+
+    def is_value(word: str) -> bool:
+        return not word.startswith("-") or bool(re.fullmatch(r"-[0-9.]+(e[-+]?[0-9]+)?", word))
+
     kept: list[str] = []
     dropped: list[str] = []
     i = 0
     while i < len(argv):
         j = i + 1
         if "=" not in argv[i]:
-            while j < len(argv) and not argv[j].startswith("--"):
+            while j < len(argv) and is_value(argv[j]):
                 j += 1
         flag = argv[i].split("=", 1)[0]
         name = "--" + flag.removeprefix("--no_") if flag.startswith("--no_") else flag

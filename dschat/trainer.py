@@ -387,6 +387,7 @@ def train_loop(engine, loader, state: TrainState, spec: LoopSpec, *, optim: Opti
     for group in optimizer_steps(micro_batches(loader, state, optim.num_train_epochs), state,
                                  optim.gradient_accumulation_steps):  # fmt: skip
         t0 = clock()
+        skipped.mark()
         lr = engine.get_lr()[0]  # the rate this step uses (after it, the scheduler has moved on)
         kw = {}
         if spec.targets is not None:  # the step's token count on every rank (one all-reduce per step)

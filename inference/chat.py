@@ -103,7 +103,7 @@ class Chat:
             input_ids,
             self.opts.generate_kwargs(),
             self.fmt.stop_strings,
-            self.fmt.stop_ids,
+            self.fmt.reply_stop_ids,
         )
         self.out.write(label)
         self.out.flush()

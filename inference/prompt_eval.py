@@ -153,7 +153,13 @@ def answer(src: GenerationSource, questions: list[str], opts: DecodeOptions, arg
     ids = [f.ids for f in fitted]
     torch.manual_seed(args.seed)
     replies = generate_replies(
-        model, tokenizer, ids, opts, batch_size=args.batch_size, stops=fmt.stop_strings, stop_ids=fmt.stop_ids
+        model,
+        tokenizer,
+        ids,
+        opts,
+        batch_size=args.batch_size,
+        stops=fmt.stop_strings,
+        stop_ids=fmt.reply_stop_ids,
     )
     free(model, tokenizer)
     return replies, cut

@@ -147,8 +147,11 @@ def check_resume(specs: tuple[GroupSpec, ...], groups: tuple, output_dir: str, r
     for spec, group in zip(specs, groups, strict=True):
         _, prefix, shared = (spec, "", ()) if isinstance(spec, type) else spec
         section = saved.get(prefix.rstrip("_"), {}) if prefix else saved
+        # what only step 1 reads (DataArgs.STEP1_ONLY): a later step's run started before those were refused
+        # there saved them, read by nothing
+        unread = getattr(type(group), "STEP1_ONLY", ()) if saved.get("step") not in (None, 1) else ()
         for f in dataclasses.fields(group):
-            if f.metadata.get("resumable") or f.name not in section:
+            if f.metadata.get("resumable") or f.name not in section or f.name in unread:
                 continue
             now = json.loads(json.dumps(getattr(group, f.name), default=str))
             if now != section[f.name]:

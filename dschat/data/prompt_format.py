@@ -160,8 +160,10 @@ class PromptFormat:
     """The prompt format of one tokenizer (see the module docstring).
 
     ``end_id``: the token that ends a response in training (EOS, or the template's end of turn).
-    ``stop_ids``: every token id at which generation stops. ``stop_strings``: text at which a reply is
-    cut (a Human/Assistant model inventing the next turn).
+    ``stop_ids``: the token ids that end a response: generation stops there, and an answer without one
+    was cut off. ``stop_strings``: text at which a reply is cut (a Human/Assistant model inventing the
+    next turn). ``turn_start_id``: the token a template opens a turn with (:func:`_template_turn_start_id`);
+    the inference tools stop there too (:attr:`reply_stop_ids`).
     """
 
     name: str
@@ -170,6 +172,19 @@ class PromptFormat:
     stop_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
     _render: Callable[[list[Message]], str] = field(repr=False, compare=False)
+    turn_start_id: int | None = None
+
+    @property
+    def reply_stop_ids(self) -> tuple[int, ...]:
+        """Where ``chat.py`` and ``prompt_eval.py`` stop a reply: :attr:`stop_ids` and the turn's opening
+        token, so that a model that skips its end of turn does not go on to write the user's next message.
+        Training and PPO's rollouts stop at :attr:`stop_ids` alone: a rollout that ends by opening a turn
+        did not end properly, and counts as cut off (``--truncation_penalty``, on-policy pairs never
+        choose it) only while it runs on to the token budget."""
+        extra = (
+            () if self.turn_start_id is None or self.turn_start_id in self.stop_ids else (self.turn_start_id,)
+        )
+        return (*self.stop_ids, *extra)
 
     @property
     def add_special_tokens(self) -> bool:
@@ -310,9 +325,10 @@ def _template_end_id(tokenizer) -> int | None:
 
 
 def _template_turn_start_id(tokenizer, end: int | None) -> int | None:
-    """The special token the template opens a turn with after an answer (ChatML's ``<|im_start|>``, Llama
-    3's ``<|start_header_id|>``), or None: a model that skips its end of turn and goes on into a turn of
-    its own writes it first, and generation stops there instead of inventing the user's next message."""
+    """The first special token the template writes between an answer's end and the next user message
+    (ChatML's ``<|im_start|>``, Llama 3's ``<|start_header_id|>``, BOS in Llama 2's), other than the end
+    of turn, EOS and padding; or None. A model that skips its end of turn and goes on into a turn of its
+    own writes it first."""
     marks = ("\u2063dschat-answer\u2063", "\u2063dschat-next\u2063")
     try:
         text = apply_template(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": marks[0]},
@@ -322,7 +338,10 @@ def _template_turn_start_id(tokenizer, end: int | None) -> int | None:
     if marks[0] not in text or marks[1] not in text:
         return None
     between = text.split(marks[0], 1)[1].split(marks[1], 1)[0]
-    special = set(tokenizer.all_special_ids) - {end, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    # added tokens marked special count too (Llama 3's header tokens are not in all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {*tokenizer.all_special_ids, *(i for i, t in added.items() if getattr(t, "special", False))}
+    special -= {end, tokenizer.eos_token_id, tokenizer.pad_token_id}
     return next((i for i in tokenizer(between, add_special_tokens=False)["input_ids"] if i in special), None)
 
 
@@ -354,8 +373,7 @@ def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template"
     eos = tokenizer.eos_token_id
     if choice == "on" or (choice == "auto" and has_template):
         end = _template_end_id(tokenizer)
-        start = _template_turn_start_id(tokenizer, end)
-        stops = tuple(dict.fromkeys(i for i in (end, eos, start) if i is not None))
+        stops = tuple(dict.fromkeys(i for i in (end, eos) if i is not None))
         return PromptFormat(
             CHAT_TEMPLATE,
             tokenizer,
@@ -363,6 +381,7 @@ def prompt_format(tokenizer, choice: str = "auto", flag: str = "--chat_template"
             stops,
             (),
             lambda msgs: apply_template(tokenizer, msgs, add_generation_prompt=True),
+            _template_turn_start_id(tokenizer, end),
         )
     return PromptFormat(
         HUMAN_ASSISTANT, tokenizer, eos, (eos,) if eos is not None else (), TURN_STOPS, render_human_assistant

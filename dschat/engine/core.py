@@ -311,30 +311,33 @@ class SkippedSteps:
 
     def __init__(self, engine, name: str, limit: int = 8) -> None:
         self.engine, self.name, self.limit = engine, name, limit
-        self.seen = self.count  # a resumed engine brings its count from the checkpoint
-        self.steps = self._steps()
         self.in_a_row = 0
+        self.mark()
 
     @property
     def count(self) -> int:
+        """The engine's skipped steps over the whole run (a resumed engine brings its count back)."""
         return int(getattr(self.engine, "skipped_steps", 0))
 
     def _steps(self) -> int:  # optimizer steps taken or skipped (DeepSpeed counts both)
         return int(getattr(self.engine, "global_steps", 0))
 
-    def check(self) -> None:
-        """After ``engine.step()``; a call between gradient-accumulation boundaries sees no new step."""
+    def mark(self) -> None:
+        """Before an optimizer step (``engine.step()`` at a boundary, or the micro-batches ending in one):
+        the counters :meth:`check` compares with. Marked at each step, so that counters a checkpoint
+        brought back since (``--resume``) are never taken for new skips."""
+        self.seen, self.steps = self.count, self._steps()
+
+    def check(self) -> bool:
+        """After ``engine.step()``: whether DeepSpeed skipped the optimizer step taken since :meth:`mark`
+        (False where none was taken: a call between gradient-accumulation boundaries)."""
         steps, now = self._steps(), self.count
-        if steps == self.steps:
-            return
-        self.steps = steps
-        if now == self.seen:
-            self.in_a_row = 0
-            return
-        self.in_a_row += now - self.seen
-        self.seen = now
-        if self.engine.fp16_enabled():
-            return
+        skipped = steps != self.steps and now != self.seen
+        if steps != self.steps:
+            self.in_a_row = self.in_a_row + (now - self.seen) if skipped else 0
+        self.mark()
+        if not skipped or self.engine.fp16_enabled():
+            return skipped
         LOG.warning("optimizer step %d: DeepSpeed skipped the %s's update (its gradients hold inf or NaN); "
                     "%d skipped so far", steps, self.name, now)  # fmt: skip
         if self.in_a_row >= self.limit:
@@ -343,3 +346,4 @@ class SkippedSteps:
                 "(gradients with inf or NaN, and outside fp16 no loss scale to lower): it has stopped "
                 "learning; lower --learning_rate, or look for inf/NaN in the model's outputs"
             )
+        return skipped

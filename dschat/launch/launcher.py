@@ -220,14 +220,16 @@ def launcher_env(args: argparse.Namespace) -> dict[str, str]:
     ``CUDA_VISIBLE_DEVICES=0,1,...`` for them, which on a machine whose GPUs were hidden from train.py
     (``CUDA_VISIBLE_DEVICES=``) shows them again: every rank then takes GPU ``LOCAL_RANK``, and rank 1 of
     a one-GPU machine fails ("invalid device ordinal"). With the variable the ranks hide them again
-    (dschat/__init__.py). torchrun sets ``OMP_NUM_THREADS=1`` for every rank when there are several per
+    (dschat/__init__.py); on one node only (``single_node``). torchrun sets ``OMP_NUM_THREADS=1`` for every rank when there are several per
     node and the variable is unset, which on CPU leaves each rank one core however many it has; the cores
     are split among the ranks instead (the DeepSpeed launcher sets nothing, and the ranks split the cores
     themselves: engine.core)."""
     have, kind = visible_devices()
     if kind != "CPU core":
         return {}
-    env = {"DS_ACCELERATOR": "cpu"}
+    # this node's ranks only: other nodes decide for themselves (an MPI launcher passes the whole
+    # environment on, and a head node without a GPU may start ranks on nodes with them)
+    env = {"DS_ACCELERATOR": "cpu"} if args.deployment_type != "multi_node" else {}
     if args.deployment_type != "multi_node" or args.launcher != "torchrun" or "OMP_NUM_THREADS" in os.environ:
         return env
     ranks = args.num_gpus or have

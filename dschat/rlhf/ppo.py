@@ -118,8 +118,8 @@ class PPOTrainer:
         self.reward_source, self.generator, self.tokenizer = reward_source, generator, tokenizer
         self.judge = judge  # a second reward source scored beside the reward, never optimised
         self.hyper, self.kl_ctl = hyper, kl_ctl
-        # run after each optimizer step of the actor, never after a skipped one (the EMA: an average per
-        # step, as --ema_decay says)
+        # run after each optimizer step of the actor, never after a skipped one (a minibatch left without
+        # rows, or a step DeepSpeed skipped: the EMA is an average per step, as --ema_decay says)
         self.after_actor_step = after_actor_step
         # the rate each trained model's last optimizer step used (the log's, as steps 1 and 2 log it: after the
         # step the scheduler has moved on); None before the first step
@@ -580,6 +580,7 @@ class PPOTrainer:
                                            all_reduce=dist.all_reduce_sum)  # fmt: skip
             self.critic.backward(v_loss)
             self.used_lr["critic"] = self.critic.get_lr()[0]
+            self.skipped["critic"].mark()
             self.critic.step()
             self.skipped["critic"].check()
         out.update(
@@ -641,9 +642,9 @@ class PPOTrainer:
             out["ptx_loss"] = float(ptx.detach())
         self.actor.backward(actor_loss)
         self.used_lr["actor"] = self.actor.get_lr()[0]
+        self.skipped["actor"].mark()
         self.actor.step()
-        self.skipped["actor"].check()
-        if self.after_actor_step is not None:
+        if not self.skipped["actor"].check() and self.after_actor_step is not None:
             self.after_actor_step()
         out.update(
             {

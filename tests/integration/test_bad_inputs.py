@@ -191,3 +191,22 @@ def test_a_named_input_that_is_not_there_stops_the_step_before_its_process_group
                            *flags], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     error_line(proc, needle)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "name"),
+    [
+        ("step2_reward_model_finetuning", "step 2"),
+        ("step2_dpo_finetuning", "DPO"),
+        ("step3_rlhf_finetuning", "step 3"),
+    ],
+)
+def test_later_steps_refuse_flags_only_step_1_reads(tmp_path, recipe, name):
+    """--train_on_prompt and --sft_only_data_path were accepted by steps 2, DPO and 3 and read by nothing."""
+    from tests.conftest import ROOT, run_entry
+
+    out = tmp_path / "out"
+    proc = run_entry(ROOT / "training" / recipe / "main.py", ["--output_dir", str(out), "--train_on_prompt"],
+                     in_process=True)  # fmt: skip
+    error_line(proc, "--train_on_prompt: only step 1 (SFT) reads it", f"not {name};")
+    assert not out.exists()

@@ -183,3 +183,19 @@ def test_a_resume_on_other_ptx_data_is_one_line():
         rounds(100, "bb").restore_unsup_position(saved)
     old = TrainState(extra={PTX_POSITION: {"epoch": 1, "batch_in_epoch": 3}})  # saved before the check
     rounds(90, "bb").restore_unsup_position(old)
+
+
+@pytest.mark.parametrize(("step", "refused"), [(2, False), (3, False), (1, True)])
+def test_step1_only_options_a_later_steps_old_run_saved_are_not_compared(tmp_path, step, refused):
+    """A step-2 or step-3 run started before those steps refused --train_on_prompt saved it (read by
+    nothing there); its resume, now without it (train.py gives it to step 1 alone), goes on. Step 1
+    reads it: there a change is refused."""
+    specs = (C.DataArgs, C.RunArgs)
+    saved_run(tmp_path, specs, ["--train_on_prompt"])
+    cfg = json.loads((tmp_path / "dschat_config.json").read_text())
+    (tmp_path / "dschat_config.json").write_text(json.dumps({**cfg, "step": step}))
+    if refused:
+        with pytest.raises(UserError, match=r"--train_on_prompt true -> false"):
+            check(tmp_path, specs, [])
+    else:
+        check(tmp_path, specs, [])

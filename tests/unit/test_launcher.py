@@ -80,13 +80,13 @@ def test_torchrun_cpu_ranks_split_the_cores_instead_of_one_thread_each(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("dschat.launch.launcher.cpu_cores", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cpu = {"DS_ACCELERATOR": "cpu"}
-    assert launcher_env(torchrun_args(num_gpus=4)) == {**cpu, "OMP_NUM_THREADS": "4"}
-    assert launcher_env(torchrun_args()) == {**cpu, "OMP_NUM_THREADS": "1"}  # one rank per core
-    assert launcher_env(torchrun_args(num_gpus=1)) == cpu  # one rank: torchrun sets nothing, torch decides
-    assert launcher_env(args()) == cpu  # the DeepSpeed launcher: the ranks split the cores themselves
+    assert launcher_env(torchrun_args(num_gpus=4)) == {"OMP_NUM_THREADS": "4"}
+    assert launcher_env(torchrun_args()) == {"OMP_NUM_THREADS": "1"}  # one rank per core
+    assert launcher_env(torchrun_args(num_gpus=1)) == {}  # one rank: torchrun sets nothing, torch decides
+    # the DeepSpeed launcher: the ranks split the cores themselves; on one node they stay on the CPU
+    assert launcher_env(args()) == {"DS_ACCELERATOR": "cpu"}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-    assert launcher_env(torchrun_args(num_gpus=4)) == cpu
+    assert launcher_env(torchrun_args(num_gpus=4)) == {}
 
 
 def test_gpu_ranks_get_no_variables(four_gpus):

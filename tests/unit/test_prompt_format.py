@@ -78,8 +78,11 @@ def test_the_end_of_turn_token_ends_responses_and_generation(chatml):
     fmt = prompt_format(chatml)
     im_end = chatml.convert_tokens_to_ids("<|im_end|>")
     assert fmt.name == CHAT_TEMPLATE and fmt.end_id == im_end
-    # and the next turn's opening token: a model that skips <|im_end|> stops before inventing a user turn
-    assert fmt.stop_ids == (im_end, chatml.eos_token_id, chatml.convert_tokens_to_ids("<|im_start|>"))
+    assert fmt.stop_ids == (im_end, chatml.eos_token_id)
+    # the inference tools stop at the next turn's opening token too: a model that skips <|im_end|> stops
+    # before inventing a user turn (training keeps such an answer unended: it did not end properly)
+    im_start = chatml.convert_tokens_to_ids("<|im_start|>")
+    assert fmt.turn_start_id == im_start and fmt.reply_stop_ids == (im_end, chatml.eos_token_id, im_start)
     prompt = tasks.make_prompt("Sort: dog cat")
     assert fmt.prompt_text(prompt) == (
         "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nSort: dog cat<|im_end|>\n"

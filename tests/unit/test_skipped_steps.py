@@ -29,8 +29,9 @@ def test_a_taken_step_resets_the_run_of_skips_and_only_a_run_of_limit_stops():
     e = Counters()
     w = SkippedSteps(e, "actor", limit=3)
     for skip in (True, True, False, True, True):  # never 3 in a row
+        w.mark()
         e.step(skip)
-        w.check()
+        assert w.check() is skip
     assert (w.count, w.in_a_row) == (4, 2)
     e.step(True)
     with pytest.raises(UserError, match=r"optimizer step 6: the actor's last 3 updates were all skipped"):
@@ -72,3 +73,16 @@ def test_a_resumed_engine_counts_on_from_its_checkpoint_and_warns_on_new_skips_o
     assert w.count == 4 and w.in_a_row == 1
     assert "optimizer step 42: DeepSpeed skipped the critic's update" in caplog.text
     assert "4 skipped so far" in caplog.text
+
+
+def test_counters_a_checkpoint_brings_back_after_the_watch_began_are_not_new_skips(caplog):
+    """Step 3 builds its trainer (and the watches) before --resume loads the engines' checkpoints, which
+    restore both counters: 400 steps, 8 of them skipped long ago. The next step, taken, is no skip."""
+    e = Counters()
+    w = SkippedSteps(e, "actor", limit=8)
+    e.global_steps, e.skipped_steps = 400, 8  # deepspeed's load_checkpoint
+    with caplog.at_level(logging.WARNING, logger="dschat"):
+        w.mark()
+        e.step(False)
+        assert w.check() is False
+    assert not caplog.records and w.in_a_row == 0 and w.count == 8

@@ -358,10 +358,17 @@ def test_flags_only_step_1_reads_reach_step_1_alone(train, tmp_path, capsys):
 def test_dropped_flags_take_all_their_values_and_their_no_forms(train):
     names = {"--sft_only_data_path", "--train_on_prompt"}
     argv = ["--a", "1", "--sft_only_data_path", "x", "y", "--no_train_on_prompt", "--b=-2", "--train_on_prompt",
-            "--c", "-1"]  # fmt: skip
+            "--c", "-1", "--train_on_prompt", "-h"]  # fmt: skip
     kept, dropped = train.drop_flags(argv, names)
-    assert kept == ["--a", "1", "--b=-2", "--c", "-1"]
-    assert dropped == ["--sft_only_data_path", "x", "y", "--no_train_on_prompt", "--train_on_prompt"]
+    assert kept == ["--a", "1", "--b=-2", "--c", "-1", "-h"]
+    assert dropped == [
+        "--sft_only_data_path",
+        "x",
+        "y",
+        "--no_train_on_prompt",
+        "--train_on_prompt",
+        "--train_on_prompt",
+    ]
 
 
 @pytest.mark.parametrize("flags", [["--train_on_prompt"], ["--sft_only_data_path", "extra.jsonl"]])
