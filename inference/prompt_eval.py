@@ -159,7 +159,7 @@ def answer(src: GenerationSource, questions: list[str], opts: DecodeOptions, arg
         opts,
         batch_size=args.batch_size,
         stops=fmt.stop_strings,
-        stop_ids=fmt.reply_stop_ids,
+        stop_ids=fmt.stop_ids,
     )
     free(model, tokenizer)
     return replies, cut

@@ -163,7 +163,7 @@ class PromptFormat:
     ``stop_ids``: the token ids that end a response: generation stops there, and an answer without one
     was cut off. ``stop_strings``: text at which a reply is cut (a Human/Assistant model inventing the
     next turn). ``turn_start_id``: the token a template opens a turn with (:func:`_template_turn_start_id`);
-    the inference tools stop there too (:attr:`reply_stop_ids`).
+    ``chat.py`` stops there too (:attr:`reply_stop_ids`).
     """
 
     name: str
@@ -176,11 +176,12 @@ class PromptFormat:
 
     @property
     def reply_stop_ids(self) -> tuple[int, ...]:
-        """Where ``chat.py`` and ``prompt_eval.py`` stop a reply: :attr:`stop_ids` and the turn's opening
-        token, so that a model that skips its end of turn does not go on to write the user's next message.
-        Training and PPO's rollouts stop at :attr:`stop_ids` alone: a rollout that ends by opening a turn
-        did not end properly, and counts as cut off (``--truncation_penalty``, on-policy pairs never
-        choose it) only while it runs on to the token budget."""
+        """Where ``chat.py`` stops a reply: :attr:`stop_ids` and the turn's opening token, so that a model
+        that skips its end of turn does not go on, in a conversation, to write the user's next message.
+        Everything that measures or trains stops at :attr:`stop_ids` alone (PPO's rollouts, the steps'
+        evaluations, ``prompt_eval.py``, as ``generate`` with the model's own EOS would): an answer that
+        opens a turn instead of ending did not end, and is cut off (``--truncation_penalty``; on-policy
+        pairs never choose it)."""
         extra = (
             () if self.turn_start_id is None or self.turn_start_id in self.stop_ids else (self.turn_start_id,)
         )
