@@ -300,7 +300,8 @@ class SkippedSteps:
     """The optimizer steps DeepSpeed skipped for one engine (``engine.skipped_steps``), watched after each
     ``engine.step()``.
 
-    DeepSpeed skips a step whose gradients hold inf or NaN, and the learning-rate schedule with it. In fp16
+    DeepSpeed skips a step whose gradients hold inf or NaN, and the learning-rate schedule with it (in
+    fp32 without ZeRO it checks nothing and applies it: there the weights are checked instead). In fp16
     that is how the dynamic loss scale finds its level (DeepSpeed logs each one) and is left alone here. In
     bf16 and fp32 there is no loss scale to lower: a skip is a non-finite gradient and the batch taught
     nothing, yet DeepSpeed says nothing and the run goes on with finite losses (attention kernels that
@@ -312,6 +313,10 @@ class SkippedSteps:
     def __init__(self, engine, name: str, limit: int = 8) -> None:
         self.engine, self.name, self.limit = engine, name, limit
         self.in_a_row = 0
+        # fp32 without ZeRO: DeepSpeed hands the step to the bare torch optimizer, which has no overflow
+        # check, and an inf/NaN gradient is applied; the weights are then checked after each step
+        optimizer = getattr(engine, "optimizer", None)
+        self.unchecked = optimizer is not None and not hasattr(optimizer, "overflow")
         self.mark()
 
     @property
@@ -335,6 +340,8 @@ class SkippedSteps:
         skipped = steps != self.steps and now != self.seen
         if steps != self.steps:
             self.in_a_row = self.in_a_row + (now - self.seen) if skipped else 0
+            if self.unchecked:
+                self._check_weights(steps)
         self.mark()
         if not skipped or self.engine.fp16_enabled():
             return skipped
@@ -347,3 +354,14 @@ class SkippedSteps:
                 "learning; lower --learning_rate, or look for inf/NaN in the model's outputs"
             )
         return skipped
+
+    def _check_weights(self, steps: int) -> None:
+        """Where DeepSpeed applies every step (:attr:`unchecked`): one line once a trained weight is no
+        longer finite, which no later step can undo (one reduction over the trained weights per step)."""
+        trained = [p for p in self.engine.module.parameters() if p.requires_grad]
+        if trained and not bool(torch.stack([p.detach().isfinite().all() for p in trained]).all()):
+            raise UserError(
+                f"optimizer step {steps}: the {self.name}'s weights are no longer finite (an inf or NaN gradient "
+                "was applied: in fp32 without ZeRO, DeepSpeed checks none); lower --learning_rate, or look for "
+                "inf/NaN in the model's outputs"
+            )

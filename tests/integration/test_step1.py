@@ -408,6 +408,19 @@ def test_a_run_whose_every_update_is_skipped_warns_and_stops_with_one_line(tmp_p
     assert "1 skipped so far" in logs and "8 skipped so far" in logs
 
 
+def test_fp32_without_zero_stops_at_the_first_update_that_left_the_weights_not_finite(tmp_path):
+    """fp32 at ZeRO-0: DeepSpeed gives the step to the bare torch optimizer, which checks nothing, and an
+    inf/NaN gradient is applied (no skip to count): the run stopped nowhere, its losses NaN. Now the
+    weights are checked after each step and the first that leaves them not finite stops the run."""
+    proc = step1(tmp_path / "run", *FAST, "--dtype", "fp32", "--learning_rate", "1e30", "--max_steps", "30",
+                 "--log_interval", "1")  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert "the model's weights are no longer finite" in line and "fp32 without ZeRO" in line, line
+    step = int(line.split("optimizer step ")[1].split(":")[0])
+    assert step <= 3, line  # the first update throws the weights to ~1e30, the next forward overflows
+
+
 # ---------------------------------------------------------------- 8. train.py end to end
 def test_train_py_runs_step1_and_captures_its_output(tmp_path):
     from transformers import AutoModelForCausalLM
