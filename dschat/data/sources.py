@@ -14,6 +14,7 @@ A source spec (``--data_path``) is one of:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from dschat.data.prompt_format import TURN_START, as_dialogue, dialogue_of
 from dschat.data.schema import Sample
 from dschat.utils.errors import UserError
 from dschat.utils.io import data_lines, is_text, read_data_text
+
+LOG = logging.getLogger("dschat")
 
 BUILTIN_TRAIN_PER_TASK = 10000
 BUILTIN_EVAL_PER_TASK = 200
@@ -279,6 +282,7 @@ def _load_hub(name: str, seed: int) -> SourceData:
     for split in ("train", "test"):
         rows = ds.get(split, [])
         out = []
+        unpaired = 0  # rows the adapter cannot make a pair of (Anthropic/hh-rlhf: the two dialogues differ before the last answer)
         for i, row in enumerate(rows):
             try:
                 s = adapter(row)
@@ -286,10 +290,15 @@ def _load_hub(name: str, seed: int) -> SourceData:
                 raise UserError(
                     f"{name} {split} row {i}: does not fit the registered adapter ({type(exc).__name__}: {exc})"
                 ) from None
-            if s is not None:
-                _require_text(f"{name} {split} row {i}",
-                              (("prompt", s.prompt), ("chosen", s.chosen), ("rejected", s.rejected)))  # fmt: skip
-                out.append(Sample(s.prompt, s.chosen, s.rejected, name))
+            if s is None:
+                unpaired += 1
+                continue
+            _require_text(f"{name} {split} row {i}",
+                          (("prompt", s.prompt), ("chosen", s.chosen), ("rejected", s.rejected)))  # fmt: skip
+            out.append(Sample(s.prompt, s.chosen, s.rejected, name))
+        if unpaired:
+            LOG.warning("%s %s: %d of %d rows left out: their chosen and rejected dialogues differ before the "
+                        "last answer, so they are not one prompt with two answers", name, split, unpaired, len(rows))  # fmt: skip
         splits[split] = out
     if not splits["test"]:  # train-only hub datasets: hold out a share, as for local files
         train, evals = _carve_eval(splits["train"], seed)

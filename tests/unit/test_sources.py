@@ -399,6 +399,20 @@ def hub_mirror(tmp_path, monkeypatch):
     return mirror
 
 
+def test_hub_rows_that_are_not_one_prompt_with_two_answers_are_counted_aloud(hub_mirror, caplog):
+    """Anthropic/hh-rlhf rows whose two dialogues differ before the last answer were dropped in silence."""
+    import logging
+
+    same = {"chosen": "\n\nHuman: Q\n\nAssistant: good", "rejected": "\n\nHuman: Q\n\nAssistant: bad"}
+    other = {"chosen": "\n\nHuman: Q\n\nAssistant: good", "rejected": "\n\nHuman: X\n\nAssistant: bad"}
+    write_jsonl(hub_mirror / "Anthropic" / "hh-rlhf" / "train.jsonl", [same, other, same])
+    write_jsonl(hub_mirror / "Anthropic" / "hh-rlhf" / "test.jsonl", [same])
+    with caplog.at_level(logging.WARNING, logger="dschat"):
+        src = load_source("Anthropic/hh-rlhf", seed=0)
+    assert len(src.train) == 2 and len(src.eval) == 1
+    assert "Anthropic/hh-rlhf train: 1 of 3 rows left out" in caplog.text and " test:" not in caplog.text
+
+
 def test_hub_dataset_from_mirror(hub_mirror):
     rows = [
         {"prompt": "\n\nHuman: Q1\n\nAssistant:", "response": " C1", "chosen": " C1", "rejected": " R1"},
