@@ -282,7 +282,7 @@ def _load_hub(name: str, seed: int) -> SourceData:
     for split in ("train", "test"):
         rows = ds.get(split, [])
         out = []
-        unpaired = 0  # rows the adapter cannot make a pair of (Anthropic/hh-rlhf: the two dialogues differ before the last answer)
+        unpaired = 0  # rows the adapter makes no pair of (Anthropic/hh-rlhf: dialogues that differ early)
         for i, row in enumerate(rows):
             try:
                 s = adapter(row)

@@ -333,6 +333,12 @@ class SkippedSteps:
         brought back since (``--resume``) are never taken for new skips."""
         self.seen, self.steps = self.count, self._steps()
 
+    def step(self) -> bool:
+        """``engine.step()`` between :meth:`mark` and :meth:`check`; whether DeepSpeed skipped it."""
+        self.mark()
+        self.engine.step()
+        return self.check()
+
     def check(self) -> bool:
         """After ``engine.step()``: whether DeepSpeed skipped the optimizer step taken since :meth:`mark`
         (False where none was taken: a call between gradient-accumulation boundaries)."""

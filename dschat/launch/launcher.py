@@ -220,10 +220,12 @@ def launcher_env(args: argparse.Namespace) -> dict[str, str]:
     ``CUDA_VISIBLE_DEVICES=0,1,...`` for them, which on a machine whose GPUs were hidden from train.py
     (``CUDA_VISIBLE_DEVICES=``) shows them again: every rank then takes GPU ``LOCAL_RANK``, and rank 1 of
     a one-GPU machine fails ("invalid device ordinal"). With the variable the ranks hide them again
-    (dschat/__init__.py); on one node only (``single_node``). torchrun sets ``OMP_NUM_THREADS=1`` for every rank when there are several per
-    node and the variable is unset, which on CPU leaves each rank one core however many it has; the cores
-    are split among the ranks instead (the DeepSpeed launcher sets nothing, and the ranks split the cores
-    themselves: engine.core)."""
+    (dschat/__init__.py); one node's ranks only (``single_node``).
+
+    ``OMP_NUM_THREADS``: torchrun sets 1 for every rank when there are several per node and the variable
+    is unset, which on CPU leaves each rank one core however many it has; the cores are split among the
+    ranks instead (the DeepSpeed launcher sets nothing, and the ranks split the cores themselves:
+    engine.core)."""
     have, kind = visible_devices()
     if kind != "CPU core":
         return {}

@@ -40,8 +40,8 @@ def sdpa_backends(device_type: str, masked: bool) -> list | None:
     query gradients when a mask is given and a row's log-sum-exp is below about -88.7, which a fully
     masked row (a left-padding position) always is; the forward stays right (pytorch/pytorch#196678,
     huggingface/trl#7181). Every gradient of the model is then NaN and DeepSpeed skips every step in
-    silence: on an H200 on 2026-11-29 step 3's schedules never moved. The memory-efficient kernel takes
-    the same masks and returns 0 for a fully masked row."""
+    silence: the probable (unconfirmed) cause of step 3's schedules standing still on an H200 on
+    2026-11-29. The memory-efficient kernel takes the same masks and returns 0 for a fully masked row."""
     if device_type != "cuda" or not masked:
         return None
     from torch.nn.attention import SDPBackend

@@ -580,9 +580,7 @@ class PPOTrainer:
                                            all_reduce=dist.all_reduce_sum)  # fmt: skip
             self.critic.backward(v_loss)
             self.used_lr["critic"] = self.critic.get_lr()[0]
-            self.skipped["critic"].mark()
-            self.critic.step()
-            self.skipped["critic"].check()
+            self.skipped["critic"].step()  # critic.step(), watched
         out.update(
             {
                 "value_loss": float(v_loss.detach()),
@@ -642,9 +640,7 @@ class PPOTrainer:
             out["ptx_loss"] = float(ptx.detach())
         self.actor.backward(actor_loss)
         self.used_lr["actor"] = self.actor.get_lr()[0]
-        self.skipped["actor"].mark()
-        self.actor.step()
-        if not self.skipped["actor"].check() and self.after_actor_step is not None:
+        if not self.skipped["actor"].step() and self.after_actor_step is not None:  # actor.step(), watched
             self.after_actor_step()
         out.update(
             {
