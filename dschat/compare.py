@@ -85,8 +85,10 @@ def read_prompts(path: str | Path, flag: str = "--prompts_file") -> list[str]:
 
 
 def verdict(question: str, reply: str) -> bool | None:
-    """The built-in verifier's verdict on ``reply`` (None when no built-in task knows the question)."""
-    return tasks.verify(as_dialogue(question), reply)
+    """The built-in verifier's verdict on ``reply`` (None when no built-in task knows the question):
+    ``reply`` as its prompt format ended it (``generate_replies`` cut it at the format's stop strings), so
+    it is not cut again (with a chat template, "\n\nHuman:" in a reply is text the model wrote)."""
+    return tasks.verify(as_dialogue(question), reply, stops=())
 
 
 def task_name(question: str) -> str | None:

@@ -38,7 +38,7 @@ import torch
 
 from dschat import tasks
 from dschat.config import DataArgs, PolicyPairsArgs
-from dschat.data.prompt_format import PromptFormat, cut_reply, prompt_format
+from dschat.data.prompt_format import TURN_STOPS, PromptFormat, cut_reply, prompt_format
 from dschat.data.schema import Sample
 from dschat.generation.decoding import Replies
 from dschat.generation.sampling import SamplingConfig
@@ -128,13 +128,16 @@ def advantage_correlation(sums: dict[str, float]) -> float:
     return cov / (var_x * var_y) ** 0.5
 
 
-def wrong_answer_pairs(prompts: list[str], answers: list[str]) -> list[Sample]:
+def wrong_answer_pairs(
+    prompts: list[str], answers: list[str], stops: tuple[str, ...] = TURN_STOPS
+) -> list[Sample]:
     """(prompt, sampled answer) -> a pair for each distinct wrong, non-empty answer: chosen = the right
-    answer, rejected = the sampled one, both in the built-in data's form (" " + answer)."""
+    answer, rejected = the sampled one, both in the built-in data's form (" " + answer). ``stops``: the
+    answers' prompt format's stop strings (:func:`dschat.tasks.clean_response`)."""
     out, seen = [], set()
     for p, a in zip(prompts, answers):
         right = tasks.reference_answer(p)
-        answer = tasks.clean_response(a)
+        answer = tasks.clean_response(a, stops)
         if right is None or not answer or answer == right or (p, answer) in seen:
             continue
         seen.add((p, answer))
@@ -278,13 +281,14 @@ def mine_policy_negatives(
     known = [p for p in prompts if tasks.reference_answer(p) is not None]
     mine, weight = rank_slice(known)
     repeated = [p for p in mine for _ in range(samples_per_prompt)]
+    fmt = fmt or prompt_format(tokenizer)
     answers = sample_replies(model, tokenizer, repeated, max_new_tokens=max_new_tokens, temperature=temperature,
                              device=device, seed=seed, batch_size=batch_size, fmt=fmt).texts  # fmt: skip
-    k = samples_per_prompt
-    ok = [bool(tasks.verify(p, a)) for p, a in zip(repeated, answers)]
-    samples = PolicySamples(mine, [" " + tasks.clean_response(a) for a in answers], ok, weight, k)
+    k, stops = samples_per_prompt, fmt.stop_strings
+    ok = [bool(tasks.verify(p, a, stops)) for p, a in zip(repeated, answers)]
+    samples = PolicySamples(mine, [" " + tasks.clean_response(a, stops) for a in answers], ok, weight, k)
     counted = [i for i in range(len(repeated)) if weight[i // k]]
-    pairs = wrong_answer_pairs([repeated[i] for i in counted], [answers[i] for i in counted])
+    pairs = wrong_answer_pairs([repeated[i] for i in counted], [answers[i] for i in counted], stops)
     right = sum(ok[i] for i in counted)
     solved = sum(w * any(ok[i * k : (i + 1) * k]) for i, w in enumerate(weight))
     pairs = dist.gather_lists(pairs)

@@ -66,8 +66,8 @@ class HeldOutEval:
                         torch.manual_seed(self.seed + 1 + dist.rank())
                         answers, sampled = greedy_and_sampled_texts(actor.module, tok, mine, self.sampling,
                                                                     generator=gen, **kw)  # fmt: skip
-                    acc = verifier_accuracy(mine, answers, weights)
-                    drawn = verifier_accuracy(mine, sampled, weights)
+                    acc = verifier_accuracy(mine, answers, weights, fmt.stop_strings)
+                    drawn = verifier_accuracy(mine, sampled, weights, fmt.stop_strings)
                     out.update({**true_accuracy_columns(acc), **true_accuracy_columns(drawn, "_sampled")})
                 else:
                     answers = generate_text_replies(actor.module, tok, mine, max_new_tokens=self.sampling.max_new_tokens,

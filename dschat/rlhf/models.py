@@ -6,7 +6,7 @@ each a DeepSpeed engine; then the generator over the actor and the PPO trainer o
     o = RLHFOptions(*parsed_groups)
     check_options(o)
     paths, tokenizer, fmt = resolve_models(o)          # checked before any engine starts
-    models = build_models(o, paths, tokenizer, dtype, actor_updates=..., critic_updates=...)
+    models = build_models(o, paths, tokenizer, fmt, dtype, actor_updates=..., critic_updates=...)
 """
 
 from __future__ import annotations
@@ -196,9 +196,17 @@ def frozen_reward_model(path: str, flag: str, o: RLHFOptions, tokenizer, dtype: 
 
 
 def build_models(
-    o: RLHFOptions, paths: ModelPaths, tokenizer, dtype: str, *, actor_updates: int, critic_updates: int
+    o: RLHFOptions,
+    paths: ModelPaths,
+    tokenizer,
+    fmt: PromptFormat,
+    dtype: str,
+    *,
+    actor_updates: int,
+    critic_updates: int,
 ) -> Models:
-    """The engines; ``actor_updates`` and ``critic_updates`` (optimizer steps) size the learning-rate schedules."""
+    """The engines; ``actor_updates`` and ``critic_updates`` (optimizer steps) size the learning-rate
+    schedules. ``fmt``: the actor's prompt format (where a ``--reward_fn`` cuts a reply in text)."""
     eng, ppo = o.engine, o.ppo
     actor_optim, actor_ds = optim_for(o, o.actor_optim), o.actor_ds
     actor_cfg = T.train_ds_config(actor_optim, actor_ds, dtype)
@@ -240,7 +248,7 @@ def build_models(
         sources.append(frozen_reward_model(paths.reward, "--reward_model_name_or_path", o, tokenizer, dtype,
                                            paths.reward_normalization))  # fmt: skip
     if ppo.reward_fn:
-        sources.append(FunctionSource(ppo.reward_fn))
+        sources.append(FunctionSource(ppo.reward_fn, stop_strings=fmt.stop_strings))
     reward = sources[0] if len(sources) == 1 else SumSource(*sources)
     judge = (
         frozen_reward_model(paths.judge, "--judge_reward_model", o, tokenizer, dtype) if paths.judge else None

@@ -5,12 +5,14 @@ A trained reward model, a Python function (rule-based or verifiable rewards), or
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from dschat.data.packing import PackedRollouts, shared_prompt_mask
+from dschat.data.prompt_format import TURN_STOPS
 from dschat.inputs import import_function
 from dschat.losses import gather_last
 from dschat.models.reward import ScoreNormalization
@@ -60,16 +62,20 @@ class RewardModelSource:
 
 
 class FunctionSource:
-    """``fn(prompts, responses) -> list[float]``, loaded from ``module:function``."""
+    """``fn(prompts, responses) -> list[float]``, loaded from ``module:function``. A function that takes
+    the keyword ``stop_strings`` (the built-in verifier does) is also told where the actor's prompt format
+    ends a reply in text: the Human/Assistant format's invented next turn, nothing for a chat template,
+    whose end token ended the reply already (text after the answer is then the model's, to be judged)."""
 
     reads_packed = False
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, stop_strings: tuple[str, ...] = TURN_STOPS) -> None:
         self.fn: Callable = import_function(spec, "--reward_fn")
         self.spec = spec
+        self.kwargs = {"stop_strings": stop_strings} if takes_keyword(self.fn, "stop_strings") else {}
 
     def score(self, prompts, responses, sequences, attention_mask, packed=None) -> torch.Tensor:
-        out = self.fn(prompts, responses)
+        out = self.fn(prompts, responses, **self.kwargs)
         try:
             t = torch.as_tensor(list(out), dtype=torch.float32, device=sequences.device)
         except (TypeError, ValueError) as exc:
@@ -79,6 +85,17 @@ class FunctionSource:
         if t.shape != (len(prompts),):
             raise UserError(f"--reward_fn returned {tuple(t.shape)} scores for {len(prompts)} responses")
         return t
+
+
+def takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` can be called with keyword ``name`` (named, or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(
+        (p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params
+    )
 
 
 class SumSource:

@@ -18,7 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from dschat.data.prompt_format import cut_reply, is_dialogue, make_prompt, parse_dialogue
+from dschat.data.prompt_format import TURN_STOPS, cut_reply, is_dialogue, make_prompt, parse_dialogue
 
 
 class Task(Protocol):
@@ -279,12 +279,15 @@ def generate(
     return out
 
 
-def clean_response(response: str) -> str:
-    """The answer a generated reply gives: the whole reply up to the model inventing the next turn
-    ("\n\nHuman: ..."), without surrounding whitespace. Lines after the first are part of the answer:
-    a verifier that read only the first line paid full reward for a right line followed by anything,
-    which an RL policy can learn (with a chat template a newline does not end the turn)."""
-    return cut_reply(response).strip()
+def clean_response(response: str, stops: tuple[str, ...] = TURN_STOPS) -> str:
+    """The answer a generated reply gives: the whole reply up to the first of ``stops``, without
+    surrounding whitespace. ``stops``: where the prompt format ends a reply in text
+    (:attr:`~dschat.data.prompt_format.PromptFormat.stop_strings`): the Human/Assistant format's invented
+    next turn ("\n\nHuman: ...", the default), none for a chat template, whose end token ends the reply
+    (text after the answer is then part of it, as a user reads it). Lines after the first are part of the
+    answer too: a verifier that read only the first line paid full reward for a right line followed by
+    anything, which an RL policy can learn (with a chat template a newline does not end the turn)."""
+    return cut_reply(response, stops).strip()
 
 
 def reference_answer(prompt: str) -> str | None:
@@ -293,10 +296,11 @@ def reference_answer(prompt: str) -> str | None:
     return None if found is None else found[0].answer(found[1])
 
 
-def verify(prompt: str, response: str) -> bool | None:
-    """True/False if a built-in task recognises the prompt, None if no task does."""
+def verify(prompt: str, response: str, stops: tuple[str, ...] = TURN_STOPS) -> bool | None:
+    """True/False if a built-in task recognises the prompt, None if no task does. ``stops``: the prompt
+    format's stop strings (:func:`clean_response`)."""
     right = reference_answer(prompt)
-    return None if right is None else clean_response(response) == right
+    return None if right is None else clean_response(response, stops) == right
 
 
 def task_of(prompt: str) -> str | None:
@@ -304,10 +308,13 @@ def task_of(prompt: str) -> str | None:
     return None if found is None else found[0].name
 
 
-def verifier_reward(prompts: list[str], responses: list[str]) -> list[float]:
-    """A rule-based reward for ``--reward_fn dschat.tasks:verifier_reward``: +1 right, -1 wrong, 0 unknown task."""
+def verifier_reward(
+    prompts: list[str], responses: list[str], stop_strings: tuple[str, ...] = TURN_STOPS
+) -> list[float]:
+    """A rule-based reward for ``--reward_fn dschat.tasks:verifier_reward``: +1 right, -1 wrong, 0 unknown
+    task. Step 3 passes the actor's prompt format's ``stop_strings`` (:func:`clean_response`)."""
     out = []
     for p, r in zip(prompts, responses):
-        ok = verify(p, r)
+        ok = verify(p, r, stop_strings)
         out.append(0.0 if ok is None else (1.0 if ok else -1.0))
     return out

@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 
 from dschat import tasks
-from dschat.data.prompt_format import PromptFormat, prompt_format
+from dschat.data.prompt_format import TURN_STOPS, PromptFormat, prompt_format
 from dschat.generation.sampling import SamplingConfig
 from dschat.generation.texts import generate_text_replies
 from dschat.utils import dist
@@ -26,17 +26,18 @@ def rank_slice(prompts: list[str]) -> tuple[list[str], list[float]]:
 
 
 def verifier_accuracy(
-    prompts: list[str], answers: list[str], weights: list[float]
+    prompts: list[str], answers: list[str], weights: list[float], stops: tuple[str, ...] = TURN_STOPS
 ) -> dict[str, float] | None:
     """Verifier accuracy of each rank's (prompt, answer) pairs, summed over ranks (call on every rank):
-    ``accuracy`` and ``accuracy/<task>``, over the prompts a built-in task recognises (None if none does)."""
+    ``accuracy`` and ``accuracy/<task>``, over the prompts a built-in task recognises (None if none does).
+    ``stops``: the answers' prompt format's stop strings (:func:`dschat.tasks.clean_response`)."""
     right: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)
     for p, a, w in zip(prompts, answers, weights, strict=True):
         name = tasks.task_of(p)
         if name is not None:
             total[name] += w
-            right[name] += w * float(bool(tasks.verify(p, a)))
+            right[name] += w * float(bool(tasks.verify(p, a, stops)))
     names = sorted(tasks.TASKS)
     flat = dist.all_reduce_sum([right[n] for n in names] + [total[n] for n in names])
     r, t = flat[: len(names)], flat[len(names) :]
@@ -78,6 +79,7 @@ def task_accuracy(
     if not known:
         return None
     mine, weights = rank_slice(known)
+    fmt = fmt or prompt_format(tokenizer)
     answers = generate_text_replies(
         model,
         tokenizer,
@@ -89,7 +91,7 @@ def task_accuracy(
         sampling=sampling,
         fmt=fmt,
     ).texts
-    return verifier_accuracy(mine, answers, weights)
+    return verifier_accuracy(mine, answers, weights, fmt.stop_strings)
 
 
 def answers_cut_by_budget(

@@ -56,6 +56,9 @@ def test_verdicts_and_accuracy():
     assert compare.verdict("What is 500 + 79?", " 579") is True
     assert compare.verdict(tasks.make_prompt("What is 500 + 79?"), " 578") is False
     assert compare.verdict("Tell me a joke", " no") is None
+    # a reply as its format ended it: not cut again at an invented turn (a chat template's reply that
+    # goes on after the answer is not the answer)
+    assert compare.verdict("What is 500 + 79?", " 579\n\nHuman: and 1 + 1?") is False
     assert compare.accuracy([True, None, False, True]) == pytest.approx(2 / 3)
     assert compare.accuracy([None]) is None
 

@@ -29,6 +29,10 @@ def test_wrong_answers_become_pairs_with_the_right_answer_as_chosen():
         (rev, " cba", " abc"),
     ]
     assert all(p.source == "policy" for p in pairs)
+    # a chat template's answers (no stop strings): the invented turn is part of the third answer, which is
+    # then another wrong answer
+    chat = wrong_answer_pairs(prompts[:3], answers[:3], stops=())
+    assert [p.rejected for p in chat] == [" apple plum cat", " apple plum cat\n\nHuman: more"]
 
 
 def test_the_same_wrong_answer_to_different_prompts_is_kept():

@@ -44,6 +44,9 @@ def reward_module(tmp_path, monkeypatch):
 
             def strings(prompts, responses):
                 return ["1.0" for _ in responses]
+
+            def with_stops(prompts, responses, stop_strings=("default",)):
+                return [float(len(stop_strings)) for _ in responses]
             """
         )
     )
@@ -98,6 +101,22 @@ def test_function_source_empty_or_relative_module_is_a_user_error(spec):
     PPOArgs(reward_fn=spec).validate()  # accepted by the flag check
     with pytest.raises(UserError, match="--reward_fn"):
         FunctionSource(spec)
+
+
+def test_function_source_passes_the_formats_stop_strings_to_a_function_that_takes_them(reward_module):
+    # the built-in verifier cuts a reply where the prompt format ends one (Human/Assistant: at an invented
+    # turn; a chat template: nowhere, its end token did): it is told which, a function without the
+    # keyword is called as before
+    two = FunctionSource(f"{reward_module}:with_stops", stop_strings=("\n\nHuman:", "\nHuman:"))
+    assert two.score(["p"], ["a"], *seqs(1)).tolist() == [2.0]
+    assert FunctionSource(f"{reward_module}:with_stops", stop_strings=()).score(
+        ["p"], ["a"], *seqs(1)
+    ).tolist() == [0.0]
+    plain = FunctionSource(f"{reward_module}:length", stop_strings=())
+    assert plain.score(["p"], ["abc"], *seqs(1)).tolist() == [3.0]
+    prompt = tasks.make_prompt("What is 347 + 85?")
+    verifier = FunctionSource("dschat.tasks:verifier_reward", stop_strings=())
+    assert verifier.score([prompt], [" 432\n\nHuman: hi"], *seqs(1)).tolist() == [-1.0]
 
 
 @pytest.mark.parametrize("fn", ["scalar", "none", "strings"])

@@ -123,6 +123,21 @@ def test_clean_response(response, expected):
     assert clean_response(response) == expected
 
 
+def test_verify_cuts_an_invented_turn_only_where_the_format_ends_replies_there():
+    # Human/Assistant: a model ends its answer by inventing the next turn, so the answer is the text
+    # before it. A chat template ends a reply with its end token; "\n\nHuman:" inside the reply is text
+    # the model wrote after the answer, which the verifier cut off and paid for in full: a policy could
+    # append anything after "\n\nHuman:" and keep the reward.
+    prompt = make_prompt("What is 347 + 85?")
+    invented = " 432\n\nHuman: and 2 + 2?"
+    assert verify(prompt, invented) is True
+    assert verify(prompt, invented, stops=()) is False
+    assert verify(prompt, " 432", stops=()) is True
+    assert clean_response(invented, stops=()) == "432\n\nHuman: and 2 + 2?"
+    assert tasks.verifier_reward([prompt], [invented]) == [1.0]
+    assert tasks.verifier_reward([prompt], [invented], stop_strings=()) == [-1.0]
+
+
 def test_verify_refuses_text_after_the_answer():
     # The first-line verifier accepted a right first line followed by anything: an RL policy could append
     # text after a newline (with a chat template a newline does not end the turn) and keep full reward.
@@ -297,6 +312,12 @@ def test_verifier_accuracy_by_hand():
     acc = verifier_accuracy(prompts, answers, weights)
     assert acc == {"accuracy": 2 / 3, "accuracy/sort": 0.5, "accuracy/reverse": 1.0}
     assert verifier_accuracy([make_prompt("Hello")], [" hi"], [1.0]) is None
+    # with a chat template's stop strings (none) the invented turn is part of the answer: wrong
+    assert verifier_accuracy(prompts, answers, weights, stops=()) == {
+        "accuracy": 1 / 3,
+        "accuracy/sort": 0.5,
+        "accuracy/reverse": 0.0,
+    }
 
 
 @pytest.mark.parametrize("n,world", [(3, 1), (1, 4), (5, 8), (7, 3), (6, 3), (0, 2)])

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prepare_prompt_data(o.data, tokenizer, max_prompt_len=ppo.max_prompt_seq_len, phase=3)  # fmt: skip
     rounds = plan_rounds(o, prompts, tokenizer)
     # 2. the four models, the generator and the trainer
-    m = build_models(o, paths, tokenizer, dtype, actor_updates=rounds.actor_updates,
+    m = build_models(o, paths, tokenizer, fmt, dtype, actor_updates=rounds.actor_updates,
                      critic_updates=rounds.critic_updates)  # fmt: skip
     # the outputs begin (a finished run is cleared under --overwrite) only once the models have taken every
     # flag checked against them (--actor_trainable_layers, --actor_lora_module_name ...)
