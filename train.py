@@ -469,7 +469,12 @@ def main(argv: list[str] | None = None) -> int:
         # must be there now: a preset's {output_dir}/step1 with --step 2 alone failed in the step itself).
         # Step 3's chained models were checked above, as far as it holds them (a critic-free run has none)
         kinds = (DATA, MODEL) if n == steps[0] and n != 3 else (DATA,)
-        check_inputs(importlib.import_module(lines[n].step.module).GROUPS, lines[n].groups, kinds=kinds)
+        check_inputs(
+            importlib.import_module(lines[n].step.module).GROUPS,
+            lines[n].groups,
+            kinds=kinds,
+            hub_available=not args.dry_run,
+        )  # a dry run loads no model: a cluster's plan on a laptop
     env = launcher_env(args)
     if args.dist_timeout:
         env["DSCHAT_DIST_TIMEOUT"] = str(args.dist_timeout)

@@ -26,11 +26,13 @@ from dschat.utils.errors import UserError
 MODEL, DATA, FUNCTION = "model", "data", "function"
 
 
-def check_model(spec: str, flag: str) -> None:
+def check_model(spec: str, flag: str, *, hub_available: bool = True) -> None:
     """A model spec that can only be a local path (absolute, ``./``, ``../``, ``~``, or more parts than a
-    hub id's ``namespace/name``) must exist, and a ``builtin:NAME`` must be known. Hub ids are left to
-    transformers (they may be cached, or reachable)."""
-    from dschat.models import builtin
+    hub id's ``namespace/name``) must exist, and a ``builtin:NAME`` must be known. A hub id must be in the
+    Hugging Face cache or downloadable (:func:`dschat.models.hub.check_hub_name`; not with
+    ``hub_available=False``: a dry run reads no model); one with an offline copy
+    (:data:`dschat.models.gguf.OFFLINE_COPIES`) falls back to it."""
+    from dschat.models import builtin, gguf, hub
 
     if builtin.is_builtin(spec):
         builtin.check_known(spec, flag)
@@ -39,19 +41,26 @@ def check_model(spec: str, flag: str) -> None:
         return
     if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
         raise UserError(f"{flag} {spec}: no such local file or directory")
+    if hub_available and spec not in gguf.OFFLINE_COPIES:
+        hub.check_hub_name(spec, flag)
 
 
 def check_data(spec: str, flag: str) -> None:
     """A data source must be a local file or directory that exists, ``builtin`` or ``builtin:TASK,...``
-    with known tasks, or a registered dataset."""
+    with known tasks, or a registered dataset that is cached or downloadable."""
     from dschat import tasks
     from dschat.data.sources import builtin_task_names, source_kind
 
-    if source_kind(spec, flag) == "builtin":
+    kind = source_kind(spec, flag)
+    if kind == "builtin":
         try:
             tasks.resolve_tasks(builtin_task_names(spec))
         except KeyError as exc:
             raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
+    elif kind == "hub" and not os.environ.get("DSCHAT_HUB_MIRROR"):  # a mirror is a local directory
+        from dschat.models import hub
+
+        hub.check_hub_name(spec, flag, repo_type="dataset")
 
 
 def _cannot_import(flag: str, spec: str, exc: Exception) -> UserError:
@@ -107,10 +116,17 @@ def check_output_apart(
                             f"choose another {flag}")  # fmt: skip
 
 
-def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] = (MODEL, DATA)) -> None:
+def check_inputs(
+    specs: Iterable,
+    groups: Iterable[Any],
+    kinds: tuple[str, ...] = (MODEL, DATA),
+    *,
+    hub_available: bool = True,
+) -> None:
     """Check every marked field of ``groups`` (parsed from ``specs``, a step's ``GROUPS``: a dataclass, or
     ``(dataclass, prefix, shared)``) whose kind is in ``kinds``, naming the flag as the user wrote it; the
-    models, where a group holds the run's ``output_dir``, against it (:func:`check_output_apart`)."""
+    models, where a group holds the run's ``output_dir``, against it (:func:`check_output_apart`).
+    ``hub_available``: whether a hub model must be cached or downloadable (:func:`check_model`)."""
     models: list[tuple[str, str]] = []
     output_dir = None
     for spec, group in zip(specs, groups, strict=True):
@@ -123,8 +139,10 @@ def check_inputs(specs: Iterable, groups: Iterable[Any], kinds: tuple[str, ...] 
                 continue
             flag = flag_name(f.name, prefix, frozenset(shared))
             for item in value if isinstance(value, list) else [value]:
-                CHECKS[kind](item, flag)
                 if kind == MODEL:
+                    check_model(item, flag, hub_available=hub_available)
                     models.append((item, flag))
+                else:
+                    CHECKS[kind](item, flag)
     if output_dir:  # a step's own models (train.py's pass has no output directory among the groups)
         check_output_apart(output_dir, models)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dschat.models import hub
 from dschat.models.cache import build_once, is_complete, models_dir, write_model_dir
 from dschat.utils.errors import UserError
 
@@ -341,7 +341,7 @@ def hub_snapshot(name: str) -> str | None:
             return cached
     except Exception:
         pass
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False") or not _hub_reachable():
+    if hub.hub_offline() or not hub.hub_reachable():
         return None
     try:
         return snapshot_download(name, allow_patterns=patterns)
@@ -359,18 +359,6 @@ def complete_snapshot(path: Path) -> bool:
         and bool(files & {"tokenizer.json", "tokenizer.model"})
         and any(name.endswith(".safetensors") for name in files)
     )
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    import socket
-    from urllib.parse import urlparse
-
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def resolve_offline_alias(name: str, flag: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dschat.models import builtin, gguf
+from dschat.models import builtin, gguf, hub
 from dschat.models.attention import use_fast_attention
 from dschat.models.layers import contiguous_head_input
 from dschat.utils.errors import UserError, first_line
@@ -77,8 +77,11 @@ def resolve(name_or_path: str, flag: str = "--model_name_or_path") -> str:
         name_or_path = os.path.expanduser(name_or_path)
     if gguf.is_gguf_path(name_or_path):
         return gguf.convert(name_or_path, flag)
-    if name_or_path in gguf.OFFLINE_COPIES and not os.path.exists(name_or_path):
+    if os.path.exists(name_or_path):
+        return name_or_path
+    if name_or_path in gguf.OFFLINE_COPIES:
         return gguf.resolve_offline_alias(name_or_path, flag)
+    hub.check_hub_name(name_or_path, flag)  # one line now, not a minute of retries in transformers
     return name_or_path
 
 

@@ -27,9 +27,62 @@ def test_a_missing_local_model_path_is_one_clear_error(spec):
         check_model(spec, "--actor-model")
 
 
-@pytest.mark.parametrize("spec", ["gpt2", "facebook/opt-125m", "builtin:micro-llama"])
-def test_hub_ids_and_builtins_pass_the_model_check(spec):
-    check_model(spec, "--actor-model")  # hub ids are for transformers to find, not a local path
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache; ``cache(name)`` puts a model's config.json into it (the layout
+    huggingface_hub reads); offline by default (``HF_HUB_OFFLINE`` as huggingface_hub read it)."""
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+
+    def cache(name: str) -> None:
+        repo = tmp_path / "hub" / f"models--{name.replace('/', '--')}"
+        (repo / "snapshots" / "abc123").mkdir(parents=True)
+        (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("abc123")
+
+    return cache
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "facebook/opt-125m"])
+def test_a_hub_id_in_the_cache_passes_the_model_check_offline(hub_cache, spec):
+    hub_cache(spec)
+    check_model(spec, "--actor-model")
+
+
+def test_builtins_and_offline_copies_pass_the_model_check_offline(hub_cache):
+    check_model("builtin:micro-llama", "--actor-model")
+    check_model("HuggingFaceTB/SmolLM2-135M-Instruct", "--actor-model")  # its packaged GGUF, if not cached
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "no-such-org/no-such-model"])
+def test_a_hub_id_neither_cached_nor_downloadable_is_one_line_at_once(hub_cache, monkeypatch, spec):
+    # it went to transformers, which retried for over a minute inside the step before failing
+    with pytest.raises(UserError, match=rf"^--actor-model {spec}: no such local directory, not in the Hugging "
+                                        r"Face cache, and HF_HUB_OFFLINE is set$"):  # fmt: skip
+        check_model(spec, "--actor-model")
+    import huggingface_hub.constants as hub_constants
+
+    from dschat.models import hub
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(UserError, match=r"and the hub is unreachable$"):
+        check_model(spec, "--actor-model")
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: True)
+    check_model(spec, "--actor-model")  # left to transformers: it downloads, or says there is no such model
+
+
+def test_the_model_loaders_check_a_hub_id_too(hub_cache):
+    # inference tools and steps resolve every model through one function
+    from dschat.models.loading import resolve
+
+    with pytest.raises(UserError, match=r"^--model no-org/no-model: no such local directory"):
+        resolve("no-org/no-model", "--model")
+    hub_cache("no-org/no-model")
+    assert resolve("no-org/no-model", "--model") == "no-org/no-model"
 
 
 def test_an_unknown_builtin_model_lists_the_known_ones():
@@ -39,11 +92,25 @@ def test_an_unknown_builtin_model_lists_the_known_ones():
         check_model("builtin:nope", "--model_name_or_path")
 
 
-def test_data_sources(tmp_path, monkeypatch):
+def test_data_sources(tmp_path, monkeypatch, hub_cache):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").write_text("")
-    for spec in ("builtin", "builtin:sort,reverse_words", "d.jsonl", str(tmp_path), "Anthropic/hh-rlhf"):
+    for spec in ("builtin", "builtin:sort,reverse_words", "d.jsonl", str(tmp_path)):
         check_data(spec, "--data_path")
+    # a registered hub dataset neither cached nor downloadable: one line here, not 31 s of retries in the
+    # step; from a mirror (a local directory), or cached (the hub's files or datasets' prepared copy), it passes
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    with pytest.raises(UserError, match=r"^--data_path Anthropic/hh-rlhf: no such local file or directory, not in "
+                                        r"the Hugging Face cache, and HF_HUB_OFFLINE is set$"):  # fmt: skip
+        check_data("Anthropic/hh-rlhf", "--data_path")
+    monkeypatch.setenv("DSCHAT_HUB_MIRROR", str(tmp_path / "mirror"))
+    check_data("Anthropic/hh-rlhf", "--data_path")
+    monkeypatch.delenv("DSCHAT_HUB_MIRROR")
+    (tmp_path / "datasets" / "Anthropic___hh-rlhf").mkdir(parents=True)
+    check_data("Anthropic/hh-rlhf", "--data_path")
+    (tmp_path / "datasets" / "Anthropic___hh-rlhf").rmdir()
+    (tmp_path / "hub" / "datasets--Anthropic--hh-rlhf" / "snapshots" / "abc123").mkdir(parents=True)
+    check_data("Anthropic/hh-rlhf", "--data_path")
     with pytest.raises(
         UserError, match=r"^--data-path builtin:sort,nope: unknown built-in task 'nope'; known: "
     ):
