@@ -557,8 +557,11 @@ def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]
 
 def check_models(args: argparse.Namespace) -> None:
     """A starting model given as a local path that is not there, or a data source that is not one: one
-    line now, not a failed step later."""
+    line now, not a failed step later. Hub names must be cached or downloadable, but for a dry run or a
+    memory estimate, which load nothing (a cluster's plan made on a laptop without a network)."""
     from dschat.inputs import check_data, check_model
+
+    hub = not (args.dry_run or args.estimate_memory)
 
     for flag, value in (("--actor-model", args.actor_model), ("--reward-model", args.reward_model),
                         ("--output-dir", args.output_dir)):  # fmt: skip
@@ -566,9 +569,9 @@ def check_models(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} is empty")
     for flag, value in (("--actor-model", args.actor_model), ("--reward-model", args.reward_model)):
         if value:
-            check_model(value, flag)
+            check_model(value, flag, hub_available=hub)
     for spec in args.data_path or ():
-        check_data(spec, "--data-path")
+        check_data(spec, "--data-path", hub_available=hub)
 
 
 def check_reward_reads_the_actors_tokens(

@@ -30,7 +30,7 @@ def check_model(spec: str, flag: str, *, hub_available: bool = True) -> None:
     """A model spec that can only be a local path (absolute, ``./``, ``../``, ``~``, or more parts than a
     hub id's ``namespace/name``) must exist, and a ``builtin:NAME`` must be known. A hub id must be in the
     Hugging Face cache or downloadable (:func:`dschat.models.hub.check_hub_name`; not with
-    ``hub_available=False``: a dry run reads no model); one with an offline copy
+    ``hub_available=False``: a dry run or a memory estimate loads no model); one with an offline copy
     (:data:`dschat.models.gguf.OFFLINE_COPIES`) falls back to it."""
     from dschat.models import builtin, gguf, hub
 
@@ -45,9 +45,10 @@ def check_model(spec: str, flag: str, *, hub_available: bool = True) -> None:
         hub.check_hub_name(spec, flag)
 
 
-def check_data(spec: str, flag: str) -> None:
+def check_data(spec: str, flag: str, *, hub_available: bool = True) -> None:
     """A data source must be a local file or directory that exists, ``builtin`` or ``builtin:TASK,...``
-    with known tasks, or a registered dataset that is cached or downloadable."""
+    with known tasks, or a registered dataset that is cached or downloadable (unchecked with
+    ``hub_available=False``)."""
     from dschat import tasks
     from dschat.data.sources import builtin_task_names, source_kind
 
@@ -57,7 +58,7 @@ def check_data(spec: str, flag: str) -> None:
             tasks.resolve_tasks(builtin_task_names(spec))
         except KeyError as exc:
             raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
-    elif kind == "hub" and not os.environ.get("DSCHAT_HUB_MIRROR"):  # a mirror is a local directory
+    elif kind == "hub" and hub_available and not os.environ.get("DSCHAT_HUB_MIRROR"):  # a mirror is local
         from dschat.models import hub
 
         hub.check_hub_name(spec, flag, repo_type="dataset")
@@ -126,7 +127,7 @@ def check_inputs(
     """Check every marked field of ``groups`` (parsed from ``specs``, a step's ``GROUPS``: a dataclass, or
     ``(dataclass, prefix, shared)``) whose kind is in ``kinds``, naming the flag as the user wrote it; the
     models, where a group holds the run's ``output_dir``, against it (:func:`check_output_apart`).
-    ``hub_available``: whether a hub model must be cached or downloadable (:func:`check_model`)."""
+    ``hub_available``: whether a hub model or dataset must be cached or downloadable."""
     models: list[tuple[str, str]] = []
     output_dir = None
     for spec, group in zip(specs, groups, strict=True):
@@ -142,6 +143,8 @@ def check_inputs(
                 if kind == MODEL:
                     check_model(item, flag, hub_available=hub_available)
                     models.append((item, flag))
+                elif kind == DATA:
+                    check_data(item, flag, hub_available=hub_available)
                 else:
                     CHECKS[kind](item, flag)
     if output_dir:  # a step's own models (train.py's pass has no output directory among the groups)
