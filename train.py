@@ -557,7 +557,7 @@ def resume_actions(args: argparse.Namespace, steps: list[int]) -> dict[int, str]
 
 def check_models(args: argparse.Namespace) -> None:
     """A starting model given as a local path that is not there, or a data source that is not one: one
-    line now, not a failed step later. Hub names must be cached or downloadable, but for a dry run or a
+    line now, not a failed step later. Hub models must be cached or downloadable, but for a dry run or a
     memory estimate, which load nothing (a cluster's plan made on a laptop without a network)."""
     from dschat.inputs import check_data, check_model
 
@@ -571,7 +571,7 @@ def check_models(args: argparse.Namespace) -> None:
         if value:
             check_model(value, flag, hub_available=hub)
     for spec in args.data_path or ():
-        check_data(spec, "--data-path", hub_available=hub)
+        check_data(spec, "--data-path")
 
 
 def check_reward_reads_the_actors_tokens(

@@ -39,29 +39,24 @@ def check_model(spec: str, flag: str, *, hub_available: bool = True) -> None:
         return
     if os.path.exists(os.path.expanduser(spec)):
         return
-    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or spec.endswith(".gguf"):
         raise UserError(f"{flag} {spec}: no such local file or directory")
     if hub_available and spec not in gguf.OFFLINE_COPIES:
         hub.check_hub_name(spec, flag)
 
 
-def check_data(spec: str, flag: str, *, hub_available: bool = True) -> None:
+def check_data(spec: str, flag: str) -> None:
     """A data source must be a local file or directory that exists, ``builtin`` or ``builtin:TASK,...``
-    with known tasks, or a registered dataset that is cached or downloadable (unchecked with
-    ``hub_available=False``)."""
+    with known tasks, or a registered dataset. Whether a dataset can be loaded is for the step's data
+    preparation to find: a hit in dschat's tokenized-data cache needs no download and no datasets cache."""
     from dschat import tasks
     from dschat.data.sources import builtin_task_names, source_kind
 
-    kind = source_kind(spec, flag)
-    if kind == "builtin":
+    if source_kind(spec, flag) == "builtin":
         try:
             tasks.resolve_tasks(builtin_task_names(spec))
         except KeyError as exc:
             raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
-    elif kind == "hub" and hub_available and not os.environ.get("DSCHAT_HUB_MIRROR"):  # a mirror is local
-        from dschat.models import hub
-
-        hub.check_hub_name(spec, flag, repo_type="dataset")
 
 
 def _cannot_import(flag: str, spec: str, exc: Exception) -> UserError:
@@ -127,7 +122,7 @@ def check_inputs(
     """Check every marked field of ``groups`` (parsed from ``specs``, a step's ``GROUPS``: a dataclass, or
     ``(dataclass, prefix, shared)``) whose kind is in ``kinds``, naming the flag as the user wrote it; the
     models, where a group holds the run's ``output_dir``, against it (:func:`check_output_apart`).
-    ``hub_available``: whether a hub model or dataset must be cached or downloadable."""
+    ``hub_available``: whether a hub model must be cached or downloadable (:func:`check_model`)."""
     models: list[tuple[str, str]] = []
     output_dir = None
     for spec, group in zip(specs, groups, strict=True):
@@ -143,8 +138,6 @@ def check_inputs(
                 if kind == MODEL:
                     check_model(item, flag, hub_available=hub_available)
                     models.append((item, flag))
-                elif kind == DATA:
-                    check_data(item, flag, hub_available=hub_available)
                 else:
                     CHECKS[kind](item, flag)
     if output_dir:  # a step's own models (train.py's pass has no output directory among the groups)

@@ -272,6 +272,10 @@ def _load_hub(name: str, seed: int) -> SourceData:
     adapter = HUB_ADAPTERS[name]
     mirror = os.environ.get("DSCHAT_HUB_MIRROR")
     target = os.path.join(mirror, name) if mirror else name
+    if not mirror:  # one line now where it can be neither read nor downloaded, not datasets' retries
+        from dschat.models import hub
+
+        hub.check_hub_name(name, "--data_path", repo_type="dataset")
     try:
         ds = datasets.load_dataset(target)
     except Exception as exc:  # network, missing repo, bad files: one line, the cause named

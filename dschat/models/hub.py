@@ -26,37 +26,40 @@ def looks_like_hub_id(spec: str) -> bool:
 
 
 def hub_offline() -> bool:
-    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) as huggingface_hub reads it."""
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``): as huggingface_hub read it when imported, or as
+    the environment holds it now (set later in this process, it still means offline to the user)."""
     from huggingface_hub import is_offline_mode
 
-    return is_offline_mode()
+    now = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return is_offline_mode() or now.upper() in TRUE
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """A TCP connection to the hub's endpoint (``HF_ENDPOINT``) opens within ``timeout`` seconds."""
-    import socket
-    from urllib.parse import urlparse
+    """The hub's endpoint (``HF_ENDPOINT``) answers a HEAD request within ``timeout`` seconds, through
+    huggingface_hub's own HTTP session (its proxies and scheme, as a download would go); any HTTP status
+    counts as an answer."""
+    import huggingface_hub
+    import huggingface_hub.constants as hub_constants
 
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
+        huggingface_hub.get_session().head(hub_constants.ENDPOINT, timeout=timeout)
+    except Exception:  # no route, no name, a refused or timed-out connection, a proxy that fails
         return False
+    return True
 
 
 def in_hub_cache(name: str, repo_type: str = "model") -> bool:
-    """Whether the local caches hold ``name``: a model's ``config.json`` (every model repository has one)
-    in the Hugging Face cache; a dataset's snapshot there, or its prepared copy in the datasets cache."""
+    """Whether the local caches hold what loading ``name`` offline reads: a model's ``config.json`` (every
+    model repository has one) in the Hugging Face cache; for a dataset, the copy ``datasets`` prepared
+    (``HF_DATASETS_CACHE/namespace___name``: offline, ``load_dataset`` reads that, not the hub cache's
+    raw files)."""
     import huggingface_hub.constants as hub_constants
     from huggingface_hub import try_to_load_from_cache
 
     if repo_type == "dataset":
-        snapshots = Path(hub_constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}" / "snapshots"
         prepared = Path(os.environ.get("HF_DATASETS_CACHE") or Path(hub_constants.HF_HOME) / "datasets")
-        return (snapshots.is_dir() and any(snapshots.iterdir())) or (
-            prepared / name.replace("/", "___")
-        ).is_dir()
+        found = prepared / name.replace("/", "___")
+        return found.is_dir() and any(found.iterdir())
     try:
         return isinstance(try_to_load_from_cache(name, "config.json"), str)
     except Exception:  # a name the cache layout cannot hold
@@ -80,5 +83,6 @@ def check_hub_name(spec: str, flag: str, repo_type: str = "model") -> None:
         why = "the hub is unreachable"
     else:
         return  # transformers or datasets downloads it, or says the hub has no such repository
-    where = "no such local directory" if repo_type == "model" else "no such local file or directory"
-    raise UserError(f"{flag} {spec}: {where}, not in the Hugging Face cache, and {why}")
+    if repo_type == "model":
+        raise UserError(f"{flag} {spec}: no such local directory, not in the Hugging Face cache, and {why}")
+    raise UserError(f"{flag} {spec}: not in the datasets cache, and {why}")

@@ -88,14 +88,14 @@ class FunctionSource:
 
 
 def takes_keyword(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` can be called with keyword ``name`` (named, or ``**kwargs``)."""
+    """Whether ``fn`` names a parameter ``name`` that a keyword can fill (not one that ``**kwargs`` would
+    swallow: a wrapper that forwards its ``**kwargs`` to a function without it would fail)."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
-    return any(
-        (p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params
-    )
+    p = params.get(name)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 class SumSource:

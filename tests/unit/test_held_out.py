@@ -62,3 +62,28 @@ def test_evaluation_generates_and_scores_in_calls_of_the_rollouts_rows(tokenizer
     rows = 20 if task_prompts else 10  # a greedy and a sampled answer per prompt where the truth is known
     assert sum(gen.rows) == rows and max(gen.rows) == 4
     assert sum(reward.rows) == 10 and max(reward.rows) == 4
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_true_accuracy_cuts_answers_where_the_actors_format_ends_them(tokenizer, monkeypatch, chat_template):
+    """A right answer followed by an invented turn: right in the Human/Assistant format (the model ends
+    its answer by inventing the next turn), wrong where a chat template's end token ends the reply (it
+    counted right there, in every step-3 evaluation of the SmolLM2 main job)."""
+    import dataclasses
+
+    from dschat import tasks
+    from dschat.rlhf import held_out
+
+    prompts = [e.prompt for e in tasks.generate(["sort"], 4, 0, held_out=True)][:4]
+    answers = [f" {tasks.reference_answer(p)}\n\nHuman: and now?" for p in prompts]
+    monkeypatch.setattr(held_out, "greedy_and_sampled_texts", lambda *a, **kw: (answers, answers))
+    fmt = prompt_format(tokenizer)
+    fmt = dataclasses.replace(fmt, stop_strings=()) if chat_template else fmt
+    engine = Engine(micro_llama(len(tokenizer)))
+    sampling = SamplingConfig(max_new_tokens=3)
+    gen = PlainGenerator(engine, tokenizer, sampling, zero3=False)
+    evaluate = HeldOutEval(engine, gen, CountingReward(), None, tokenizer, fmt, prompts, sampling, zero3=False,
+                           seed=0, metrics=Log(), timer=lambda name: contextlib.nullcontext())  # fmt: skip
+    out = evaluate(0)
+    expected = 0.0 if chat_template else 1.0
+    assert out["true_accuracy"] == out["true_accuracy_sampled"] == expected

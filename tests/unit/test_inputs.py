@@ -68,11 +68,52 @@ def test_a_hub_id_neither_cached_nor_downloadable_is_one_line_at_once(hub_cache,
     from dschat.models import hub
 
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(UserError, match=r"and the hub is unreachable$"):
         check_model(spec, "--actor-model")
     monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: True)
     check_model(spec, "--actor-model")  # left to transformers: it downloads, or says there is no such model
+
+
+def test_a_missing_gguf_file_is_a_missing_file_not_a_hub_name(hub_cache):
+    with pytest.raises(UserError, match=r"^--actor-model model\.gguf: no such local file or directory$"):
+        check_model("model.gguf", "--actor-model")
+
+
+def test_hub_reachable_asks_the_endpoint_over_http(monkeypatch):
+    """Through huggingface_hub's session, at HF_ENDPOINT's own scheme and port (a raw socket to port 443
+    took an http:// mirror for unreachable); any HTTP answer counts, a closed port does not."""
+    import http.server
+    import socket
+    import threading
+
+    import huggingface_hub.constants as hub_constants
+
+    from dschat.models import hub
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)  # the session refuses every request offline
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(hub_constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert hub.hub_reachable(timeout=2.0)
+    finally:
+        server.shutdown()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setattr(hub_constants, "ENDPOINT", f"http://127.0.0.1:{closed}")
+    assert not hub.hub_reachable(timeout=2.0)
 
 
 def test_the_model_loaders_check_a_hub_id_too(hub_cache):
@@ -92,25 +133,13 @@ def test_an_unknown_builtin_model_lists_the_known_ones():
         check_model("builtin:nope", "--model_name_or_path")
 
 
-def test_data_sources(tmp_path, monkeypatch, hub_cache):
+def test_data_sources(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").write_text("")
-    for spec in ("builtin", "builtin:sort,reverse_words", "d.jsonl", str(tmp_path)):
+    # a registered dataset passes offline: a hit in dschat's data cache needs neither the hub nor datasets'
+    # cache (data preparation checks it where it loads it: test_sources)
+    for spec in ("builtin", "builtin:sort,reverse_words", "d.jsonl", str(tmp_path), "Anthropic/hh-rlhf"):
         check_data(spec, "--data_path")
-    # a registered hub dataset neither cached nor downloadable: one line here, not 31 s of retries in the
-    # step; from a mirror (a local directory), or cached (the hub's files or datasets' prepared copy), it passes
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    with pytest.raises(UserError, match=r"^--data_path Anthropic/hh-rlhf: no such local file or directory, not in "
-                                        r"the Hugging Face cache, and HF_HUB_OFFLINE is set$"):  # fmt: skip
-        check_data("Anthropic/hh-rlhf", "--data_path")
-    monkeypatch.setenv("DSCHAT_HUB_MIRROR", str(tmp_path / "mirror"))
-    check_data("Anthropic/hh-rlhf", "--data_path")
-    monkeypatch.delenv("DSCHAT_HUB_MIRROR")
-    (tmp_path / "datasets" / "Anthropic___hh-rlhf").mkdir(parents=True)
-    check_data("Anthropic/hh-rlhf", "--data_path")
-    (tmp_path / "datasets" / "Anthropic___hh-rlhf").rmdir()
-    (tmp_path / "hub" / "datasets--Anthropic--hh-rlhf" / "snapshots" / "abc123").mkdir(parents=True)
-    check_data("Anthropic/hh-rlhf", "--data_path")
     with pytest.raises(
         UserError, match=r"^--data-path builtin:sort,nope: unknown built-in task 'nope'; known: "
     ):

@@ -47,6 +47,12 @@ def reward_module(tmp_path, monkeypatch):
 
             def with_stops(prompts, responses, stop_strings=("default",)):
                 return [float(len(stop_strings)) for _ in responses]
+
+            def forwards(prompts, responses, **kwargs):  # a wrapper: its **kwargs go to a function without them
+                return [float(len(kwargs)) for _ in responses]
+
+            def keyword_only(prompts, responses, *, stop_strings):
+                return [float(len(stop_strings)) for _ in responses]
             """
         )
     )
@@ -110,6 +116,13 @@ def test_function_source_passes_the_formats_stop_strings_to_a_function_that_take
     two = FunctionSource(f"{reward_module}:with_stops", stop_strings=("\n\nHuman:", "\nHuman:"))
     assert two.score(["p"], ["a"], *seqs(1)).tolist() == [2.0]
     assert FunctionSource(f"{reward_module}:with_stops", stop_strings=()).score(
+        ["p"], ["a"], *seqs(1)
+    ).tolist() == [0.0]
+    assert FunctionSource(f"{reward_module}:keyword_only", stop_strings=("x",)).score(
+        ["p"], ["a"], *seqs(1)
+    ).tolist() == [1.0]
+    # **kwargs is not a stop_strings parameter: a wrapper forwarding them would fail at the first rollout
+    assert FunctionSource(f"{reward_module}:forwards", stop_strings=()).score(
         ["p"], ["a"], *seqs(1)
     ).tolist() == [0.0]
     plain = FunctionSource(f"{reward_module}:length", stop_strings=())

@@ -399,6 +399,28 @@ def hub_mirror(tmp_path, monkeypatch):
     return mirror
 
 
+def test_a_hub_dataset_neither_cached_nor_downloadable_is_one_line_before_datasets_retries(
+    tmp_path, monkeypatch
+):
+    # datasets retried for 31 s (no network) before its error; datasets' prepared copy is what it reads
+    # offline, so that is what counts as cached
+    from dschat.models import hub
+
+    monkeypatch.delenv("DSCHAT_HUB_MIRROR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    with pytest.raises(UserError, match=r"^--data_path Anthropic/hh-rlhf: not in the datasets cache, and "
+                                        r"HF_HUB_OFFLINE is set$"):  # fmt: skip
+        load_source("Anthropic/hh-rlhf", seed=0)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(UserError, match=r"and HF_DATASETS_OFFLINE is set$"):
+        hub.check_hub_name("Anthropic/hh-rlhf", "--data_path", repo_type="dataset")
+    (tmp_path / "datasets" / "Anthropic___hh-rlhf" / "default").mkdir(parents=True)
+    hub.check_hub_name("Anthropic/hh-rlhf", "--data_path", repo_type="dataset")  # prepared: datasets reads it
+
+
 def test_hub_rows_that_are_not_one_prompt_with_two_answers_are_counted_aloud(hub_mirror, caplog):
     """Anthropic/hh-rlhf rows whose two dialogues differ before the last answer were dropped in silence."""
     import logging

@@ -358,3 +358,22 @@ def test_held_out_problems_are_never_trained_on_in_other_words(name):
     assert len(held) == BUILTIN_EVAL_PER_TASK
     trained = {_problem(name, last_question(e.prompt)) for e in train}
     assert not [e.prompt for e in held if _problem(name, last_question(e.prompt)) in trained]
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_task_accuracy_verifies_with_the_formats_stop_strings(tokenizer, monkeypatch, chat_template):
+    """Steps 1, 2 and DPO measure true accuracy through task_accuracy: a right answer followed by an
+    invented turn is right where the format ends replies there, wrong with a chat template's format."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dschat.data.prompt_format import prompt_format
+    from dschat.tasks import accuracy
+
+    prompts = [e.prompt for e in tasks.generate(["sort"], 3, 0)]
+    answers = [f" {tasks.reference_answer(p)}\n\nHuman: and now?" for p in prompts]
+    monkeypatch.setattr(accuracy, "generate_text_replies", lambda *a, **kw: SimpleNamespace(texts=answers))
+    fmt = prompt_format(tokenizer)
+    fmt = dataclasses.replace(fmt, stop_strings=()) if chat_template else fmt
+    out = accuracy.task_accuracy(None, tokenizer, prompts, device="cpu", fmt=fmt)
+    assert out["accuracy"] == (0.0 if chat_template else 1.0)
