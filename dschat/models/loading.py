@@ -292,8 +292,9 @@ def check_for_generation(
     base = base_model or adapter_cfg.get("base_model_name_or_path")
     if not base:
         raise UserError(f"{flag} {path}: a LoRA adapter that does not name its base model; pass --base_model")
-    base_path = resolve(base, "--base_model")
     where = f"{flag} {path}: the LoRA adapter's base model"
+    # named as the user gave it: --base_model, or the adapter's own config
+    base_path = resolve(base, "--base_model" if base_model else f"{where} (its {ADAPTER_CONFIG})")
     try:
         if os.path.exists(base_path):
             _check_model_dir(base_path, where)

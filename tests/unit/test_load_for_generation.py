@@ -54,6 +54,13 @@ def test_adapter_without_its_base(base_dir, tmp_path):
         load_for_generation(str(adapter))
     model, _ = load_for_generation(str(adapter), base_model=str(base_dir))  # the way out the error names
     assert model is not None
+    # a hub base that is not cached, offline: named as the adapter's config names it, not as a flag not given
+    cfg["base_model_name_or_path"] = "no-org/no-base"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(
+        UserError, match=r"adapter's base model \(its adapter_config\.json\) no-org/no-base: no such local"
+    ):
+        load_for_generation(str(adapter))
     cfg["base_model_name_or_path"] = None
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="does not name its base model; pass --base_model"):
