@@ -1,5 +1,5 @@
 """The Hugging Face Hub as a source of models and datasets: whether a name is in the local caches,
-whether the hub may be reached (``HF_HUB_OFFLINE``, then a socket), and the one line for a hub name that
+whether the hub may be reached (``HF_HUB_OFFLINE``, then a HEAD request), and the one line for a hub name that
 can be neither read from a cache nor downloaded. Light: no torch, transformers or datasets.
 
 Without this check, a hub name that is not cached on a machine without a network went to transformers
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from dschat.utils.errors import UserError
 
-# ``name`` or ``namespace/name`` as the hub spells a repository id
 TRUE = ("1", "ON", "YES", "TRUE")  # how huggingface_hub and datasets read a boolean variable
+# ``name`` or ``namespace/name`` as the hub spells a repository id
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -73,12 +73,10 @@ def check_hub_name(spec: str, flag: str, repo_type: str = "model") -> None:
     if not looks_like_hub_id(spec) or in_hub_cache(spec, repo_type):
         return
     datasets_offline = repo_type == "dataset" and os.environ.get("HF_DATASETS_OFFLINE", "").upper() in TRUE
-    if hub_offline() or datasets_offline:
-        why = (
-            "HF_DATASETS_OFFLINE is set"
-            if datasets_offline and not hub_offline()
-            else "HF_HUB_OFFLINE is set"
-        )
+    if hub_offline():
+        why = "HF_HUB_OFFLINE is set"
+    elif datasets_offline:
+        why = "HF_DATASETS_OFFLINE is set"
     elif not hub_reachable():
         why = "the hub is unreachable"
     else:
