@@ -246,6 +246,8 @@ def summarize(first: dict, last: dict, eval_start: dict, eval_end: dict, trainer
         # optimizer steps DeepSpeed skipped (inf/NaN gradients; in fp16 also the loss scale's search)
         **{f"{name}_skipped_steps": watch.count for name, watch in trainer.skipped.items()},
         **trainer.generator.stats(),  # hybrid engine: switches, memory, generation/training log-prob check
+        # evaluations where the held-out reward rose while truth or the judge fell beyond noise
+        "reward_hacking_signs": state.extra.get("reward_hacking_signs", []),
     }  # fmt: skip
 
 
@@ -378,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                            zero3=o.actor_ds.zero_stage == 3, seed=run.seed, metrics=metrics, timer=sw,
                            batch_rows=min(32, ppo.rows_per_round))  # fmt: skip
     eval_start = T.start_of_run(state, "eval", lambda: evaluate(state.step))
+    # later evaluations are compared with the first: reward up while truth or the judge falls (warned)
+    evaluate.start, evaluate.signs = eval_start, state.extra.setdefault("reward_hacking_signs", [])
 
     # 4. PPO rounds: experience, updates, log, KL coefficient, evaluation, checkpoint
     buffer: list[Experience] = []
