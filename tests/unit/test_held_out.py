@@ -68,7 +68,7 @@ def test_evaluation_generates_and_scores_in_calls_of_the_rollouts_rows(tokenizer
 def test_true_accuracy_cuts_answers_where_the_actors_format_ends_them(tokenizer, monkeypatch, chat_template):
     """A right answer followed by an invented turn: right in the Human/Assistant format (the model ends
     its answer by inventing the next turn), wrong where a chat template's end token ends the reply (it
-    counted right there, in every step-3 evaluation of the SmolLM2 main job)."""
+    was counted right there too)."""
     import dataclasses
 
     from dschat import tasks
