@@ -13,6 +13,7 @@ from dschat.data.collate import IGNORE_INDEX
 from dschat.data.packing import custom_mask, shared_prompt_mask
 from dschat.data.sampler import ResumableDistributedSampler
 from dschat.losses import linear_cross_entropy, mean_token_nll, picked_token_logprobs, token_nll
+from dschat.models.attention import causal_only
 from dschat.models.layers import accepts, unwrap
 from dschat.utils import dist
 
@@ -34,7 +35,7 @@ def target_logits(
     first = int(targets.float().argmax(dim=1)[rows].min()) if bool(rows.any()) else t - 1
     k = min(t - first + 1, t)
     extra = {"logits_to_keep": k} if k < t and accepts(model, "logits_to_keep") else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+    logits = model(input_ids=input_ids, attention_mask=causal_only(attention_mask), **extra).logits
     return logits[:, -k:], labels[:, -k:]
 
 
@@ -145,10 +146,11 @@ def target_count(labels: torch.Tensor) -> torch.Tensor:
 
 
 def sft_loss(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean next-token NLL over the target tokens (), their number ())`` of a right-padded batch
-    (input_ids, attention_mask, labels: (B, T); position t predicts label t+1).
+    """``(mean next-token NLL over the target tokens (), their number ())`` of a batch (input_ids,
+    attention_mask, labels: (B, T); position t predicts label t+1); ``attention_mask`` None: right
+    padding, or none (:func:`dschat.models.attention.causal_only`, decided by the caller on the host).
 
     Where :func:`plain_head` finds the head, the model's forward (the DeepSpeed engine's, with its
     backward bookkeeping) runs with :class:`_FusedLossHead` in the head's place: the head sees only the
@@ -160,7 +162,7 @@ def sft_loss(
         return mean_token_nll(logits, kept)
     n = target_count(labels).float()
     with fused_loss_head(*found, labels):
-        nll = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        nll = model(input_ids=input_ids, attention_mask=causal_only(attention_mask), use_cache=False).logits
     return nll / n.clamp_min(1.0), n
 
 

@@ -25,7 +25,7 @@ from dschat.data.packing import (
     unpack_pair_values,
 )
 from dschat.losses import gather_last
-from dschat.models.attention import use_fast_attention
+from dschat.models.attention import causal_only, use_fast_attention
 from dschat.models.loading import apply_dropout, has_value_head, load_config, read_config_json, shape_mismatch
 from dschat.utils import dist
 from dschat.utils.errors import UserError, first_line
@@ -147,6 +147,7 @@ class ScalarHeadModel(nn.Module):
         else:
             # Positions skip left padding (PPO's prompts are left-padded), as generate computes them.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+            attention_mask = causal_only(attention_mask)  # left padding (PPO's prompts) keeps it
         return body(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from dschat.data.collate import IGNORE_INDEX
 from dschat.generation.kv_decode import decode, position_ids_from_mask
 from dschat.generation.sampling import SamplingConfig
 from dschat.models.attention import FAST_ATTENTION, decode_cache, use_fast_attention
@@ -122,15 +123,59 @@ def test_fp32_for_16_bit_tensors_on_cpu_only():
     assert not _in_fp32(q(torch.float32))
 
 
-def test_cuda_with_a_mask_leaves_out_cudnn_and_nothing_else_is_restricted():
+def test_cuda_leaves_out_cudnn_and_nothing_else_is_restricted():
     from torch.nn.attention import SDPBackend
 
     from dschat.models.attention import sdpa_backends
 
-    allowed = sdpa_backends("cuda", masked=True)
+    allowed = sdpa_backends("cuda")
     assert SDPBackend.CUDNN_ATTENTION not in allowed
-    assert {SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH} <= set(allowed)
-    assert sdpa_backends("cuda", masked=False) is None and sdpa_backends("cpu", masked=True) is None
+    assert {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH} <= set(allowed)
+    assert sdpa_backends("cpu") is None
+
+
+def test_causal_only_drops_a_mask_that_pads_only_on_the_right():
+    from dschat.models.attention import causal_only
+
+    right = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    assert causal_only(right) is None and causal_only(None) is None
+    for kept in ([[1, 1, 1], [0, 1, 1]], [[1, 0, 1], [1, 1, 1]]):  # left padding, a hole
+        mask = torch.tensor(kept)
+        assert causal_only(mask) is mask
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_loss_and_gradients_are_the_same_without_the_mask_of_a_right_padded_batch(padding):
+    """sft_loss (which drops a right-padded batch's mask) == the loss of the masked forward on the
+    model's own logits, with the same gradients; left padding keeps its mask (dropping it would let
+    real tokens attend to the padding before them)."""
+    from dschat import lm
+    from dschat.losses import mean_token_nll
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    if padding == "right":
+        mask[1, 6:], mask[2, 3:] = 0, 0
+    else:
+        mask[1, :4], mask[2, :7] = 0, 0
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    model = use_fast_attention(micro_llama(64, seed=1))
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["attention_mask"]), with_kwargs=True
+    )
+    loss, _ = lm.sft_loss(model, ids, mask, labels)
+    hook.remove()
+    assert (seen[0] is None) == (padding == "right")
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want, _ = mean_token_nll(model(input_ids=ids, attention_mask=mask).logits, labels)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for a, p in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

@@ -29,6 +29,7 @@ from dschat.data.collate import SFTCollator
 from dschat.data.pipeline import prepare_sft_data
 from dschat.inputs import check_inputs
 from dschat.lm import evaluate_perplexity, sft_loss, target_count
+from dschat.models.attention import causal_only
 from dschat.models.loading import load_causal_lm
 from dschat.tasks.accuracy import true_accuracy_columns
 from dschat.utils.errors import run_cli
@@ -139,8 +140,10 @@ def sft_micro_step(
     of every step holds the shortest answers): the micro-batch's NLL sum over ``token_share``, the step's
     count over ranks x accumulation (:attr:`dschat.trainer.LoopSpec.targets`). The LM head runs only on
     the positions that predict a target."""
+    mask = causal_only(batch["attention_mask"])  # decided on the host: no device sync
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    loss, n = sft_loss(engine, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    mask = None if mask is None else batch["attention_mask"]
+    loss, n = sft_loss(engine, batch["input_ids"], mask, batch["labels"])
     engine.backward(loss * (n / token_share))
     engine.step()
     return {
