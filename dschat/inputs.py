@@ -46,17 +46,21 @@ def check_model(spec: str, flag: str, *, hub_available: bool = True) -> None:
 
 
 def check_data(spec: str, flag: str) -> None:
-    """A data source must be a local file or directory that exists, ``builtin`` or ``builtin:TASK,...``
-    with known tasks, or a registered dataset. Whether a dataset can be loaded is for the step's data
-    preparation to find: a hit in dschat's tokenized-data cache needs no download and no datasets cache."""
+    """A data source must be a local file or directory that exists and reads (:func:`check_local`: every
+    line parses and has its fields), ``builtin`` or ``builtin:TASK,...`` with known tasks, or a registered
+    dataset. Whether a dataset can be loaded is for the step's data preparation to find: a hit in dschat's
+    tokenized-data cache needs no download and no datasets cache."""
     from dschat import tasks
-    from dschat.data.sources import builtin_task_names, source_kind
+    from dschat.data.sources import builtin_task_names, check_local, source_kind
 
-    if source_kind(spec, flag) == "builtin":
+    kind = source_kind(spec, flag)
+    if kind == "builtin":
         try:
             tasks.resolve_tasks(builtin_task_names(spec))
         except KeyError as exc:
             raise UserError(f"{flag} {spec}: {exc.args[0]}") from None
+    elif kind == "local":
+        check_local(spec)
 
 
 def _cannot_import(flag: str, spec: str, exc: Exception) -> UserError:

@@ -374,6 +374,21 @@ def source_kind(spec: str, flag: str = "--data_path") -> str:
     )
 
 
+# Local data up to this size is read in full by the checks before any step starts (:func:`check_local`);
+# larger data is left to the step that loads it.
+CHECK_BYTES = 256 * 2**20
+
+
+def check_local(spec: str) -> None:
+    """Read a local data source (file or directory, up to :data:`CHECK_BYTES` in all) as its step will, so
+    that a malformed line or a missing field stops the job before any step starts, not when a later step
+    loads it after the earlier ones have run."""
+    path = Path(spec).expanduser()
+    files = [path] if path.is_file() else local_files(path) if path.is_dir() else []
+    if sum(f.stat().st_size for f in files) <= CHECK_BYTES:
+        _load_local(path, seed=0)
+
+
 def load_source(spec: str, *, seed: int) -> SourceData:
     kind = source_kind(spec)
     if kind == "builtin":

@@ -165,6 +165,18 @@ def test_train_py_bad_data_is_caught_before_any_step_starts(tmp_path, flags, nee
     assert "==> step" not in proc.stdout and not out.exists()
 
 
+def test_train_py_malformed_data_is_caught_before_any_step_starts(tmp_path):
+    """A broken line in a data file was found only when the step that reads it loaded its data: for step
+    2's or 3's data, after the steps before it had run (minutes to hours)."""
+    data = tmp_path / "pairs.jsonl"
+    good = json.dumps({"prompt": "Human: hi\n\nAssistant:", "chosen": " hello", "rejected": " go"})
+    data.write_text(f"{good}\n{{'prompt': broken\n")
+    out = tmp_path / "out"
+    proc = train_py("--output-dir", str(out), "--step", "1", "2", "--", "--data_path", str(data))
+    error_line(proc, f"{data}:2: malformed JSON line")
+    assert "==> step" not in proc.stdout and not out.exists()
+
+
 @pytest.mark.parametrize(
     ("recipe", "flags", "needle"),
     [
