@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
 
 from dschat.utils.errors import UserError
@@ -37,15 +38,25 @@ def hub_offline() -> bool:
 def hub_reachable(timeout: float = 3.0) -> bool:
     """The hub's endpoint (``HF_ENDPOINT``) answers a HEAD request within ``timeout`` seconds, through
     huggingface_hub's own HTTP session (its proxies and scheme, as a download would go); any HTTP status
-    counts as an answer."""
+    counts as an answer. The request runs in a daemon thread that is given up on at ``timeout``: name
+    resolution (``getaddrinfo``, a dead DNS server) blocks outside any HTTP timeout."""
     import huggingface_hub
     import huggingface_hub.constants as hub_constants
 
-    try:
-        huggingface_hub.get_session().head(hub_constants.ENDPOINT, timeout=timeout)
-    except Exception:  # no route, no name, a refused or timed-out connection, a proxy that fails
-        return False
-    return True
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            huggingface_hub.get_session().head(hub_constants.ENDPOINT, timeout=timeout)
+        except Exception:  # no route, no name, a refused or timed-out connection, a proxy that fails
+            answered.append(False)
+        else:
+            answered.append(True)
+
+    thread = threading.Thread(target=probe, name="dschat-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered and answered[0])
 
 
 def in_hub_cache(name: str, repo_type: str = "model") -> bool:

@@ -116,6 +116,30 @@ def test_hub_reachable_asks_the_endpoint_over_http(monkeypatch):
     assert not hub.hub_reachable(timeout=2.0)
 
 
+def test_hub_reachable_is_bounded_even_where_name_resolution_hangs(monkeypatch):
+    """A resolver that does not answer (a dead DNS server) blocks in getaddrinfo, which an HTTP timeout
+    does not cover: the probe took as long as the resolver before."""
+    import socket
+    import time
+
+    import huggingface_hub.constants as hub_constants
+
+    from dschat.models import hub
+
+    real = socket.getaddrinfo
+
+    def hanging(*args, **kwargs):
+        time.sleep(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub_constants, "ENDPOINT", "http://hub.invalid")
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    start = time.monotonic()
+    assert not hub.hub_reachable(timeout=0.5)
+    assert time.monotonic() - start < 2.0
+
+
 def test_the_model_loaders_check_a_hub_id_too(hub_cache):
     # inference tools and steps resolve every model through one function
     from dschat.models.loading import resolve
