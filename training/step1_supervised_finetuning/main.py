@@ -140,9 +140,9 @@ def sft_micro_step(
     of every step holds the shortest answers): the micro-batch's NLL sum over ``token_share``, the step's
     count over ranks x accumulation (:attr:`dschat.trainer.LoopSpec.targets`). The LM head runs only on
     the positions that predict a target."""
-    mask = causal_only(batch["attention_mask"])  # decided on the host: no device sync
+    right_padded = causal_only(batch["attention_mask"]) is None  # decided on the host: no device sync
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    mask = None if mask is None else batch["attention_mask"]
+    mask = None if right_padded else batch["attention_mask"]
     loss, n = sft_loss(engine, batch["input_ids"], mask, batch["labels"])
     engine.backward(loss * (n / token_share))
     engine.step()
